@@ -1,0 +1,6 @@
+"""Layers of the Nemotron-H stack and their capability flags."""
+
+from metrale_jax.layers.capabilities import LayerCapabilities, ModelCapabilities, combine_capabilities  # noqa: F401
+from metrale_jax.layers.mamba2 import (  # noqa: F401
+    LayerSlotState, NemotronMamba2Layer, NemotronSsmWeights, SsmPrefillBuffers, StepStates)
+from metrale_jax.layers.projection import Projection  # noqa: F401

@@ -1,0 +1,387 @@
+"""NemotronMamba2Layer: residual + Mamba-2 mixer(RMSNorm(x)), with the seed's entry points.
+
+Mixer: in_proj -> (z, xBC, dt); causal conv1d + silu on xBC -> (x, B, C); SSD scan (prefill) or the
+recurrent update (decode) with dt = softplus(dt + dt_bias) clamped to time_step_limit and
+A = -exp(A_log); y = rmsnorm_group(y * silu(z)) * w; out_proj. Every entry point is a pure function
+of (layer weights, SsmPool, inputs) and returns the new pool; nothing is updated in place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from metrale_jax.config import ModelConfig, ModelLevers
+from metrale_jax.errors import ConfigError, ShapeError, WeightFormatError
+from metrale_jax.layers.capabilities import LayerCapabilities
+from metrale_jax.layers.checks import check_array, check_slots
+from metrale_jax.layers.projection import Projection
+from metrale_jax.state.ssm_pool import SsmPool
+from metrale_jax.weights.containers import DenseWeight, as_dense
+from pallas_kernels import registry
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NemotronSsmWeights:
+    """The Mamba-2 mixer's weights as the checkpoint holds them (seed: NemotronSsmWeights)."""
+
+    in_proj: Any                     # [I + conv_dim + H, D] (DenseWeight; quantized containers later)
+    out_proj: Any                    # [D, I]
+    conv1d_weight: jax.Array         # [conv_dim, K]
+    conv1d_bias: jax.Array | None    # [conv_dim]
+    dt_bias: jax.Array               # [H]
+    A_log: jax.Array                 # [H]
+    D: jax.Array                     # [H]
+    norm_weight: jax.Array           # [I]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SsmPrefillBuffers:
+    """What prefill phase 1 stages for phase 2 (the scan) and phase 3 (gated norm + out_proj)."""
+
+    z: jax.Array                  # [T, I]  gate
+    xbc: jax.Array                # [T, conv_dim]  after conv1d + silu
+    dt: jax.Array                 # [T, H]  raw (before dt_bias / softplus)
+    y: jax.Array | None = None    # [T, H, P]  scan output, set by phase 2
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepStates:
+    """State after every token of a multi-token decode, for verify and rollback (write-on-accept)."""
+
+    conv: jax.Array   # [n, k, conv_dim, K-1]
+    ssm: jax.Array    # [n, k, H, P, N]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerSlotState:
+    """One slot's state in one layer: conv [conv_dim, K-1], ssm [H, P, N]."""
+
+    conv: jax.Array
+    ssm: jax.Array
+
+
+class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
+    """A Nemotron-H Mamba-2 block (pattern character M)."""
+
+    is_ssm_layer = True
+    uses_ssm_pool = True
+    supports_replay_tail_split = True
+
+    def __init__(self, input_norm, ssm: NemotronSsmWeights, config: ModelConfig, layer_idx: int, *,
+                 pool_layer: int | None = None, levers: ModelLevers | None = None):
+        if layer_idx not in config.mamba_layer_ids:
+            raise ConfigError("layer_idx", f"layer {layer_idx} is {config.layer_kinds[layer_idx]!r}, not mamba"
+                              if 0 <= layer_idx < config.num_hidden_layers else f"{layer_idx} out of range")
+        levers = levers or ModelLevers()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.pool_layer = config.mamba_layer_ids.index(layer_idx) if pool_layer is None else pool_layer
+        self.chunk_size = levers.ssm_chunk_size(config)
+        self.kernels = levers.kernels
+        c = config
+        name = f"backbone.layers.{layer_idx}"
+        H, I, C, K, D = c.mamba_num_heads, c.d_inner, c.conv_dim, c.conv_kernel, c.hidden_size
+        self.input_norm = nnx.Param(_vector(f"{name}.norm.weight", input_norm, D))
+        self.conv1d_weight = nnx.Param(_tensor(f"{name}.mixer.conv1d.weight", ssm.conv1d_weight, (C, K)))
+        if c.use_conv_bias and ssm.conv1d_bias is None:
+            raise WeightFormatError(f"{name}.mixer.conv1d.bias: missing, but use_conv_bias is true")
+        self.conv1d_bias = (None if ssm.conv1d_bias is None else
+                            nnx.Param(_vector(f"{name}.mixer.conv1d.bias", ssm.conv1d_bias, C)))
+        self.dt_bias = nnx.Param(_vector(f"{name}.mixer.dt_bias", ssm.dt_bias, H))
+        self.A_log = nnx.Param(_vector(f"{name}.mixer.A_log", ssm.A_log, H))
+        self.D = nnx.Param(_vector(f"{name}.mixer.D", ssm.D, H))
+        self.norm_weight = nnx.Param(_vector(f"{name}.mixer.norm.weight", ssm.norm_weight, I))
+        self.in_proj = Projection(f"{name}.mixer.in_proj", c.in_proj_dim, D, kernels=self.kernels)
+        self.out_proj = Projection(f"{name}.mixer.out_proj", D, I, kernels=self.kernels)
+        if isinstance(ssm.in_proj, DenseWeight) and isinstance(ssm.out_proj, DenseWeight):
+            self.set_bf16_weights(ssm.in_proj, ssm.out_proj)
+        else:
+            raise WeightFormatError(
+                f"{name}.mixer.in_proj/out_proj: only dense weights are supported so far, got "
+                f"{type(ssm.in_proj).__name__} / {type(ssm.out_proj).__name__}")
+
+    # ---- weights (seed names) ----------------------------------------------------------
+    def set_bf16_weights(self, in_proj, out_proj) -> None:
+        """Install dense projections; decode and prefill then use the dense arm ahead of any other."""
+        self.in_proj.set_dense(in_proj)
+        self.out_proj.set_dense(out_proj)
+
+    def bf16_native_ready(self) -> bool:
+        return self.in_proj.dense_ready() and self.out_proj.dense_ready()
+
+    def ssm_weights(self) -> NemotronSsmWeights:
+        return NemotronSsmWeights(
+            in_proj=self.in_proj.dense_weight(), out_proj=self.out_proj.dense_weight(),
+            conv1d_weight=self.conv1d_weight[...],
+            conv1d_bias=None if self.conv1d_bias is None else self.conv1d_bias[...],
+            dt_bias=self.dt_bias[...], A_log=self.A_log[...], D=self.D[...], norm_weight=self.norm_weight[...])
+
+    def active_arm(self, phase: str, tokens: int) -> dict[str, str]:
+        return {"in_proj": self.in_proj.active_arm(phase, tokens),
+                "out_proj": self.out_proj.active_arm(phase, tokens)}
+
+    # ---- slots -------------------------------------------------------------------------
+    def alloc_state(self, allocator, pool: SsmPool):
+        """A zeroed slot for a new sequence: (slot, new pool)."""
+        return allocator.alloc(pool)
+
+    def release_state(self, allocator, slot: int) -> None:
+        allocator.release(slot)
+
+    # ---- shared pieces -----------------------------------------------------------------
+    def _kernel(self, name: str):
+        return registry.get(name, self.kernels)
+
+    def _project_in(self, hidden: jax.Array, phase: str) -> jax.Array:
+        """RMSNorm + in_proj.  hidden [T, D] -> zxbcdt [T, I + conv_dim + H]."""
+        h = self._kernel("rmsnorm")(hidden, self.input_norm[...], eps=self.config.layer_norm_epsilon)
+        return self.in_proj(h, phase=phase)
+
+    def _split_in(self, zxbcdt: jax.Array):
+        I, C = self.config.d_inner, self.config.conv_dim
+        return zxbcdt[:, :I], zxbcdt[:, I:I + C], zxbcdt[:, I + C:]
+
+    def _split_xbc(self, xbc: jax.Array):
+        """xbc [..., conv_dim] -> x [..., H, P], B [..., G, N], C [..., G, N]."""
+        c = self.config
+        I, GN, lead = c.d_inner, c.n_groups * c.ssm_state_size, xbc.shape[:-1]
+        x = xbc[..., :I].reshape(*lead, c.mamba_num_heads, c.mamba_head_dim)
+        B = xbc[..., I:I + GN].reshape(*lead, c.n_groups, c.ssm_state_size)
+        C = xbc[..., I + GN:].reshape(*lead, c.n_groups, c.ssm_state_size)
+        return x, B, C
+
+    def _ssm_args(self) -> dict:
+        return dict(A=-jnp.exp(self.A_log[...].astype(jnp.float32)), D=self.D[...], dt_bias=self.dt_bias[...],
+                    dt_limit=tuple(self.config.time_step_limit))
+
+    def _project_out(self, y: jax.Array, z: jax.Array, hidden: jax.Array, phase: str) -> jax.Array:
+        """Gated group norm + out_proj + residual.  y [T, H, P], z [T, I], hidden [T, D] -> [T, D]."""
+        c = self.config
+        g = self._kernel("gated_rmsnorm")(y.reshape(y.shape[0], c.d_inner), z, self.norm_weight[...],
+                                          group_size=c.gated_norm_group_size, eps=c.layer_norm_epsilon,
+                                          out_dtype=hidden.dtype)
+        return hidden + self.out_proj(g, phase=phase)
+
+    def _conv(self):
+        return self.conv1d_weight[...], None if self.conv1d_bias is None else self.conv1d_bias[...]
+
+    def _check_hidden(self, hidden: jax.Array, name: str = "hidden") -> None:
+        check_array(name, hidden, (None, self.config.hidden_size), floating=True)
+
+    def _check_pool(self, pool: SsmPool) -> None:
+        c = self.config
+        if not isinstance(pool, SsmPool):
+            raise ShapeError(f"pool: expected an SsmPool, got {type(pool).__name__}")
+        if self.pool_layer >= pool.num_layers:
+            raise ShapeError(f"pool: has {pool.num_layers} layers; this layer uses row {self.pool_layer}")
+        check_array("pool.conv_state", pool.conv_state, (None, None, c.conv_dim, c.conv_kernel - 1))
+        check_array("pool.ssm_state", pool.ssm_state,
+                    (None, None, c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size))
+
+    def _start_states(self, pool: SsmPool, slots: jax.Array, starts: jax.Array):
+        """Initial conv / ssm states per sequence: the slot's state if it continues, else zeros."""
+        cont = starts > 0
+        conv = jnp.where(cont[:, None, None], pool.conv_state[self.pool_layer, slots], 0)
+        ssm = jnp.where(cont[:, None, None, None], pool.ssm_state[self.pool_layer, slots], 0)
+        return conv, ssm
+
+    def _write(self, pool: SsmPool, slots: jax.Array, conv: jax.Array, ssm: jax.Array) -> SsmPool:
+        l = self.pool_layer
+        return SsmPool(pool.conv_state.at[l, slots].set(conv.astype(pool.conv_state.dtype)),
+                       pool.ssm_state.at[l, slots].set(ssm.astype(pool.ssm_state.dtype)))
+
+    # ---- decode ------------------------------------------------------------------------
+    def decode(self, pool: SsmPool, slot, hidden: jax.Array) -> tuple[jax.Array, SsmPool]:
+        """One token of one sequence.  hidden [D] or [1, D] -> same shape."""
+        squeeze = hidden.ndim == 1
+        h = hidden[None] if squeeze else hidden
+        if h.shape[0] != 1:
+            raise ShapeError(f"hidden: decode takes one token ([D] or [1, D]), got {tuple(hidden.shape)}")
+        out, pool = self.decode_multi_seq(pool, jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)), h)
+        return (out[0] if squeeze else out), pool
+
+    def decode_multi_seq(self, pool: SsmPool, slots: jax.Array, hidden: jax.Array) -> tuple[jax.Array, SsmPool]:
+        """One token for each of N sequences.  slots [N], hidden [N, D] -> ([N, D], pool)."""
+        self._check_hidden(hidden)
+        self._check_pool(pool)
+        slots = check_slots("slots", slots, hidden.shape[0])
+        z, xbc, dt = self._split_in(self._project_in(hidden, "decode"))
+        w, b = self._conv()
+        l, S = self.pool_layer, pool.num_slots
+        xbc, conv_new = self._kernel("causal_conv1d_update")(xbc, pool.conv_state[l, slots], w, b)
+        x, B, C = self._split_xbc(xbc)
+        flat = pool.ssm_state.reshape(-1, *pool.ssm_state.shape[2:])
+        y, flat = self._kernel("state_update")(flat, l * S + slots, x, dt, B=B, C=C, **self._ssm_args())
+        pool = SsmPool(pool.conv_state.at[l, slots].set(conv_new.astype(pool.conv_state.dtype)),
+                       flat.reshape(pool.ssm_state.shape))
+        return self._project_out(y, z, hidden, "decode"), pool
+
+    def decode_verify_multi(self, pool: SsmPool, slots: jax.Array, hidden: jax.Array,
+                            k: int) -> tuple[jax.Array, SsmPool, StepStates]:
+        """k consecutive tokens for each of n sequences in one sweep; rows sequence-major (r = i*k + j).
+        slots [n], hidden [n*k, D] -> ([n*k, D], pool, state after every token)."""
+        self._check_hidden(hidden)
+        self._check_pool(pool)
+        if k < 1 or hidden.shape[0] % k:
+            raise ShapeError(f"hidden: {hidden.shape[0]} rows is not a multiple of k={k}")
+        n = hidden.shape[0] // k
+        slots = check_slots("slots", slots, n)
+        z, xbc, dt = self._split_in(self._project_in(hidden, "decode"))
+        w, b = self._conv()
+        l, S = self.pool_layer, pool.num_slots
+        update = self._kernel("causal_conv1d_update")
+
+        def conv_step(state, xk):
+            yk, state = update(xk, state, w, b)
+            return state, (yk, state)
+
+        conv_last, (xbc_steps, conv_steps) = jax.lax.scan(
+            conv_step, pool.conv_state[l, slots], jnp.swapaxes(xbc.reshape(n, k, -1), 0, 1))
+        x, B, C = self._split_xbc(jnp.swapaxes(xbc_steps, 0, 1))                  # [n, k, ...]
+        flat = pool.ssm_state.reshape(-1, *pool.ssm_state.shape[2:])
+        y, ssm_steps, flat = self._kernel("state_update_multi")(
+            flat, l * S + slots, x, dt.reshape(n, k, -1), B=B, C=C, **self._ssm_args())
+        pool = SsmPool(pool.conv_state.at[l, slots].set(conv_last.astype(pool.conv_state.dtype)),
+                       flat.reshape(pool.ssm_state.shape))
+        out = self._project_out(y.reshape(n * k, *y.shape[2:]), z, hidden, "decode")
+        return out, pool, StepStates(conv=jnp.swapaxes(conv_steps, 0, 1), ssm=ssm_steps)
+
+    def decode_batched(self, pool: SsmPool, slot, hidden: jax.Array) -> tuple[jax.Array, SsmPool, StepStates]:
+        """K consecutive tokens of one sequence.  hidden [K, D] -> ([K, D], pool, per-token states)."""
+        self._check_hidden(hidden)
+        return self.decode_verify_multi(pool, jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)), hidden,
+                                        k=hidden.shape[0])
+
+    # ---- split prefill -----------------------------------------------------------------
+    def prefill_phase1_proj_batched(self, hidden_stacked: jax.Array) -> jax.Array:
+        """Norm + in_proj over all stacked requests in one GEMM.  [T, D] -> zxbcdt [T, in_proj_dim]."""
+        self._check_hidden(hidden_stacked, "hidden_stacked")
+        return self._project_in(hidden_stacked, "prefill")
+
+    def prefill_phase1_conv1d(self, pool: SsmPool, slots: jax.Array, zxbcdt: jax.Array, cu_seqlens: jax.Array,
+                              seq_len_starts: jax.Array) -> tuple[SsmPrefillBuffers, SsmPool]:
+        """Each request's conv1d from its own conv state (or zeros when it starts at 0); advances the
+        conv states.  zxbcdt [T, in_proj_dim] packed by cu_seqlens [S+1]."""
+        S = cu_seqlens.shape[0] - 1
+        slots = check_slots("slots", slots, S)
+        starts = _starts(seq_len_starts, S)
+        z, xbc, dt = self._split_in(zxbcdt)
+        w, b = self._conv()
+        conv0, _ = self._start_states(pool, slots, starts)
+        xbc, conv_final = self._kernel("causal_conv1d")(xbc, w, b, initial_states=conv0.astype(xbc.dtype),
+                                                        cu_seqlens=cu_seqlens)
+        l = self.pool_layer
+        pool = SsmPool(pool.conv_state.at[l, slots].set(conv_final.astype(pool.conv_state.dtype)), pool.ssm_state)
+        return SsmPrefillBuffers(z=z, xbc=xbc, dt=dt), pool
+
+    def prefill_phase1(self, pool: SsmPool, slots: jax.Array, hidden: jax.Array, cu_seqlens: jax.Array,
+                       seq_len_starts: jax.Array | int = 0) -> tuple[SsmPrefillBuffers, SsmPool]:
+        """Phase 1: norm + in_proj (one GEMM over all requests) + each request's conv."""
+        self._check_pool(pool)
+        zxbcdt = self.prefill_phase1_proj_batched(hidden)
+        return self.prefill_phase1_conv1d(pool, slots, zxbcdt, _cu(cu_seqlens, hidden.shape[0]), seq_len_starts)
+
+    def prefill_gdn_full(self, pool: SsmPool, slots: jax.Array, bufs: SsmPrefillBuffers, cu_seqlens: jax.Array,
+                         seq_len_starts: jax.Array | int = 0, *, return_chunk_states: bool = False):
+        """Phase 2: one varlen SSD scan over every request (seed: the GDN recurrence, here Mamba-2 SSD).
+        Returns (buffers with y, pool with final states, chunk-boundary states or None)."""
+        S = cu_seqlens.shape[0] - 1
+        slots = check_slots("slots", slots, S)
+        starts = _starts(seq_len_starts, S)
+        x, B, C = self._split_xbc(bufs.xbc)
+        _, ssm0 = self._start_states(pool, slots, starts)
+        out = self._kernel("ssd_scan")(x, bufs.dt, B=B, C=C, chunk_size=self.chunk_size, initial_states=ssm0,
+                                       cu_seqlens=cu_seqlens, return_chunk_states=return_chunk_states,
+                                       **self._ssm_args())
+        l = self.pool_layer
+        pool = SsmPool(pool.conv_state, pool.ssm_state.at[l, slots].set(out.final_states.astype(pool.ssm_state.dtype)))
+        return dataclasses.replace(bufs, y=out.y), pool, out.chunk_states
+
+    def prefill_gdn_full_batched(self, pool: SsmPool, slots: jax.Array, bufs: SsmPrefillBuffers, chunk_len: int,
+                                 seq_len_starts: jax.Array | int = 0):
+        """Phase 2 for equal-length streams lying back to back (len(slots) streams of chunk_len tokens)."""
+        cu = jnp.arange(len(slots) + 1, dtype=jnp.int32) * chunk_len
+        if bufs.xbc.shape[0] != cu[-1]:
+            raise ShapeError(f"bufs: {bufs.xbc.shape[0]} tokens, expected {len(slots)} x {chunk_len}")
+        return self.prefill_gdn_full(pool, slots, bufs, cu, seq_len_starts)
+
+    def prefill_phase3(self, hidden: jax.Array, bufs: SsmPrefillBuffers) -> jax.Array:
+        """Phase 3: gated norm with z, out_proj, residual.  hidden [T, D] -> [T, D]."""
+        if bufs.y is None:
+            raise ShapeError("bufs.y: phase 2 (prefill_gdn_full) has not run on these buffers")
+        return self._project_out(bufs.y, bufs.z, hidden, "prefill")
+
+    # ---- prefill -----------------------------------------------------------------------
+    def prefill_varlen(self, pool: SsmPool, slots: jax.Array, hidden: jax.Array, cu_seqlens: jax.Array,
+                       seq_len_starts: jax.Array | int = 0, *, return_chunk_states: bool = False):
+        """Packed requests: slots [S], hidden [T, D] packed by cu_seqlens [S+1]; a request continues
+        from its slot's state when its seq_len_start > 0.  Returns (hidden [T, D], pool[, chunk states])."""
+        bufs, pool = self.prefill_phase1(pool, slots, hidden, cu_seqlens, seq_len_starts)
+        bufs, pool, chunks = self.prefill_gdn_full(pool, slots, bufs, _cu(cu_seqlens, hidden.shape[0]),
+                                                   seq_len_starts, return_chunk_states=return_chunk_states)
+        out = self.prefill_phase3(hidden, bufs)
+        return (out, pool, chunks) if return_chunk_states else (out, pool)
+
+    def prefill(self, pool: SsmPool, slot, hidden: jax.Array, seq_len_start=0) -> tuple[jax.Array, SsmPool]:
+        """T tokens of one sequence at positions seq_len_start.. .  hidden [T, D] -> ([T, D], pool)."""
+        self._check_hidden(hidden)
+        slots = jnp.reshape(jnp.asarray(slot, jnp.int32), (1,))
+        return self.prefill_varlen(pool, slots, hidden, None, jnp.reshape(jnp.asarray(seq_len_start), (1,)))
+
+    def prefill_replay_tail(self, pool: SsmPool, slot, hidden: jax.Array, cut: int,
+                            seq_len_start=0) -> tuple[jax.Array, SsmPool, LayerSlotState]:
+        """Prefill split at row `cut`: rows from the cut get the bits a prefill starting there gives,
+        and the state at the cut is captured (for the prefix cache)."""
+        self._check_hidden(hidden)
+        T = hidden.shape[0]
+        if not 0 <= cut <= T:
+            raise ShapeError(f"cut: must lie in [0, {T}], got {cut}")
+        start = jnp.asarray(seq_len_start, jnp.int32)
+        parts = []
+        if cut > 0:
+            head, pool = self.prefill(pool, slot, hidden[:cut], start)
+            parts.append(head)
+        slots = jnp.reshape(jnp.asarray(slot, jnp.int32), (1,))
+        conv, ssm = self._start_states(pool, slots, jnp.reshape(start + cut, (1,)))
+        captured = LayerSlotState(conv=conv[0], ssm=ssm[0])
+        if cut < T:
+            tail, pool = self.prefill(pool, slot, hidden[cut:], start + cut)
+            parts.append(tail)
+        return jnp.concatenate(parts, axis=0), pool, captured
+
+
+# ---- helpers -----------------------------------------------------------------------------
+def _vector(name: str, value, n: int) -> jax.Array:
+    return _tensor(name, value, (n,))
+
+
+def _tensor(name: str, value, shape: tuple[int, ...]) -> jax.Array:
+    arr = value.weight if isinstance(value, DenseWeight) else jnp.asarray(value)
+    return as_dense(name, arr, shape).weight
+
+
+def _cu(cu_seqlens, T: int) -> jax.Array:
+    if cu_seqlens is None:
+        return jnp.array([0, T], jnp.int32)
+    cu = jnp.asarray(cu_seqlens)
+    if cu.ndim != 1 or cu.shape[0] < 2 or not jnp.issubdtype(cu.dtype, jnp.integer):
+        raise ShapeError(f"cu_seqlens: expected an integer vector [S+1] with S >= 1, got {cu.dtype}{list(cu.shape)}")
+    return cu.astype(jnp.int32)
+
+
+def _starts(seq_len_starts, S: int) -> jax.Array:
+    starts = jnp.asarray(seq_len_starts, jnp.int32)
+    if starts.ndim == 0:
+        starts = jnp.full((S,), starts)
+    if starts.shape != (S,):
+        raise ShapeError(f"seq_len_starts: expected a scalar or [{S}], got {list(starts.shape)}")
+    return starts

@@ -1,0 +1,4 @@
+"""Slot-indexed state pools and the slot allocator."""
+
+from metrale_jax.state.slots import SlotAllocator  # noqa: F401
+from metrale_jax.state.ssm_pool import SlotState, SsmPool  # noqa: F401

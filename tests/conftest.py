@@ -1,0 +1,34 @@
+"""Shared test set-up: CPU by default (METRALE_TEST_GPU=1 keeps the GPU), fresh random draws per test."""
+
+import os
+
+if not os.environ.get("METRALE_TEST_GPU"):
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def rng(request):
+    """A fresh generator per test; the seed is printed so a failure can be replayed."""
+    seed = int(os.environ.get("METRALE_TEST_SEED", np.random.SeedSequence().entropy % (2**31)))
+    print(f"seed={seed} ({request.node.name})")
+    return np.random.default_rng(seed)
+
+
+def pytest_addoption(parser):
+    parser.addoption("--run-slow", action="store_true", help="run tests marked slow")
+
+
+def pytest_collection_modifyitems(config, items):
+    import jax
+
+    on_gpu = jax.default_backend() == "gpu"
+    run_slow = config.getoption("--run-slow")
+    for item in items:
+        if "gpu" in item.keywords and not on_gpu:
+            item.add_marker(pytest.mark.skip(reason="needs a GPU"))
+        if "slow" in item.keywords and not run_slow:
+            item.add_marker(pytest.mark.skip(reason="slow: run with --run-slow"))
