@@ -214,6 +214,9 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         self._check_hidden(hidden)
         self._check_pool(pool)
         slots = check_slots("slots", slots, hidden.shape[0])
+        if hidden.shape[0] == 1:
+            out, pool = self.decode_multi_seq(*_pad_one(pool, slots, hidden))
+            return out[:1], pool
         z, xbc, dt = self._split_in(self._project_in(hidden, "decode"))
         w, b = self._conv()
         l, S = self.pool_layer, pool.num_slots
@@ -235,6 +238,9 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
             raise ShapeError(f"hidden: {hidden.shape[0]} rows is not a multiple of k={k}")
         n = hidden.shape[0] // k
         slots = check_slots("slots", slots, n)
+        if n == 1:
+            out, pool, steps = self.decode_verify_multi(*_pad_one(pool, slots, hidden), k)
+            return out[:k], pool, jax.tree.map(lambda a: a[:1], steps)
         z, xbc, dt = self._split_in(self._project_in(hidden, "decode"))
         w, b = self._conv()
         l, S = self.pool_layer, pool.num_slots
@@ -310,7 +316,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
                                  seq_len_starts: jax.Array | int = 0):
         """Phase 2 for equal-length streams lying back to back (len(slots) streams of chunk_len tokens)."""
         cu = jnp.arange(len(slots) + 1, dtype=jnp.int32) * chunk_len
-        if bufs.xbc.shape[0] != cu[-1]:
+        if bufs.xbc.shape[0] != len(slots) * chunk_len:
             raise ShapeError(f"bufs: {bufs.xbc.shape[0]} tokens, expected {len(slots)} x {chunk_len}")
         return self.prefill_gdn_full(pool, slots, bufs, cu, seq_len_starts)
 
@@ -360,6 +366,14 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
 
 
 # ---- helpers -----------------------------------------------------------------------------
+def _pad_one(pool: SsmPool, slots: jax.Array, hidden: jax.Array):
+    """A lone sequence padded with a second one in the padding slot: XLA compiles a batch of one
+    with its batch axis simplified away, which can change rounding; two rows keep every row's bits
+    independent of the batch it came in."""
+    return (pool, jnp.concatenate([slots, jnp.full((1,), pool.padding_slot, jnp.int32)]),
+            jnp.concatenate([hidden, hidden], axis=0))
+
+
 def _vector(name: str, value, n: int) -> jax.Array:
     return _tensor(name, value, (n,))
 
