@@ -1,0 +1,78 @@
+"""Compiled executables: the JAX form of the seed's CUDA graphs.
+
+An executable is compiled ahead of time (`jax.jit(fn).lower(args).compile()`) once per entry point and
+argument shapes (the caller pads inputs to batch / token buckets) and reused for every later step;
+the state pool is donated so XLA updates it in place. When graphs are off (a layer vetoes them, or
+ModelLevers.graphs is False) the same function is called directly: op by op, no executable.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Iterable, Sequence
+
+import jax
+
+
+def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
+    """The smallest power of two >= max(n, minimum); inputs are padded to it."""
+    b = max(int(minimum), 1)
+    while b < n:
+        b *= 2
+    if maximum is not None and b > maximum:
+        if n > maximum:
+            raise ValueError(f"{n} exceeds the largest bucket {maximum}")
+        b = maximum
+    return b
+
+
+def _signature(args: Sequence) -> tuple:
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    return tree, tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)) if hasattr(x, "shape")
+                       else ("python", type(x).__name__) for x in leaves)
+
+
+class Executables:
+    """Compile-once cache of executables with compile / hit / eager counters per entry point."""
+
+    def __init__(self, *, graphs: bool = True):
+        self.graphs = graphs
+        self.compiles: collections.Counter[str] = collections.Counter()
+        self.hits: collections.Counter[str] = collections.Counter()
+        self.eager_runs: collections.Counter[str] = collections.Counter()
+        self._cache: dict[tuple, jax.stages.Compiled] = {}
+        self._by_slot: dict[int, set[tuple]] = collections.defaultdict(set)
+
+    def run(self, entry: str, fn: Callable, *args, donate_argnums: tuple[int, ...] = (),
+            slots: Iterable[int] = ()):
+        """fn(*args) through its executable for these argument shapes (compiled on first use)."""
+        if not self.graphs:
+            self.eager_runs[entry] += 1
+            return fn(*args)
+        key = (entry, donate_argnums, _signature(args))
+        exe = self._cache.get(key)
+        if exe is None:
+            exe = jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile()
+            self._cache[key] = exe
+            self.compiles[entry] += 1
+        else:
+            self.hits[entry] += 1
+        for s in slots:
+            self._by_slot[int(s)].add(key)
+        return exe(*args)
+
+    def drop_slot(self, slot: int) -> int:
+        """Forget the executables that served `slot` (graph_stale_on_new_sequence); returns how many."""
+        keys = self._by_slot.pop(int(slot), set())
+        for k in keys:
+            self._cache.pop(k, None)
+        for other in self._by_slot.values():
+            other.difference_update(keys)
+        return len(keys)
+
+    @property
+    def size(self) -> int:
+        return len(self._cache)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return {"compiles": dict(self.compiles), "hits": dict(self.hits), "eager_runs": dict(self.eager_runs)}

@@ -1,0 +1,53 @@
+"""Executables: compile once per shape, hits afterwards, eager when graphs are off, per-slot dropping."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from metrale_jax.runtime import Executables, bucket
+
+
+def _step(pool, x):
+    return pool.at[0].add(x.sum()), x * 2
+
+
+def test_bucket():
+    assert [bucket(n) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 16]
+    assert bucket(3, minimum=8) == 8 and bucket(100, maximum=64 + 64) == 128
+    with pytest.raises(ValueError, match="exceeds"):
+        bucket(200, maximum=128)
+
+
+def test_compiles_once_per_shape_and_donates(rng):
+    ex = Executables()
+    pool = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    total = float(pool[0])
+    for i in range(5):
+        x = jnp.asarray(rng.standard_normal(3), jnp.float32)
+        old = pool
+        pool, y = ex.run("step", _step, pool, x, donate_argnums=(0,))
+        total += float(x.sum())
+        np.testing.assert_allclose(np.asarray(y), 2 * np.asarray(x))
+        assert old.is_deleted()                         # the pool was donated
+    assert ex.compiles["step"] == 1 and ex.hits["step"] == 4
+    np.testing.assert_allclose(float(pool[0]), total, rtol=1e-5)
+    ex.run("step", _step, pool, jnp.ones(5), donate_argnums=(0,))   # a new bucket compiles again
+    assert ex.compiles["step"] == 2
+
+
+def test_graphs_off_runs_eagerly(rng):
+    ex = Executables(graphs=False)
+    pool = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    pool, _ = ex.run("step", _step, pool, jnp.ones(3))
+    assert ex.eager_runs["step"] == 1 and ex.size == 0 and not ex.compiles
+
+
+def test_drop_slot_forgets_its_executables(rng):
+    ex = Executables()
+    pool = jnp.asarray(rng.standard_normal(4), jnp.float32)
+    pool, _ = ex.run("a", _step, pool, jnp.ones(3), slots=[1, 2])
+    pool, _ = ex.run("b", _step, pool, jnp.ones(2), slots=[2])
+    assert ex.drop_slot(1) == 1 and ex.size == 1
+    pool, _ = ex.run("a", _step, pool, jnp.ones(3), slots=[1])
+    assert ex.compiles["a"] == 2
+    assert ex.drop_slot(7) == 0
