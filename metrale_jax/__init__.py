@@ -7,7 +7,13 @@ from metrale_jax.errors import (  # noqa: F401
 from metrale_jax.layers import (  # noqa: F401
     LayerCapabilities, LayerSlotState, NemotronMamba2Layer, NemotronSsmWeights, SsmPrefillBuffers, StepStates,
     combine_capabilities)
-from metrale_jax.state import SlotAllocator, SlotState, SsmPool  # noqa: F401
+from metrale_jax.layers import (  # noqa: F401
+    NemotronAttentionLayer, NemotronAttentionWeights, NemotronMLPLayer, NemotronMlpWeights, NemotronMoELayer,
+    NemotronMoeWeights)
+from metrale_jax.model import Generation, NemotronH  # noqa: F401
+from metrale_jax.state import (  # noqa: F401
+    CacheSlotState, KvPool, KvSlotState, ModelCache, SlotAllocator, SlotState, SsmPool)
+from metrale_jax.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer  # noqa: F401
 from metrale_jax.weights import DenseWeight, WeightQuantFormat  # noqa: F401
 
 __version__ = "0.1.0"

@@ -4,3 +4,6 @@ from metrale_jax.layers.capabilities import LayerCapabilities, ModelCapabilities
 from metrale_jax.layers.mamba2 import (  # noqa: F401
     LayerSlotState, NemotronMamba2Layer, NemotronSsmWeights, SsmPrefillBuffers, StepStates)
 from metrale_jax.layers.projection import Projection  # noqa: F401
+from metrale_jax.layers.attention import NemotronAttentionLayer, NemotronAttentionWeights  # noqa: F401
+from metrale_jax.layers.mlp import NemotronMLPLayer, NemotronMlpWeights, Relu2MLP  # noqa: F401
+from metrale_jax.layers.moe import NemotronMoELayer, NemotronMoeWeights  # noqa: F401

@@ -2,7 +2,7 @@
 
 Reading memory-maps the file and hands out one tensor at a time as a numpy view (ml_dtypes for
 bfloat16 / float8), so no whole-file copy is made. A directory is read through its
-`model.safetensors.index.json` when present, else through every `*.safetensors` file in it.
+`model.safetensors.index.json` when present, else its `model.safetensors`, else every `*.safetensors`.
 """
 
 from __future__ import annotations
@@ -103,7 +103,8 @@ class CheckpointReader:
                 raise CheckpointError([f"{index}: names shard {f}, which does not exist" for f in missing])
             self._where = {k: self.directory / f for k, f in weight_map.items()}
         else:
-            files = sorted(self.directory.glob("*.safetensors"))
+            single = self.directory / "model.safetensors"
+            files = [single] if single.is_file() else sorted(self.directory.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"{self.directory}: no model.safetensors or *.safetensors files")
             for f in files:

@@ -1,0 +1,241 @@
+"""NemotronAttentionLayer: residual + causal GQA attention(RMSNorm(x)), KV in a slot-indexed KvPool.
+
+Nemotron-H attention has no positional rotation: q/k/v projections, softmax(q k^T * head_dim**-0.5)
+in float32 under a causal mask, o_proj. Every entry point is a pure function of (layer weights,
+KvPool, inputs) and returns the new pool. Keys and values are stored in the pool's dtype and every
+path attends to keys in that dtype, so prefill and decode see the same numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from metrale_jax.config import ModelConfig, ModelLevers
+from metrale_jax.errors import ConfigError, ShapeError, WeightFormatError
+from metrale_jax.layers.blocks import linear, optional_param, param, value_of
+from metrale_jax.layers.capabilities import LayerCapabilities
+from metrale_jax.layers.checks import check_array, check_slots
+from metrale_jax.layers.projection import Projection
+from metrale_jax.state.kv_pool import KvPool
+from metrale_jax.weights.containers import DenseWeight
+from pallas_kernels import registry
+
+_NEG = float(jnp.finfo(jnp.float32).min)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NemotronAttentionWeights:
+    """The attention mixer's weights as the checkpoint holds them (biases only with attention_bias)."""
+
+    q_proj: Any                     # [H * hd, D]
+    k_proj: Any                     # [KVH * hd, D]
+    v_proj: Any                     # [KVH * hd, D]
+    o_proj: Any                     # [D, H * hd]
+    q_bias: jax.Array | None = None  # [H * hd]
+    k_bias: jax.Array | None = None  # [KVH * hd]
+    v_bias: jax.Array | None = None  # [KVH * hd]
+    o_bias: jax.Array | None = None  # [D]
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, limit: jax.Array,
+           scale: float) -> jax.Array:
+    """Masked GQA attention, softmax in float32.
+
+    q [B, Tq, KVH, G, hd], k/v [B, Tk, KVH, hd], q_pos [B, Tq], k_pos [Tk]; a key is visible to a query
+    when k_pos <= q_pos and k_pos < limit[b].  Returns [B, Tq, KVH, G, hd] float32.
+    """
+    s = jnp.einsum("bqkgd,bskd->bkgqs", q.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
+    visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < limit[:, None, None])
+    s = jnp.where(visible[:, None, None], s, _NEG)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+
+
+class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
+    """A Nemotron-H attention block (pattern character *)."""
+
+    supports_replay_tail_split = True
+
+    def __init__(self, input_norm, attn: NemotronAttentionWeights, config: ModelConfig, layer_idx: int, *,
+                 pool_layer: int | None = None, levers: ModelLevers | None = None):
+        if layer_idx not in config.attention_layer_ids:
+            raise ConfigError("layer_idx", f"layer {layer_idx} is {config.layer_kinds[layer_idx]!r}, not attention"
+                              if 0 <= layer_idx < config.num_hidden_layers else f"{layer_idx} out of range")
+        levers = levers or ModelLevers()
+        c = config
+        self.config = config
+        self.layer_idx = layer_idx
+        self.pool_layer = c.attention_layer_ids.index(layer_idx) if pool_layer is None else pool_layer
+        self.kernels = levers.kernels
+        self.scale = c.head_dim ** -0.5
+        name = f"backbone.layers.{layer_idx}"
+        D, H, KVH, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.input_norm = param(f"{name}.norm.weight", input_norm, (D,))
+        self.q_proj = Projection(f"{name}.mixer.q_proj", H * hd, D, kernels=self.kernels)
+        self.k_proj = Projection(f"{name}.mixer.k_proj", KVH * hd, D, kernels=self.kernels)
+        self.v_proj = Projection(f"{name}.mixer.v_proj", KVH * hd, D, kernels=self.kernels)
+        self.o_proj = Projection(f"{name}.mixer.o_proj", D, H * hd, kernels=self.kernels)
+        biases = (attn.q_bias, attn.k_bias, attn.v_bias, attn.o_bias)
+        if c.attention_bias and any(b is None for b in biases):
+            raise WeightFormatError(f"{name}.mixer: attention_bias is true, but q/k/v/o biases are missing")
+        if not c.attention_bias and any(b is not None for b in biases):
+            raise WeightFormatError(f"{name}.mixer: biases given, but attention_bias is false")
+        self.q_bias = optional_param(f"{name}.mixer.q_proj.bias", attn.q_bias, (H * hd,))
+        self.k_bias = optional_param(f"{name}.mixer.k_proj.bias", attn.k_bias, (KVH * hd,))
+        self.v_bias = optional_param(f"{name}.mixer.v_proj.bias", attn.v_bias, (KVH * hd,))
+        self.o_bias = optional_param(f"{name}.mixer.o_proj.bias", attn.o_bias, (D,))
+        projs = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
+        if not all(isinstance(p, DenseWeight) for p in projs):
+            raise WeightFormatError(f"{name}.mixer.q/k/v/o_proj: only dense weights are supported so far, got "
+                                    + " / ".join(type(p).__name__ for p in projs))
+        self.set_bf16_weights(*projs)
+
+    # ---- weights -------------------------------------------------------------------------
+    def set_bf16_weights(self, q_proj, k_proj, v_proj, o_proj) -> None:
+        for proj, w in zip(self._projections(), (q_proj, k_proj, v_proj, o_proj)):
+            proj.set_dense(w)
+
+    def _projections(self) -> tuple[Projection, ...]:
+        return self.q_proj, self.k_proj, self.v_proj, self.o_proj
+
+    def bf16_native_ready(self) -> bool:
+        return all(p.dense_ready() for p in self._projections())
+
+    def attention_weights(self) -> NemotronAttentionWeights:
+        return NemotronAttentionWeights(
+            *(p.dense_weight() for p in self._projections()), q_bias=value_of(self.q_bias),
+            k_bias=value_of(self.k_bias), v_bias=value_of(self.v_bias), o_bias=value_of(self.o_bias))
+
+    def active_arm(self, phase: str, tokens: int) -> dict[str, str]:
+        return {p.name.rsplit(".", 1)[-1]: p.active_arm(phase, tokens) for p in self._projections()}
+
+    # ---- slots ---------------------------------------------------------------------------
+    def alloc_state(self, allocator, pool: KvPool):
+        """A zeroed slot for a new sequence: (slot, new pool)."""
+        return allocator.alloc(pool)
+
+    def release_state(self, allocator, slot: int) -> None:
+        allocator.release(slot)
+
+    # ---- core ----------------------------------------------------------------------------
+    def _check_pool(self, pool: KvPool) -> None:
+        c = self.config
+        if not isinstance(pool, KvPool):
+            raise ShapeError(f"pool: expected a KvPool, got {type(pool).__name__}")
+        if self.pool_layer >= pool.num_layers:
+            raise ShapeError(f"pool: has {pool.num_layers} layers; this layer uses row {self.pool_layer}")
+        check_array("pool.k", pool.k, (None, None, None, c.num_key_value_heads, c.head_dim))
+        check_array("pool.v", pool.v, tuple(pool.k.shape))
+
+    def _run(self, pool: KvPool, slots: jax.Array, hidden: jax.Array, lengths: jax.Array, starts, phase: str):
+        """hidden [B, T, D]: rows t < lengths[b] at positions starts[b] + t.  starts None: new sequences that
+        attend only to their own rows; else the rows also attend to the slot's cached prefix."""
+        c = self.config
+        B, T, D = hidden.shape
+        H, KVH, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        x = registry.get("rmsnorm", self.kernels)(hidden.reshape(B * T, D), self.input_norm[...],
+                                                   eps=c.layer_norm_epsilon)
+        q = linear(self.q_proj, self.q_bias, x, phase).reshape(B, T, KVH, H // KVH, hd)
+        k = linear(self.k_proj, self.k_bias, x, phase).reshape(B, T, KVH, hd).astype(pool.k.dtype)
+        v = linear(self.v_proj, self.v_bias, x, phase).reshape(B, T, KVH, hd).astype(pool.v.dtype)
+        t = jnp.arange(T, dtype=jnp.int32)
+        base = jnp.zeros((B,), jnp.int32) if starts is None else starts
+        pos = base[:, None] + t[None, :]                                          # [B, T]
+        valid = t[None, :] < lengths[:, None]
+        l, L = self.pool_layer, pool.max_len
+        wpos = jnp.where(valid & (pos < L), pos, L)                               # out of range: dropped
+        pk = pool.k.at[l, slots[:, None], wpos].set(k, mode="drop")
+        pv = pool.v.at[l, slots[:, None], wpos].set(v, mode="drop")
+        if starts is None:
+            keys, values, k_pos = k, v, t
+        else:
+            keys, values, k_pos = pk[l, slots], pv[l, slots], jnp.arange(L, dtype=jnp.int32)
+        o = attend(q, keys, values, pos, k_pos, base + lengths, self.scale)       # [B, T, KVH, G, hd]
+        o = o.astype(hidden.dtype).reshape(B * T, H * hd)
+        out = hidden + linear(self.o_proj, self.o_bias, o, phase).reshape(B, T, D)
+        return out, KvPool(pk, pv)
+
+    def _check(self, pool: KvPool, hidden: jax.Array, name: str = "hidden") -> None:
+        check_array(name, hidden, (None, None, self.config.hidden_size), floating=True)
+        self._check_pool(pool)
+
+    # ---- prefill -------------------------------------------------------------------------
+    def prefill_batched(self, pool: KvPool, slots: jax.Array, hidden: jax.Array, lengths: jax.Array,
+                        seq_len_starts: jax.Array | None = None) -> tuple[jax.Array, KvPool]:
+        """Right-padded requests: slots [B], hidden [B, T, D], lengths [B].  seq_len_starts None: new
+        sequences at position 0 (attending to their own rows only); else [B] (or a scalar) positions to
+        continue from, attending to the slot's cached prefix.  Padded rows write nothing."""
+        self._check(pool, hidden)
+        B = hidden.shape[0]
+        slots = check_slots("slots", slots, B)
+        lengths = jnp.asarray(lengths)
+        check_array("lengths", lengths, (B,), integer=True)
+        starts = None if seq_len_starts is None else _starts(seq_len_starts, B)
+        return self._run(pool, slots, hidden, lengths.astype(jnp.int32), starts, "prefill")
+
+    def prefill(self, pool: KvPool, slot, hidden: jax.Array, seq_len_start=0) -> tuple[jax.Array, KvPool]:
+        """T tokens of one sequence at positions seq_len_start.. .  hidden [T, D] -> ([T, D], pool)."""
+        check_array("hidden", hidden, (None, self.config.hidden_size), floating=True)
+        slots = jnp.reshape(jnp.asarray(slot, jnp.int32), (1,))
+        out, pool = self.prefill_batched(pool, slots, hidden[None], jnp.array([hidden.shape[0]], jnp.int32),
+                                         jnp.reshape(jnp.asarray(seq_len_start, jnp.int32), (1,)))
+        return out[0], pool
+
+    def prefill_replay_tail(self, pool: KvPool, slot, hidden: jax.Array, cut: int, seq_len_start=0):
+        """Prefill split at row `cut`: the tail runs as a prefill starting there (its keys come from the
+        pool).  Returns (hidden [T, D], pool, None): the KV prefix needs no separate capture."""
+        T = hidden.shape[0]
+        if not 0 <= cut <= T:
+            raise ShapeError(f"cut: must lie in [0, {T}], got {cut}")
+        start = jnp.asarray(seq_len_start, jnp.int32)
+        parts = []
+        for lo, hi in ((0, cut), (cut, T)):
+            if hi > lo:
+                part, pool = self.prefill(pool, slot, hidden[lo:hi], start + lo)
+                parts.append(part)
+        return jnp.concatenate(parts, axis=0), pool, None
+
+    # ---- decode --------------------------------------------------------------------------
+    def decode_verify_multi(self, pool: KvPool, slots: jax.Array, hidden: jax.Array, positions: jax.Array,
+                            k: int) -> tuple[jax.Array, KvPool]:
+        """k consecutive tokens for each of n sequences, rows sequence-major (r = i*k + j), sequence i's
+        first row at positions[i].  slots [n], hidden [n*k, D] -> ([n*k, D], pool)."""
+        check_array("hidden", hidden, (None, self.config.hidden_size), floating=True)
+        self._check_pool(pool)
+        if k < 1 or hidden.shape[0] % k:
+            raise ShapeError(f"hidden: {hidden.shape[0]} rows is not a multiple of k={k}")
+        n = hidden.shape[0] // k
+        slots = check_slots("slots", slots, n)
+        positions = _starts(positions, n)
+        out, pool = self._run(pool, slots, hidden.reshape(n, k, -1), jnp.full((n,), k, jnp.int32), positions,
+                              "decode")
+        return out.reshape(n * k, -1), pool
+
+    def decode_multi_seq(self, pool: KvPool, slots: jax.Array, hidden: jax.Array,
+                         positions: jax.Array) -> tuple[jax.Array, KvPool]:
+        """One token for each of N sequences at its own position.  slots [N], hidden [N, D], positions [N]."""
+        return self.decode_verify_multi(pool, slots, hidden, positions, 1)
+
+    def decode(self, pool: KvPool, slot, hidden: jax.Array, position) -> tuple[jax.Array, KvPool]:
+        """One token of one sequence at `position`.  hidden [D] or [1, D] -> same shape."""
+        squeeze = hidden.ndim == 1
+        h = hidden[None] if squeeze else hidden
+        if h.shape[0] != 1:
+            raise ShapeError(f"hidden: decode takes one token ([D] or [1, D]), got {tuple(hidden.shape)}")
+        out, pool = self.decode_multi_seq(pool, jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)), h,
+                                          jnp.reshape(jnp.asarray(position, jnp.int32), (1,)))
+        return (out[0] if squeeze else out), pool
+
+
+def _starts(seq_len_starts, n: int) -> jax.Array:
+    starts = jnp.asarray(seq_len_starts)
+    if starts.ndim == 0:
+        starts = jnp.full((n,), starts)
+    check_array("seq_len_starts", starts, (n,), integer=True)
+    return starts.astype(jnp.int32)

@@ -1,0 +1,34 @@
+"""Small pieces the attention, MLP and MoE blocks share: optional-bias linear maps and parameter checks."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from metrale_jax.layers.projection import Projection
+from metrale_jax.weights.containers import DenseWeight, as_dense
+
+
+def linear(proj: Projection, bias, x: jax.Array, phase: str) -> jax.Array:
+    """proj(x) (+ bias, added to the float32 accumulator before the one rounding to x.dtype)."""
+    if bias is None:
+        return proj(x, phase=phase)
+    y = proj(x, phase=phase, out_dtype=jnp.float32) + bias[...].astype(jnp.float32)
+    return y.astype(x.dtype)
+
+
+def param(name: str, value, shape: tuple[int, ...]) -> nnx.Param:
+    """An nnx.Param from an array (or DenseWeight), checking its shape and that it is floating."""
+    arr = value.weight if isinstance(value, DenseWeight) else jnp.asarray(value)
+    return nnx.Param(as_dense(name, arr, shape).weight)
+
+
+def optional_param(name: str, value, shape: tuple[int, ...]):
+    """`param` for an optional tensor (a bias): None stays None (declared as data for the pytree)."""
+    return nnx.data(None if value is None else param(name, value, shape))
+
+
+def value_of(p):
+    """The array of an optional Param, or None."""
+    return None if p is None else p[...]

@@ -1,0 +1,117 @@
+"""NemotronMLPLayer: residual + down_proj(relu(up_proj(RMSNorm(x)))^2); no gate.
+
+`Relu2MLP` (the two projections alone) is shared with the MoE layer's shared experts. The layer is
+stateless: every row is computed on its own, so decode and prefill are the same call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from metrale_jax.config import ModelConfig, ModelLevers
+from metrale_jax.errors import ConfigError, ShapeError, WeightFormatError
+from metrale_jax.layers.blocks import linear, optional_param, param, value_of
+from metrale_jax.layers.capabilities import LayerCapabilities
+from metrale_jax.layers.checks import check_array
+from metrale_jax.layers.projection import Projection
+from metrale_jax.weights.containers import DenseWeight
+from pallas_kernels import registry
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NemotronMlpWeights:
+    """An MLP's weights as the checkpoint holds them (biases only with mlp_bias)."""
+
+    up_proj: Any                       # [I, D]
+    down_proj: Any                     # [D, I]
+    up_bias: jax.Array | None = None   # [I]
+    down_bias: jax.Array | None = None  # [D]
+
+
+def relu2(x: jax.Array) -> jax.Array:
+    r = jnp.maximum(x, 0)
+    return r * r
+
+
+class Relu2MLP(nnx.Module):
+    """down_proj(relu(up_proj(x))^2) with optional biases; `name` prefixes every tensor name."""
+
+    def __init__(self, name: str, hidden_size: int, intermediate_size: int, weights: NemotronMlpWeights, *,
+                 bias: bool, kernels: str | None = None):
+        self.name = name
+        if not all(isinstance(w, DenseWeight) for w in (weights.up_proj, weights.down_proj)):
+            raise WeightFormatError(f"{name}.up_proj/down_proj: only dense weights are supported so far, got "
+                                    f"{type(weights.up_proj).__name__} / {type(weights.down_proj).__name__}")
+        given = (weights.up_bias is not None, weights.down_bias is not None)
+        if given != (bias, bias):
+            raise WeightFormatError(f"{name}: biases given {given} (up, down), but mlp_bias is {bias}")
+        self.up_proj = Projection(f"{name}.up_proj", intermediate_size, hidden_size, kernels=kernels)
+        self.down_proj = Projection(f"{name}.down_proj", hidden_size, intermediate_size, kernels=kernels)
+        self.up_proj.set_dense(weights.up_proj)
+        self.down_proj.set_dense(weights.down_proj)
+        self.up_bias = optional_param(f"{name}.up_proj.bias", weights.up_bias, (intermediate_size,))
+        self.down_bias = optional_param(f"{name}.down_proj.bias", weights.down_bias, (hidden_size,))
+
+    def weights(self) -> NemotronMlpWeights:
+        return NemotronMlpWeights(self.up_proj.dense_weight(), self.down_proj.dense_weight(),
+                                  up_bias=value_of(self.up_bias), down_bias=value_of(self.down_bias))
+
+    def bf16_native_ready(self) -> bool:
+        return self.up_proj.dense_ready() and self.down_proj.dense_ready()
+
+    def __call__(self, x: jax.Array, *, phase: str = "prefill") -> jax.Array:
+        """x [T, D] -> [T, D] in x.dtype; relu^2 is applied to the float32 accumulator."""
+        if self.up_bias is None:
+            u = self.up_proj(x, phase=phase, out_dtype=jnp.float32)
+        else:
+            u = self.up_proj(x, phase=phase, out_dtype=jnp.float32) + self.up_bias[...].astype(jnp.float32)
+        return linear(self.down_proj, self.down_bias, relu2(u).astype(x.dtype), phase)
+
+
+class NemotronMLPLayer(LayerCapabilities, nnx.Module):
+    """A Nemotron-H MLP block (pattern character -)."""
+
+    supports_replay_tail_split = True
+
+    def __init__(self, input_norm, mlp: NemotronMlpWeights, config: ModelConfig, layer_idx: int, *,
+                 levers: ModelLevers | None = None):
+        if not 0 <= layer_idx < config.num_hidden_layers or config.hybrid_override_pattern[layer_idx] != "-":
+            raise ConfigError("layer_idx", f"layer {layer_idx} is not an MLP layer of "
+                                           f"{config.hybrid_override_pattern!r}")
+        levers = levers or ModelLevers()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.kernels = levers.kernels
+        name = f"backbone.layers.{layer_idx}"
+        D = config.hidden_size
+        self.input_norm = param(f"{name}.norm.weight", input_norm, (D,))
+        self.mlp = Relu2MLP(f"{name}.mixer", D, config.intermediate_size, mlp, bias=config.mlp_bias,
+                            kernels=self.kernels)
+
+    def bf16_native_ready(self) -> bool:
+        return self.mlp.bf16_native_ready()
+
+    def mlp_weights(self) -> NemotronMlpWeights:
+        return self.mlp.weights()
+
+    def __call__(self, hidden: jax.Array, *, phase: str = "prefill") -> jax.Array:
+        """hidden [T, D] -> hidden + mlp(norm(hidden)), rows independent."""
+        check_array("hidden", hidden, (None, self.config.hidden_size), floating=True)
+        x = registry.get("rmsnorm", self.kernels)(hidden, self.input_norm[...], eps=self.config.layer_norm_epsilon)
+        return hidden + self.mlp(x, phase=phase)
+
+    def decode_multi_seq(self, hidden: jax.Array) -> jax.Array:
+        """One token for each of N sequences.  hidden [N, D]."""
+        return self(hidden, phase="decode")
+
+    def prefill_replay_tail(self, hidden: jax.Array, cut: int):
+        """Stateless: the rows are the same however the prefill is split; nothing to capture."""
+        if not 0 <= cut <= hidden.shape[0]:
+            raise ShapeError(f"cut: must lie in [0, {hidden.shape[0]}], got {cut}")
+        return self(hidden), None

@@ -1,0 +1,195 @@
+"""NemotronMoELayer: residual + MoE(RMSNorm(x)): routed relu^2 experts plus shared experts.
+
+Router (float32): scores = sigmoid(x W_gate^T); e_score_correction_bias is added only to choose:
+the top `topk_group` of `n_group` expert groups (a group's score is the sum of its two best) and
+then the top `num_experts_per_tok` experts inside them. The chosen experts' weights are the plain
+scores, normalised when norm_topk_prob (denominator + 1e-20), times routed_scaling_factor.
+Routed experts see fc1_latent_proj(x) when the config has a latent size, and fc2_latent_proj maps
+their weighted sum back; the shared experts see x itself. Exact: no capacity limit, no dropping;
+the experts run as two grouped GEMMs (jax.lax.ragged_dot_general) over the token-expert pairs
+sorted by expert, so a token's result does not depend on the other tokens in the batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from metrale_jax.config import ModelConfig, ModelLevers
+from metrale_jax.errors import ConfigError, ShapeError, WeightFormatError
+from metrale_jax.layers.blocks import linear, optional_param, param, value_of
+from metrale_jax.layers.capabilities import LayerCapabilities
+from metrale_jax.layers.checks import check_array
+from metrale_jax.layers.mlp import NemotronMlpWeights, Relu2MLP, relu2
+from metrale_jax.layers.projection import Projection
+from metrale_jax.weights.containers import DenseWeight
+from pallas_kernels import registry
+
+HIGHEST = jax.lax.Precision.HIGHEST
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class NemotronMoeWeights:
+    """The MoE mixer's weights as the checkpoint holds them, the experts stacked along axis 0."""
+
+    gate: jax.Array                       # [E, D] router (kept in float32)
+    e_score_correction_bias: jax.Array    # [E] (float32)
+    experts_up: jax.Array                 # [E, I, Din]   Din = moe_latent_size or D
+    experts_down: jax.Array               # [E, Din, I]
+    shared: NemotronMlpWeights | None = None   # [Is, D] / [D, Is]; None when n_shared_experts == 0
+    fc1_latent_proj: Any = None           # [Din, D]
+    fc2_latent_proj: Any = None           # [D, Din]
+    fc1_latent_bias: jax.Array | None = None
+    fc2_latent_bias: jax.Array | None = None
+
+
+def route(logits: jax.Array, correction_bias: jax.Array, *, n_group: int, topk_group: int, top_k: int,
+          norm_topk_prob: bool, routed_scaling_factor: float) -> tuple[jax.Array, jax.Array]:
+    """Group-limited top-k over sigmoid scores.  logits [T, E] float32 -> (experts [T, k] int32,
+    weights [T, k] float32)."""
+    T, E = logits.shape
+    scores = jax.nn.sigmoid(logits.astype(jnp.float32))
+    choice = scores + correction_bias.astype(jnp.float32)
+    if n_group > 1 and topk_group < n_group:
+        per_group = E // n_group
+        grouped = choice.reshape(T, n_group, per_group)
+        group_score = jax.lax.top_k(grouped, min(2, per_group))[0].sum(-1)             # [T, n_group]
+        _, keep = jax.lax.top_k(group_score, topk_group)                                # [T, topk_group]
+        group_mask = jnp.zeros((T, n_group), bool).at[jnp.arange(T)[:, None], keep].set(True)
+        choice = jnp.where(jnp.repeat(group_mask, per_group, axis=1), choice, -jnp.inf)
+    _, experts = jax.lax.top_k(choice, top_k)                                          # [T, k]
+    weights = jnp.take_along_axis(scores, experts, axis=1)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdims=True) + 1e-20)
+    return experts.astype(jnp.int32), weights * routed_scaling_factor
+
+
+def _grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Rows of x [M, K] sorted by group, times that group's w [E, N, K] (stored out, in) -> [M, N] f32."""
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
+    return jax.lax.ragged_dot_general(x, w.astype(x.dtype), group_sizes, dims, preferred_element_type=jnp.float32)
+
+
+def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, up: jax.Array,
+                   down: jax.Array) -> jax.Array:
+    """sum_j weights[t, j] * down_e(relu(up_e(x_t))^2) over the chosen e = experts[t, j].
+    x [T, Din], experts / weights [T, k], up [E, I, Din], down [E, Din, I] -> [T, Din] float32."""
+    T, k = experts.shape
+    E = up.shape[0]
+    flat = experts.reshape(-1)                                    # [T*k] pair p = t*k + j
+    order = jnp.argsort(flat, stable=True)                        # pairs sorted by expert
+    sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
+    xs = x[order // k]                                            # [T*k, Din]
+    h = relu2(_grouped_matmul(xs, up, sizes)).astype(x.dtype)     # [T*k, I]
+    o = _grouped_matmul(h, down, sizes)                           # [T*k, Din] f32
+    back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
+    o = o[back].reshape(T, k, -1)                                 # back to (token, choice) order
+    return jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), o, precision=HIGHEST)
+
+
+class NemotronMoELayer(LayerCapabilities, nnx.Module):
+    """A Nemotron-H MoE block (pattern character E)."""
+
+    supports_replay_tail_split = True
+
+    def __init__(self, input_norm, moe: NemotronMoeWeights, config: ModelConfig, layer_idx: int, *,
+                 levers: ModelLevers | None = None):
+        if not 0 <= layer_idx < config.num_hidden_layers or config.hybrid_override_pattern[layer_idx] != "E":
+            raise ConfigError("layer_idx", f"layer {layer_idx} is not an MoE layer of "
+                                           f"{config.hybrid_override_pattern!r}")
+        levers = levers or ModelLevers()
+        c = config
+        self.config = config
+        self.layer_idx = layer_idx
+        self.kernels = levers.kernels
+        name = f"backbone.layers.{layer_idx}"
+        D, E, I = c.hidden_size, c.n_routed_experts, c.moe_intermediate_size
+        Din = c.moe_latent_size or D
+        self.input_norm = param(f"{name}.norm.weight", input_norm, (D,))
+        self.gate = nnx.Param(param(f"{name}.mixer.gate.weight", moe.gate, (E, D))[...].astype(jnp.float32))
+        self.e_score_correction_bias = nnx.Param(param(
+            f"{name}.mixer.gate.e_score_correction_bias", moe.e_score_correction_bias, (E,))[...].astype(jnp.float32))
+        self.experts_up = param(f"{name}.mixer.experts.*.up_proj.weight", moe.experts_up, (E, I, Din))
+        self.experts_down = param(f"{name}.mixer.experts.*.down_proj.weight", moe.experts_down, (E, Din, I))
+        if c.n_shared_experts:
+            if moe.shared is None:
+                raise WeightFormatError(f"{name}.mixer.shared_experts: missing, but n_shared_experts is "
+                                        f"{c.n_shared_experts}")
+            self.shared_experts = nnx.data(Relu2MLP(f"{name}.mixer.shared_experts", D,
+                                                    c.moe_shared_expert_intermediate_size, moe.shared,
+                                                    bias=c.mlp_bias, kernels=self.kernels))
+        else:
+            if moe.shared is not None:
+                raise WeightFormatError(f"{name}.mixer.shared_experts: given, but n_shared_experts is 0")
+            self.shared_experts = nnx.data(None)
+        latent = (moe.fc1_latent_proj, moe.fc2_latent_proj)
+        if c.moe_latent_size is None:
+            if any(p is not None for p in latent):
+                raise WeightFormatError(f"{name}.mixer.fc1/fc2_latent_proj: given, but moe_latent_size is null")
+            self.fc1_latent_proj = nnx.data(None)
+            self.fc2_latent_proj = nnx.data(None)
+        else:
+            if not all(isinstance(p, DenseWeight) for p in latent):
+                raise WeightFormatError(f"{name}.mixer.fc1/fc2_latent_proj: dense weights required (moe_latent_size "
+                                        f"is {c.moe_latent_size}), got {[type(p).__name__ for p in latent]}")
+            self.fc1_latent_proj = nnx.data(Projection(f"{name}.mixer.fc1_latent_proj", Din, D, kernels=self.kernels))
+            self.fc2_latent_proj = nnx.data(Projection(f"{name}.mixer.fc2_latent_proj", D, Din, kernels=self.kernels))
+            self.fc1_latent_proj.set_dense(moe.fc1_latent_proj)
+            self.fc2_latent_proj.set_dense(moe.fc2_latent_proj)
+        biases = (moe.fc1_latent_bias, moe.fc2_latent_bias)
+        want_bias = c.mlp_bias and c.moe_latent_size is not None
+        if any((b is not None) != want_bias for b in biases):
+            raise WeightFormatError(f"{name}.mixer.fc1/fc2_latent_proj.bias: given {[b is not None for b in biases]}, "
+                                    f"expected {want_bias} (mlp_bias and moe_latent_size)")
+        self.fc1_latent_bias = optional_param(f"{name}.mixer.fc1_latent_proj.bias", moe.fc1_latent_bias, (Din,))
+        self.fc2_latent_bias = optional_param(f"{name}.mixer.fc2_latent_proj.bias", moe.fc2_latent_bias, (D,))
+
+    def moe_weights(self) -> NemotronMoeWeights:
+        dense = lambda p: None if p is None else p.dense_weight()
+        return NemotronMoeWeights(
+            gate=self.gate[...], e_score_correction_bias=self.e_score_correction_bias[...],
+            experts_up=self.experts_up[...], experts_down=self.experts_down[...],
+            shared=None if self.shared_experts is None else self.shared_experts.weights(),
+            fc1_latent_proj=dense(self.fc1_latent_proj), fc2_latent_proj=dense(self.fc2_latent_proj),
+            fc1_latent_bias=value_of(self.fc1_latent_bias), fc2_latent_bias=value_of(self.fc2_latent_bias))
+
+    def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Router on normalised rows x [T, D]: (experts [T, k] int32, weights [T, k] float32)."""
+        c = self.config
+        logits = jnp.einsum("td,ed->te", x.astype(jnp.float32), self.gate[...], precision=HIGHEST)
+        return route(logits, self.e_score_correction_bias[...], n_group=c.n_group, topk_group=c.topk_group,
+                     top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
+                     routed_scaling_factor=c.routed_scaling_factor)
+
+    def mixer(self, x: jax.Array, *, phase: str = "prefill") -> jax.Array:
+        """The MoE on normalised rows.  x [T, D] -> [T, D] in x.dtype."""
+        experts, weights = self.route(x)
+        xl = x if self.fc1_latent_proj is None else linear(self.fc1_latent_proj, self.fc1_latent_bias, x, phase)
+        y = routed_experts(xl, experts, weights, self.experts_up[...], self.experts_down[...]).astype(x.dtype)
+        if self.fc2_latent_proj is not None:
+            y = linear(self.fc2_latent_proj, self.fc2_latent_bias, y, phase)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x, phase=phase)
+        return y
+
+    def __call__(self, hidden: jax.Array, *, phase: str = "prefill") -> jax.Array:
+        """hidden [T, D] -> hidden + moe(norm(hidden)), rows independent."""
+        check_array("hidden", hidden, (None, self.config.hidden_size), floating=True)
+        x = registry.get("rmsnorm", self.kernels)(hidden, self.input_norm[...], eps=self.config.layer_norm_epsilon)
+        return hidden + self.mixer(x, phase=phase)
+
+    def decode_multi_seq(self, hidden: jax.Array) -> jax.Array:
+        """One token for each of N sequences.  hidden [N, D]."""
+        return self(hidden, phase="decode")
+
+    def prefill_replay_tail(self, hidden: jax.Array, cut: int):
+        """Stateless: the rows are the same however the prefill is split; nothing to capture."""
+        if not 0 <= cut <= hidden.shape[0]:
+            raise ShapeError(f"cut: must lie in [0, {hidden.shape[0]}], got {cut}")
+        return self(hidden), None

@@ -1,0 +1,480 @@
+"""NemotronH: the Nemotron-H layer stack (embeddings, one block per pattern character, norm_f, lm_head).
+
+Entry points (all logits float32):
+  forward(ids [B, T]) -> [B, T, V]                      no cache
+  new_cache(max_slots, max_len) -> ModelCache           slot-indexed Mamba states, keys/values, lengths
+  prefill(cache, slots, ids, lengths) -> ([B, V], cache)   right-padded rows; the Mamba layers see them
+                                                        packed (cu_seqlens), so padding never enters a state
+  decode(cache, slots, tokens) -> ([B, V], cache)       one token per sequence at its own position
+  generate(prompts, ...), score(ids, lengths)           batch jobs on top, jit-compiled per shape bucket
+The model is an nnx.Module and so a pytree: the compiled steps take it as an argument. A cache passed
+to a compiled step is donated (updated in place); use the cache that comes back.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from metrale_jax.config import ModelConfig, ModelLevers
+from metrale_jax.errors import CheckpointError, ConfigError, ShapeError, SlotError
+from metrale_jax.layers.attention import NemotronAttentionLayer
+from metrale_jax.layers.capabilities import ModelCapabilities, combine_capabilities
+from metrale_jax.layers.mamba2 import NemotronMamba2Layer
+from metrale_jax.layers.mlp import NemotronMLPLayer
+from metrale_jax.layers.moe import NemotronMoELayer
+from metrale_jax.layers.projection import Projection
+from metrale_jax.runtime.executables import bucket
+from metrale_jax.state.cache import ModelCache
+from metrale_jax.state.kv_pool import KvPool
+from metrale_jax.state.ssm_pool import SsmPool
+from metrale_jax.tokenizer import load_tokenizer
+from metrale_jax.weights.checkpoint import (
+    MAX_SHARD_BYTES, expected_tensors, layer_tensors, layer_weights, missing_tensors, read_checkpoint, unsupported,
+    write_checkpoint)
+from pallas_kernels import registry
+
+LAYER_CLASSES = {"M": NemotronMamba2Layer, "*": NemotronAttentionLayer, "-": NemotronMLPLayer,
+                 "E": NemotronMoELayer}
+
+# How often each compiled step was traced (a trace = a compile); tests assert that buckets hold.
+TRACE_COUNTS: collections.Counter = collections.Counter()
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+    """One prompt's continuation: new token ids (the stop token excluded), their text when the prompt
+    was a string, and why it stopped ('eos' or 'length')."""
+
+    tokens: list[int]
+    text: str | None
+    finish_reason: str
+
+
+class NemotronH(nnx.Module):
+    """A Nemotron-H causal LM built from HF-named tensors (see weights/checkpoint.py for the names)."""
+
+    def __init__(self, config: ModelConfig, tensors: Mapping[str, object], *, dtype=jnp.bfloat16,
+                 levers: ModelLevers | None = None, tokenizer=None, notes: Sequence[str] = ()):
+        self.config = config
+        self.levers = ModelLevers.from_env() if levers is None else levers
+        self.dtype = jnp.dtype(dtype)
+        self.tokenizer = tokenizer
+        self.load_notes = tuple(notes)
+        problems = unsupported(config)
+        if problems:
+            raise ConfigError("config", "; ".join(problems))
+        missing = missing_tensors(config, tensors)
+        if missing:
+            raise CheckpointError(missing)
+        t = _cast(config, tensors, self.dtype)
+        self.embeddings = nnx.Param(t["backbone.embeddings.weight"])
+        layers = []
+        for i, kind in enumerate(config.hybrid_override_pattern):
+            norm, weights = layer_weights(config, i, t)
+            layers.append(LAYER_CLASSES[kind](norm, weights, config, i, levers=self.levers))
+        self.layers = nnx.List(layers)
+        self.norm_f = nnx.Param(t["backbone.norm_f.weight"])
+        if config.tie_word_embeddings:
+            self.lm_head = nnx.data(None)
+        else:
+            self.lm_head = nnx.data(Projection("lm_head", config.vocab_size, config.hidden_size,
+                                               kernels=self.levers.kernels))
+            self.lm_head.set_dense(t["lm_head.weight"])
+
+    # ---- construction ----------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, dtype=jnp.bfloat16, levers: ModelLevers | None = None,
+                        *, progress: bool | None = None) -> NemotronH:
+        """Load config.json + model.safetensors (or a sharded index) and the tokenizer if one is there."""
+        config = ModelConfig.from_hf(directory)
+        tensors, notes = read_checkpoint(directory, config, dtype, progress=progress)
+        return cls(config, tensors, dtype=dtype, levers=levers, tokenizer=load_tokenizer(directory, config),
+                   notes=notes)
+
+    @classmethod
+    def from_config(cls, config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, levers: ModelLevers | None = None,
+                    *, tokenizer=None) -> NemotronH:
+        """Random weights (see `random_tensors`)."""
+        return cls(config, random_tensors(config, key, dtype), dtype=dtype, levers=levers, tokenizer=tokenizer)
+
+    def state_dict(self) -> dict[str, np.ndarray]:
+        """Every weight under its HF name in the HF layout (host numpy arrays)."""
+        c = self.config
+        out: dict[str, object] = {"backbone.embeddings.weight": self.embeddings[...]}
+        for i, layer in enumerate(self.layers):
+            out.update(layer_tensors(c, i, layer.input_norm[...], _layer_weights(layer)))
+        out["backbone.norm_f.weight"] = self.norm_f[...]
+        if self.lm_head is not None:
+            out["lm_head.weight"] = self.lm_head.dense_weight().weight
+        return {n: np.asarray(v) for n, v in out.items()}
+
+    def save_pretrained(self, directory: str | os.PathLike, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
+        """config.json + model.safetensors (sharded with an index above max_shard_bytes) + the tokenizer."""
+        files = write_checkpoint(directory, self.config, self.state_dict(), torch_dtype=self.dtype.name,
+                                 max_shard_bytes=max_shard_bytes)
+        if self.tokenizer is not None and hasattr(self.tokenizer, "save"):
+            self.tokenizer.save(directory)
+        return files
+
+    # ---- properties --------------------------------------------------------------------------
+    @property
+    def capabilities(self) -> ModelCapabilities:
+        return combine_capabilities(self.layers)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    def new_cache(self, max_slots: int, max_len: int) -> ModelCache:
+        """max_slots sequences (plus the padding slot) of up to max_len tokens each."""
+        return ModelCache.for_config(self.config, max_slots, max_len, self.dtype)
+
+    def eos_ids(self) -> frozenset[int]:
+        eos = self.config.eos_token_id
+        ids = set(eos if isinstance(eos, tuple) else () if eos is None else (eos,))
+        if self.tokenizer is not None and getattr(self.tokenizer, "eos_id", None) is not None:
+            ids.add(int(self.tokenizer.eos_id))
+        return frozenset(ids)
+
+    def _step(self, name: str):
+        """The compiled step `name`, or the plain function when graphs are off (levers) or vetoed."""
+        eager = not self.levers.graphs or (name == "decode" and self.capabilities.decode_graph_veto)
+        return _IMPLS[name] if eager else _JITTED[name]
+
+    # ---- forward -----------------------------------------------------------------------------
+    def forward(self, input_ids) -> jax.Array:
+        """Logits [B, T, V] float32 for full rows, no cache."""
+        ids = self._check_ids(input_ids)
+        return self._step("forward")(self, jnp.asarray(ids))
+
+    # ---- prefill / decode --------------------------------------------------------------------
+    def prefill(self, cache: ModelCache, slots, ids, lengths=None, *, all_logits: bool = False,
+                continue_from_cache: bool = False) -> tuple[jax.Array, ModelCache]:
+        """Prefill right-padded rows ids [B, T] (lengths [B], default T) into `slots` [B].
+
+        New sequences start at position 0; with continue_from_cache they continue from each slot's
+        cached length (chunked prefill). Returns the logits of each row's last real token [B, V]
+        (all_logits: [B, T, V]) and the new cache. A row of the padding slot (length 0) is a no-op row.
+        """
+        ids = self._check_ids(ids)
+        B, T = ids.shape
+        lengths = _vector("lengths", np.full((B,), T) if lengths is None else lengths, B)
+        if lengths.min() < 0 or lengths.max() > T:
+            raise ShapeError(f"lengths: each must lie in [0, {T}], got {lengths.tolist()}")
+        slots = self._check_slots(cache, slots, B)
+        starts = np.asarray(cache.seq_lens)[slots] if continue_from_cache else np.zeros(B, np.int64)
+        self._check_room(cache, slots, starts + lengths)
+        return self._step("prefill")(self, cache, jnp.asarray(slots), jnp.asarray(ids), jnp.asarray(lengths),
+                                     all_logits=all_logits, continue_=continue_from_cache)
+
+    def decode(self, cache: ModelCache, slots, tokens) -> tuple[jax.Array, ModelCache]:
+        """One token per sequence (tokens [B]) at each slot's cached length.  Returns ([B, V], cache)."""
+        tokens = self._check_ids(np.asarray(tokens)[:, None] if np.ndim(tokens) == 1 else tokens)
+        if tokens.shape[1] != 1:
+            raise ShapeError(f"tokens: expected [B], got {list(np.shape(tokens))}")
+        slots = self._check_slots(cache, slots, tokens.shape[0])
+        self._check_room(cache, slots, np.asarray(cache.seq_lens)[slots] + 1)
+        return self._step("decode")(self, cache, jnp.asarray(slots), jnp.asarray(tokens[:, 0]))
+
+    def _check_ids(self, ids) -> np.ndarray:
+        ids = np.asarray(ids)
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
+            raise ShapeError(f"ids: expected integer token ids [B, T], got {ids.dtype}{list(ids.shape)}")
+        if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
+            raise ShapeError(f"ids: token ids must lie in [0, {self.config.vocab_size}), "
+                             f"got range [{ids.min()}, {ids.max()}]")
+        return ids.astype(np.int32)
+
+    def _check_slots(self, cache: ModelCache, slots, n: int) -> np.ndarray:
+        slots = _vector("slots", slots, n)
+        if slots.min() < 0 or slots.max() >= cache.num_slots:
+            raise SlotError(f"slots: each must lie in [0, {cache.num_slots}), got {slots.tolist()}")
+        live = slots[slots != cache.padding_slot]
+        if len(set(live.tolist())) != len(live):
+            raise SlotError(f"slots: a live slot appears twice in {slots.tolist()}")
+        return slots
+
+    def _check_room(self, cache: ModelCache, slots: np.ndarray, ends: np.ndarray) -> None:
+        if cache.kv.num_layers == 0:
+            return                                   # only attention layers need room per token
+        live = slots != cache.padding_slot
+        over = [(int(s), int(e)) for s, e, ok in zip(slots, ends, live) if ok and e > cache.max_len]
+        if over:
+            raise SlotError(f"cache: max_len is {cache.max_len}, but (slot, tokens) {over} would exceed it")
+
+    # ---- batch jobs ----------------------------------------------------------------------------
+    def score(self, ids, lengths=None) -> jax.Array:
+        """Per-token log-probs [B, T-1]: log p(ids[t+1] | ids[:t+1]), zero past each row's length.
+        Compiled per (batch, length) bucket (powers of two), so nearby shapes reuse one executable."""
+        ids = self._check_ids(ids)
+        B, T = ids.shape
+        if T < 2:
+            raise ShapeError(f"ids: need at least 2 tokens per row to score, got {T}")
+        lengths = _vector("lengths", np.full((B,), T) if lengths is None else lengths, B)
+        if lengths.min() < 0 or lengths.max() > T:
+            raise ShapeError(f"lengths: each must lie in [0, {T}], got {lengths.tolist()}")
+        Bb, Tb = bucket(B), bucket(T, 8)
+        padded = np.full((Bb, Tb), self.config.pad_token_id or 0, np.int32)
+        padded[:B, :T] = ids
+        lens = np.zeros(Bb, np.int32)
+        lens[:B] = lengths
+        out = self._step("score")(self, jnp.asarray(padded), jnp.asarray(lens))
+        return out[:B, :T - 1]
+
+    def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0) -> list[Generation]:
+        """Continue each prompt (a list of token ids, or a string when the model has a tokenizer):
+        greedy at temperature 0, else top-p sampling; a row stops at an eos id or after max_new_tokens."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+            raise ShapeError("prompts: expected a non-empty list of token-id lists or strings")
+        as_text = isinstance(prompts[0], str)
+        if any(isinstance(p, str) != as_text for p in prompts):
+            raise ShapeError("prompts: mix of strings and token lists")
+        if as_text and self.tokenizer is None:
+            raise ConfigError("tokenizer", "string prompts need a tokenizer; this model has none (pass token ids)")
+        if max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
+            raise ConfigError("generate", f"need max_new_tokens >= 0, temperature >= 0, 0 < top_p <= 1; got "
+                                          f"{max_new_tokens}, {temperature}, {top_p}")
+        seqs = [self.tokenizer.encode(p) if as_text else [int(t) for t in p] for p in prompts]
+        for i, s in enumerate(seqs):
+            if not s:
+                raise ShapeError(f"prompts[{i}]: empty")
+        B, Tmax = len(seqs), max(len(s) for s in seqs)
+        ids = self._check_ids(np.array([s + [0] * (Tmax - len(s)) for s in seqs]))
+        Bb, Tb = bucket(B), bucket(Tmax, 8)
+        cache = self.new_cache(Bb, bucket(Tmax + max_new_tokens, 16))
+        slots = np.array(list(range(B)) + [cache.padding_slot] * (Bb - B), np.int32)
+        padded = np.zeros((Bb, Tb), np.int32)
+        padded[:B, :Tmax] = ids
+        lens = np.zeros(Bb, np.int32)
+        lens[:B] = [len(s) for s in seqs]
+        logits, cache = self._step("prefill")(self, cache, jnp.asarray(slots), jnp.asarray(padded),
+                                              jnp.asarray(lens), all_logits=False, continue_=False)
+        eos = self.eos_ids()
+        out: list[list[int]] = [[] for _ in range(B)]
+        reason = ["length"] * B
+        key = jax.random.key(seed)
+        decode = self._step("decode")
+        for step in range(max_new_tokens):
+            tok = _sample(logits, jax.random.fold_in(key, step), jnp.float32(max(temperature, 1e-6)),
+                          jnp.float32(top_p), greedy=temperature == 0)
+            host = np.asarray(tok)
+            for b in range(B):
+                if reason[b] == "length" and len(out[b]) == step:
+                    if int(host[b]) in eos:
+                        reason[b] = "eos"
+                    else:
+                        out[b].append(int(host[b]))
+            if step + 1 == max_new_tokens or all(r == "eos" for r in reason):
+                break
+            logits, cache = decode(self, cache, jnp.asarray(slots), tok)
+        text = [self.tokenizer.decode(t) if as_text else None for t in out]
+        return [Generation(tokens=o, text=x, finish_reason=r) for o, x, r in zip(out, text, reason)]
+
+
+# ---- the compiled steps (pure functions of the model) ----------------------------------------------
+def _rmsnorm(model: NemotronH, x: jax.Array) -> jax.Array:
+    return registry.get("rmsnorm", model.levers.kernels)(x, model.norm_f[...], eps=model.config.layer_norm_epsilon)
+
+
+def _logits(model: NemotronH, x: jax.Array, phase: str = "prefill") -> jax.Array:
+    """Final-normed rows x [N, D] -> logits [N, V] float32."""
+    if model.lm_head is None:
+        return registry.get("dense_matmul", model.levers.kernels)(x, model.embeddings[...], out_dtype=jnp.float32)
+    return model.lm_head(x, phase=phase, out_dtype=jnp.float32)
+
+
+def _stack_prefill(model: NemotronH, ssm: SsmPool, kv: KvPool, slots, ids, lengths, starts):
+    """Run every block over right-padded rows ids [B, T].  starts None: new sequences; else [B] positions.
+    Returns (final-normed hidden [B, T, D], ssm, kv)."""
+    B, T = ids.shape
+    h = model.embeddings[...][ids]                                          # [B, T, D]
+    D = h.shape[-1]
+    t = jnp.arange(T, dtype=jnp.int32)
+    valid = t[None, :] < lengths[:, None]                                   # [B, T]
+    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths).astype(jnp.int32)])
+    p = jnp.arange(B * T, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu, p, side="right").astype(jnp.int32) - 1, 0, B - 1)
+    src = jnp.where(p < cu[B], seq * T + p - cu[seq], 0)                    # packed row -> padded row
+    dst = jnp.clip(cu[:B, None] + t[None, :], 0, B * T - 1)                 # padded row -> packed row
+    mamba_starts = 0 if starts is None else starts
+    for layer in model.layers:
+        if isinstance(layer, NemotronMamba2Layer):
+            out, ssm = layer.prefill_varlen(ssm, slots, h.reshape(B * T, D)[src], cu, mamba_starts)
+            h = jnp.where(valid[..., None], out[dst], h)
+        elif isinstance(layer, NemotronAttentionLayer):
+            h, kv = layer.prefill_batched(kv, slots, h, lengths, starts)
+        else:
+            h = layer(h.reshape(B * T, D), phase="prefill").reshape(B, T, D)
+    return _rmsnorm(model, h), ssm, kv
+
+
+def forward_step(model: NemotronH, ids):
+    """ids [B, T] -> logits [B, T, V] float32 (full rows, no cache)."""
+    TRACE_COUNTS["forward"] += 1
+    B, T = ids.shape
+    h = _hidden_no_cache(model, ids, jnp.full((B,), T, jnp.int32))
+    return _logits(model, h.reshape(B * T, -1)).reshape(B, T, -1)
+
+
+def _hidden_no_cache(model: NemotronH, ids, lengths):
+    """Final-normed hidden [B, T, D] of new sequences, on throw-away pools."""
+    B, T = ids.shape
+    ssm = SsmPool.for_config(model.config, B, model.dtype)
+    kv = KvPool.for_config(model.config, B, T, model.dtype)
+    h, _, _ = _stack_prefill(model, ssm, kv, jnp.arange(B, dtype=jnp.int32), ids, lengths, None)
+    return h
+
+
+def prefill_step(model: NemotronH, cache: ModelCache, slots, ids, lengths, *, all_logits: bool, continue_: bool):
+    """`NemotronH.prefill` without the host-side checks: (logits [B, V] or [B, T, V], new cache)."""
+    TRACE_COUNTS["prefill"] += 1
+    B, T = ids.shape
+    starts = cache.seq_lens[slots] if continue_ else None
+    h, ssm, kv = _stack_prefill(model, cache.ssm, cache.kv, slots, ids, lengths, starts)
+    seq_lens = cache.seq_lens.at[slots].set((0 if starts is None else starts) + lengths)
+    if all_logits:
+        logits = _logits(model, h.reshape(B * T, -1)).reshape(B, T, -1)
+    else:
+        logits = _logits(model, h[jnp.arange(B), jnp.clip(lengths - 1, 0, T - 1)])
+    return logits, ModelCache(ssm, kv, seq_lens)
+
+
+def decode_step(model: NemotronH, cache: ModelCache, slots, tokens):
+    """`NemotronH.decode` without the host-side checks: (logits [B, V], new cache)."""
+    TRACE_COUNTS["decode"] += 1
+    pos = cache.seq_lens[slots]
+    ssm, kv = cache.ssm, cache.kv
+    h = model.embeddings[...][tokens]                                       # [B, D]
+    for layer in model.layers:
+        if isinstance(layer, NemotronMamba2Layer):
+            h, ssm = layer.decode_multi_seq(ssm, slots, h)
+        elif isinstance(layer, NemotronAttentionLayer):
+            h, kv = layer.decode_multi_seq(kv, slots, h, pos)
+        else:
+            h = layer(h, phase="decode")
+    logits = _logits(model, _rmsnorm(model, h), "decode")
+    return logits, ModelCache(ssm, kv, cache.seq_lens.at[slots].set(pos + 1))
+
+
+def score_step(model: NemotronH, ids, lengths):
+    """ids [B, T], lengths [B] -> log p(ids[t+1] | ids[:t+1]) [B, T-1], zero past each length."""
+    TRACE_COUNTS["score"] += 1
+    B, T = ids.shape
+    h = _hidden_no_cache(model, ids, lengths)[:, :-1].reshape(B * (T - 1), -1)
+    lp = _token_logprobs(model, h, ids[:, 1:].reshape(-1)).reshape(B, T - 1)
+    return jnp.where(jnp.arange(1, T)[None, :] < lengths[:, None], lp, 0.0)
+
+
+def _token_logprobs(model: NemotronH, x: jax.Array, targets: jax.Array, chunk: int = 1024) -> jax.Array:
+    """log_softmax(logits(x))[target] per row, a chunk of rows at a time so [N, V] never exists at once."""
+    N = x.shape[0]
+    C = min(chunk, N)
+    pad = -N % C
+    xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(-1, C, x.shape[1])
+    ts = jnp.pad(targets, (0, pad)).reshape(-1, C)
+
+    def one(args):
+        xc, tc = args
+        logits = _logits(model, xc)
+        return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tc[:, None], axis=1)[:, 0]
+
+    return jax.lax.map(one, (xs, ts)).reshape(-1)[:N]
+
+
+@functools.partial(jax.jit, static_argnames=("greedy",))
+def _sample(logits, key, temperature, top_p, *, greedy: bool):
+    """Next tokens [B] from logits [B, V]: argmax, or top-p sampling at `temperature`."""
+    if greedy:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    z = logits / temperature
+    order = jnp.argsort(-z, axis=-1)
+    sorted_p = jax.nn.softmax(jnp.take_along_axis(z, order, axis=-1), axis=-1)
+    keep_sorted = (jnp.cumsum(sorted_p, axis=-1) - sorted_p) < top_p        # the top token is always kept
+    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(z.shape[0])[:, None], order].set(keep_sorted)
+    return jax.random.categorical(key, jnp.where(keep, z, -jnp.inf), axis=-1).astype(jnp.int32)
+
+
+_IMPLS = {"forward": forward_step, "prefill": prefill_step, "decode": decode_step, "score": score_step}
+_JITTED = {
+    "forward": jax.jit(forward_step),
+    "prefill": jax.jit(prefill_step, static_argnames=("all_logits", "continue_"), donate_argnums=(1,)),
+    "decode": jax.jit(decode_step, donate_argnums=(1,)),
+    "score": jax.jit(score_step),
+}
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+def _layer_weights(layer):
+    if isinstance(layer, NemotronMamba2Layer):
+        return layer.ssm_weights()
+    if isinstance(layer, NemotronAttentionLayer):
+        return layer.attention_weights()
+    if isinstance(layer, NemotronMLPLayer):
+        return layer.mlp_weights()
+    return layer.moe_weights()
+
+
+def _cast(config: ModelConfig, tensors: Mapping[str, object], dtype) -> dict[str, jax.Array]:
+    """Every tensor in the model dtype, except those the table keeps in float32 (no copy when it already is)."""
+    f32 = {n for n, s in expected_tensors(config).items() if s.keep_f32}
+    return {n: jnp.asarray(v).astype(jnp.float32 if n in f32 else dtype) for n, v in tensors.items()}
+
+
+def _vector(name: str, value, n: int) -> np.ndarray:
+    arr = np.asarray(value)
+    if arr.shape != (n,) or not np.issubdtype(arr.dtype, np.integer):
+        raise ShapeError(f"{name}: expected integers [{n}], got {arr.dtype}{list(arr.shape)}")
+    return arr.astype(np.int32)
+
+
+_OUT_PROJECTIONS = ("out_proj.weight", "o_proj.weight", "down_proj.weight", "fc2_latent_proj.weight")
+
+
+def random_tensors(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> dict[str, jax.Array]:
+    """Random weights under HF names, drawn on the host (numpy, seeded from `key`): linear maps
+    ~ N(0, 1/fan_in) (output maps further / sqrt(layers)), norms ~ 1 + 0.1 N, Mamba dt / A / D as
+    `init.random_ssm_weights` draws them, and a small random e_score_correction_bias so that the
+    choice-only bias is exercised."""
+    c = config
+    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
+    depth = 1.0 / math.sqrt(c.num_hidden_layers)
+    out: dict[str, jax.Array] = {}
+    for name, spec in expected_tensors(config).items():
+        z = rng.standard_normal(spec.shape, np.float32)
+        leaf = name.rsplit(".", 1)[-1]
+        if name.endswith("norm.weight") or name == "backbone.norm_f.weight":
+            v = 1.0 + 0.1 * z
+        elif name == "backbone.embeddings.weight":
+            v = z
+        elif leaf == "dt_bias":
+            lo, hi = math.log(c.time_step_min), math.log(c.time_step_max)
+            dt = np.maximum(np.exp(rng.uniform(lo, hi, spec.shape)), c.time_step_floor)
+            v = dt + np.log(-np.expm1(-dt))                                   # inverse softplus
+        elif leaf == "A_log":
+            v = np.log(rng.uniform(1.0, 16.0, spec.shape))
+        elif leaf == "D":
+            v = 1.0 + 0.1 * z
+        elif name.endswith("conv1d.weight"):
+            v = z * c.conv_kernel ** -0.5
+        elif name.endswith("conv1d.bias"):
+            v = 0.1 * z
+        elif leaf == "e_score_correction_bias":
+            v = 0.05 * z
+        elif leaf == "bias":
+            v = 0.02 * z
+        else:
+            v = z * spec.shape[-1] ** -0.5 * (depth if name.endswith(_OUT_PROJECTIONS) else 1.0)
+        out[name] = jnp.asarray(np.asarray(v, np.float32)).astype(jnp.float32 if spec.keep_f32 else dtype)
+    return out

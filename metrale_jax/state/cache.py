@@ -1,0 +1,91 @@
+"""ModelCache: everything a NemotronH keeps per sequence, as one pytree of slot-indexed arrays.
+
+ssm (SsmPool over the Mamba layers), kv (KvPool over the attention layers) and seq_lens [S] int32,
+the number of tokens each slot holds. S = max_slots + 1: the last slot is the padding slot, which
+absorbs padded batch rows. `SlotAllocator(cache.num_slots).alloc(cache)` hands out a zeroed slot.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from metrale_jax.errors import SlotError
+from metrale_jax.state.kv_pool import KvPool, KvSlotState
+from metrale_jax.state.slots import SlotAllocator
+from metrale_jax.state.ssm_pool import SlotState, SsmPool
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class CacheSlotState:
+    """One slot's whole state: Mamba states, keys/values and its length."""
+
+    ssm: SlotState
+    kv: KvSlotState
+    seq_len: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ModelCache:
+    ssm: SsmPool
+    kv: KvPool
+    seq_lens: jax.Array   # [S] int32
+
+    @classmethod
+    def for_config(cls, config, max_slots: int, max_len: int, dtype=jnp.bfloat16) -> ModelCache:
+        """max_slots live slots (plus the padding slot), each up to max_len tokens of keys and values."""
+        if max_slots < 1:
+            raise SlotError(f"max_slots must be >= 1, got {max_slots}")
+        return cls(ssm=SsmPool.for_config(config, max_slots, dtype),
+                   kv=KvPool.for_config(config, max_slots, max_len, dtype),
+                   seq_lens=jnp.zeros((max_slots + 1,), jnp.int32))
+
+    @property
+    def num_slots(self) -> int:
+        return self.seq_lens.shape[0]
+
+    @property
+    def max_slots(self) -> int:
+        return self.num_slots - 1
+
+    @property
+    def padding_slot(self) -> int:
+        return self.num_slots - 1
+
+    @property
+    def max_len(self) -> int:
+        return self.kv.max_len
+
+    @property
+    def nbytes(self) -> int:
+        return self.ssm.nbytes + self.kv.nbytes + self.seq_lens.nbytes
+
+    def allocator(self) -> SlotAllocator:
+        """A fresh allocator over this cache's slots (the padding slot is never handed out)."""
+        return SlotAllocator(self.num_slots)
+
+    def check_slot(self, slot) -> int:
+        if not 0 <= int(slot) < self.num_slots:
+            raise SlotError(f"slot {slot} out of range [0, {self.num_slots})")
+        return int(slot)
+
+    def zero_slot(self, slot) -> ModelCache:
+        s = self.check_slot(slot)
+        return ModelCache(self.ssm.zero_slot(s), self.kv.zero_slot(s), self.seq_lens.at[s].set(0))
+
+    def snapshot(self, slot) -> CacheSlotState:
+        s = self.check_slot(slot)
+        return CacheSlotState(self.ssm.snapshot(s), self.kv.snapshot(s), self.seq_lens[s])
+
+    def restore(self, slot, snap: CacheSlotState) -> ModelCache:
+        s = self.check_slot(slot)
+        return ModelCache(self.ssm.restore(s, snap.ssm), self.kv.restore(s, snap.kv),
+                          self.seq_lens.at[s].set(snap.seq_len))
+
+    def copy_slot(self, src, dst) -> ModelCache:
+        a, b = self.check_slot(src), self.check_slot(dst)
+        return ModelCache(self.ssm.copy_slot(a, b), self.kv.copy_slot(a, b), self.seq_lens.at[b].set(self.seq_lens[a]))

@@ -1,0 +1,372 @@
+"""HF-layout checkpoints: the tensor-name table of each block kind, the dense loader and the saver.
+
+Loading checks every tensor's name, shape and dtype from the safetensors headers first and raises
+one CheckpointError listing every problem (with the expected shape) before any data is read; then
+it reads tensor by tensor from the memory-mapped files (a progress bar on a terminal) and casts
+to the model dtype, except the tensors kept in float32 (A_log, D, dt_bias, router weight and
+e_score_correction_bias). MTP tensors (mtp.*) are skipped with a note. Quantized checkpoints are
+refused here: they go through the quantized loader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.errors import CheckpointError
+from metrale_jax.layers.attention import NemotronAttentionWeights
+from metrale_jax.layers.mamba2 import NemotronSsmWeights
+from metrale_jax.layers.mlp import NemotronMlpWeights
+from metrale_jax.layers.moe import NemotronMoeWeights
+from metrale_jax.weights.containers import DenseWeight
+from metrale_jax.weights.safetensors_io import CheckpointReader, SafetensorsFile, save_safetensors
+
+log = logging.getLogger(__name__)
+
+FLOAT_DTYPES = ("F32", "BF16", "F16")
+QUANTIZED_DTYPES = ("F8_E4M3", "F8_E5M2", "U8", "I8")
+QUANTIZED_SUFFIXES = ("weight_scale", "weight_scale_2", "weight_scale_inv", "input_scale")
+QUANTIZED_MESSAGE = ("quantized checkpoints are loaded through the quantized loader, which is not wired into "
+                     "NemotronH.from_pretrained yet")
+MAX_SHARD_BYTES = 2 * 1024 ** 3
+_IGNORED = re.compile(r"^mtp\.")
+# A routed expert's weight; the loader stacks a layer's experts into one [E, ...] array under
+# "<mixer>.experts.up_proj" / ".experts.down_proj" (HF's in-memory fused names).
+_EXPERT = re.compile(r"^(?P<mixer>backbone\.layers\.\d+\.mixer\.)experts\.(?P<e>\d+)\.(?P<proj>up|down)_proj\.weight$")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """What the loader expects under one name: shape (HF layout), accepted alternative shapes, and
+    whether the tensor stays float32 whatever the model dtype."""
+
+    shape: tuple[int, ...]
+    keep_f32: bool = False
+    alt_shapes: tuple[tuple[int, ...], ...] = ()
+
+    def accepts(self, shape) -> bool:
+        return tuple(shape) == self.shape or tuple(shape) in self.alt_shapes
+
+
+# ---- name tables ---------------------------------------------------------------------------
+def _mamba_tensors(c: ModelConfig) -> dict[str, TensorSpec]:
+    H, I, C, K, D = c.mamba_num_heads, c.d_inner, c.conv_dim, c.conv_kernel, c.hidden_size
+    t = {"in_proj.weight": TensorSpec((c.in_proj_dim, D)),
+         "conv1d.weight": TensorSpec((C, 1, K), alt_shapes=((C, K),)),
+         "dt_bias": TensorSpec((H,), keep_f32=True), "A_log": TensorSpec((H,), keep_f32=True),
+         "D": TensorSpec((H,), keep_f32=True), "norm.weight": TensorSpec((I,)), "out_proj.weight": TensorSpec((D, I))}
+    if c.use_conv_bias:
+        t["conv1d.bias"] = TensorSpec((C,))
+    return t
+
+
+def _attention_tensors(c: ModelConfig) -> dict[str, TensorSpec]:
+    D, H, KVH, hd = c.hidden_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim
+    t = {"q_proj.weight": TensorSpec((H * hd, D)), "k_proj.weight": TensorSpec((KVH * hd, D)),
+         "v_proj.weight": TensorSpec((KVH * hd, D)), "o_proj.weight": TensorSpec((D, H * hd))}
+    if c.attention_bias:
+        t.update({"q_proj.bias": TensorSpec((H * hd,)), "k_proj.bias": TensorSpec((KVH * hd,)),
+                  "v_proj.bias": TensorSpec((KVH * hd,)), "o_proj.bias": TensorSpec((D,))})
+    return t
+
+
+def _mlp_tensors(prefix: str, D: int, inter: int, bias: bool) -> dict[str, TensorSpec]:
+    t = {f"{prefix}up_proj.weight": TensorSpec((inter, D)), f"{prefix}down_proj.weight": TensorSpec((D, inter))}
+    if bias:
+        t.update({f"{prefix}up_proj.bias": TensorSpec((inter,)), f"{prefix}down_proj.bias": TensorSpec((D,))})
+    return t
+
+
+def _moe_tensors(c: ModelConfig) -> dict[str, TensorSpec]:
+    D, E, I = c.hidden_size, c.n_routed_experts, c.moe_intermediate_size
+    Din = c.moe_latent_size or D
+    t = {"gate.weight": TensorSpec((E, D), keep_f32=True),
+         "gate.e_score_correction_bias": TensorSpec((E,), keep_f32=True)}
+    for e in range(E):
+        t[f"experts.{e}.up_proj.weight"] = TensorSpec((I, Din))
+        t[f"experts.{e}.down_proj.weight"] = TensorSpec((Din, I))
+    if c.n_shared_experts:
+        t.update(_mlp_tensors("shared_experts.", D, c.moe_shared_expert_intermediate_size, c.mlp_bias))
+    if c.moe_latent_size is not None:
+        t["fc1_latent_proj.weight"] = TensorSpec((Din, D))
+        t["fc2_latent_proj.weight"] = TensorSpec((D, Din))
+        if c.mlp_bias:
+            t["fc1_latent_proj.bias"] = TensorSpec((Din,))
+            t["fc2_latent_proj.bias"] = TensorSpec((D,))
+    return t
+
+
+MIXER_TABLES: dict[str, Callable[[ModelConfig], dict[str, TensorSpec]]] = {
+    "M": _mamba_tensors,
+    "*": _attention_tensors,
+    "-": lambda c: _mlp_tensors("", c.hidden_size, c.intermediate_size, c.mlp_bias),
+    "E": _moe_tensors,
+}
+
+
+def block_tensors(config: ModelConfig, i: int) -> dict[str, TensorSpec]:
+    """Every tensor of block i under its full HF name."""
+    p = f"backbone.layers.{i}"
+    out = {f"{p}.norm.weight": TensorSpec((config.hidden_size,))}
+    for suffix, spec in MIXER_TABLES[config.hybrid_override_pattern[i]](config).items():
+        out[f"{p}.mixer.{suffix}"] = spec
+    return out
+
+
+def expected_tensors(config: ModelConfig) -> dict[str, TensorSpec]:
+    """Every tensor a dense checkpoint of `config` holds (lm_head only when not tied), a layer's
+    experts in order 0..E-1."""
+    V, D = config.vocab_size, config.hidden_size
+    out = {"backbone.embeddings.weight": TensorSpec((V, D))}
+    for i in range(config.num_hidden_layers):
+        out.update(block_tensors(config, i))
+    out["backbone.norm_f.weight"] = TensorSpec((D,))
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = TensorSpec((V, D))
+    return out
+
+
+def missing_tensors(config: ModelConfig, tensors: Mapping[str, object]) -> list[str]:
+    """Problems for expected names absent from `tensors` (stacked experts count for their members)."""
+    out = []
+    for name, spec in expected_tensors(config).items():
+        m = _EXPERT.match(name)
+        if name not in tensors and (m is None or f"{m['mixer']}experts.{m['proj']}_proj" not in tensors):
+            out.append(f"{name}: missing (expected shape {list(spec.shape)})")
+    return out
+
+
+def unsupported(config: ModelConfig) -> list[str]:
+    """Config switches the layers do not implement yet."""
+    if "M" in config.hybrid_override_pattern and config.use_bias:
+        return ["use_bias=true: the Mamba-2 layer has no in_proj/out_proj bias support yet"]
+    return []
+
+
+# ---- tensors <-> layer weights ---------------------------------------------------------------
+def layer_weights(config: ModelConfig, i: int, tensors: Mapping[str, object]):
+    """(input norm, mixer weights dataclass) of block i from HF-named tensors (a layer's routed experts
+    either one by one or stacked under "<mixer>.experts.up_proj" / "<mixer>.experts.down_proj")."""
+    p = f"backbone.layers.{i}.mixer."
+    get = lambda s: tensors[p + s]
+    opt = lambda s: tensors.get(p + s)
+    dense = lambda s: DenseWeight(get(s))
+    kind = config.hybrid_override_pattern[i]
+    if kind == "M":
+        w = NemotronSsmWeights(
+            in_proj=dense("in_proj.weight"), out_proj=dense("out_proj.weight"),
+            conv1d_weight=jnp.reshape(get("conv1d.weight"), (config.conv_dim, config.conv_kernel)),
+            conv1d_bias=opt("conv1d.bias"), dt_bias=get("dt_bias"), A_log=get("A_log"), D=get("D"),
+            norm_weight=get("norm.weight"))
+    elif kind == "*":
+        w = NemotronAttentionWeights(
+            dense("q_proj.weight"), dense("k_proj.weight"), dense("v_proj.weight"), dense("o_proj.weight"),
+            q_bias=opt("q_proj.bias"), k_bias=opt("k_proj.bias"), v_bias=opt("v_proj.bias"),
+            o_bias=opt("o_proj.bias"))
+    elif kind == "-":
+        w = _mlp_weights(tensors, p)
+    else:
+        E = config.n_routed_experts
+        stacked = lambda proj: (get(f"experts.{proj}") if p + f"experts.{proj}" in tensors else
+                                jnp.stack([get(f"experts.{e}.{proj}.weight") for e in range(E)]))
+        w = NemotronMoeWeights(
+            gate=get("gate.weight"), e_score_correction_bias=get("gate.e_score_correction_bias"),
+            experts_up=stacked("up_proj"), experts_down=stacked("down_proj"),
+            shared=_mlp_weights(tensors, p + "shared_experts.") if config.n_shared_experts else None,
+            fc1_latent_proj=None if opt("fc1_latent_proj.weight") is None else dense("fc1_latent_proj.weight"),
+            fc2_latent_proj=None if opt("fc2_latent_proj.weight") is None else dense("fc2_latent_proj.weight"),
+            fc1_latent_bias=opt("fc1_latent_proj.bias"), fc2_latent_bias=opt("fc2_latent_proj.bias"))
+    return tensors[f"backbone.layers.{i}.norm.weight"], w
+
+
+def _mlp_weights(tensors, p: str) -> NemotronMlpWeights:
+    return NemotronMlpWeights(DenseWeight(tensors[p + "up_proj.weight"]), DenseWeight(tensors[p + "down_proj.weight"]),
+                              up_bias=tensors.get(p + "up_proj.bias"), down_bias=tensors.get(p + "down_proj.bias"))
+
+
+def layer_tensors(config: ModelConfig, i: int, input_norm, weights) -> dict[str, object]:
+    """The inverse of `layer_weights`: block i's tensors under HF names, in the HF layout."""
+    p = f"backbone.layers.{i}.mixer."
+    out: dict[str, object] = {f"backbone.layers.{i}.norm.weight": input_norm}
+    put = lambda s, v: v is not None and out.__setitem__(p + s, v.weight if isinstance(v, DenseWeight) else v)
+    kind = config.hybrid_override_pattern[i]
+    if kind == "M":
+        put("in_proj.weight", weights.in_proj)
+        put("conv1d.weight", jnp.reshape(weights.conv1d_weight, (config.conv_dim, 1, config.conv_kernel)))
+        put("conv1d.bias", weights.conv1d_bias)
+        for s, v in (("dt_bias", weights.dt_bias), ("A_log", weights.A_log), ("D", weights.D),
+                     ("norm.weight", weights.norm_weight), ("out_proj.weight", weights.out_proj)):
+            put(s, v)
+    elif kind == "*":
+        for n in "qkvo":
+            put(f"{n}_proj.weight", getattr(weights, f"{n}_proj"))
+            put(f"{n}_proj.bias", getattr(weights, f"{n}_bias"))
+    elif kind == "-":
+        _put_mlp(put, "", weights)
+    else:
+        put("gate.weight", weights.gate)
+        put("gate.e_score_correction_bias", weights.e_score_correction_bias)
+        for e in range(config.n_routed_experts):
+            put(f"experts.{e}.up_proj.weight", weights.experts_up[e])
+            put(f"experts.{e}.down_proj.weight", weights.experts_down[e])
+        if weights.shared is not None:
+            _put_mlp(put, "shared_experts.", weights.shared)
+        put("fc1_latent_proj.weight", weights.fc1_latent_proj)
+        put("fc2_latent_proj.weight", weights.fc2_latent_proj)
+        put("fc1_latent_proj.bias", weights.fc1_latent_bias)
+        put("fc2_latent_proj.bias", weights.fc2_latent_bias)
+    return out
+
+
+def _put_mlp(put, prefix: str, w: NemotronMlpWeights) -> None:
+    put(prefix + "up_proj.weight", w.up_proj)
+    put(prefix + "down_proj.weight", w.down_proj)
+    put(prefix + "up_proj.bias", w.up_bias)
+    put(prefix + "down_proj.bias", w.down_bias)
+
+
+# ---- loading ---------------------------------------------------------------------------------
+def check_checkpoint(reader, config: ModelConfig) -> tuple[list[str], list[str]]:
+    """(problems, notes) from the headers alone: missing, unexpected, mis-shaped or mis-typed tensors."""
+    if config.quantization_config is not None:
+        method = dict(config.quantization_config).get("quant_method", "?")
+        raise CheckpointError(f"config.json has a quantization_config (quant_method={method!r}): {QUANTIZED_MESSAGE}")
+    problems = unsupported(config)
+    notes: list[str] = []
+    expected = expected_tensors(config)
+    present = set(reader.keys())
+    quantized = sorted(n for n in present if n.rsplit(".", 1)[-1] in QUANTIZED_SUFFIXES
+                       or (n in expected and reader.info(n)[0] in QUANTIZED_DTYPES))
+    if quantized:
+        shown = ", ".join(quantized[:8]) + (f" and {len(quantized) - 8} more" if len(quantized) > 8 else "")
+        raise CheckpointError(f"quantized tensors ({shown}): {QUANTIZED_MESSAGE}")
+    for name, spec in expected.items():
+        if name not in present:
+            problems.append(f"{name}: missing (expected shape {list(spec.shape)})")
+            continue
+        dtype, shape = reader.info(name)
+        if not spec.accepts(shape):
+            alts = "".join(f" or {list(a)}" for a in spec.alt_shapes)
+            problems.append(f"{name}: shape {list(shape)}, expected {list(spec.shape)}{alts}")
+        if dtype not in FLOAT_DTYPES:
+            problems.append(f"{name}: dtype {dtype}, expected one of {', '.join(FLOAT_DTYPES)}")
+    ignored = sorted(n for n in present - set(expected) if _IGNORED.match(n))
+    if ignored:
+        notes.append(f"ignored {len(ignored)} multi-token-prediction tensors (mtp.*): MTP heads are not used")
+    if config.tie_word_embeddings and "lm_head.weight" in present:
+        notes.append("ignored lm_head.weight: tie_word_embeddings is true, so lm_head uses the embeddings")
+        ignored.append("lm_head.weight")
+    for name in sorted(present - set(expected) - set(ignored)):
+        dtype, shape = reader.info(name)
+        problems.append(f"{name}: unexpected tensor ({dtype} {list(shape)}); the config {_describe(config)} "
+                        f"has no such weight")
+    return problems, notes
+
+
+def _describe(config: ModelConfig) -> str:
+    return f"(pattern {config.hybrid_override_pattern!r})"
+
+
+class _SingleFileReader:
+    """The reader interface over one model.safetensors, so that other .safetensors files lying in the
+    directory (test fixtures, optimizer states) are not taken for weights."""
+
+    def __init__(self, path: Path):
+        self._file = SafetensorsFile(path)
+        self.keys, self.info, self.get, self.close = (self._file.keys, self._file.info, self._file.get,
+                                                      self._file.close)
+
+
+def open_checkpoint(directory: str | os.PathLike):
+    """HF's order: model.safetensors.index.json, else model.safetensors, else every *.safetensors."""
+    d = Path(directory)
+    if not (d / "model.safetensors.index.json").is_file() and (d / "model.safetensors").is_file():
+        return _SingleFileReader(d / "model.safetensors")
+    return CheckpointReader(d)
+
+
+def read_checkpoint(directory: str | os.PathLike, config: ModelConfig, dtype=jnp.bfloat16, *,
+                    progress: bool | None = None) -> tuple[dict[str, object], list[str]]:
+    """All tensors of a dense HF checkpoint, validated, cast and in HF names: (tensors, notes)."""
+    reader = open_checkpoint(directory)
+    try:
+        problems, notes = check_checkpoint(reader, config)
+        if problems:
+            raise CheckpointError(problems)
+        expected = expected_tensors(config)
+        tensors: dict[str, object] = {}
+        stacks: dict[str, np.ndarray] = {}           # a layer's experts, filled on the host, sent at once
+        E = config.n_routed_experts
+        bar = tqdm(expected.items(), total=len(expected), desc="loading weights", unit="tensor",
+                   disable=None if progress is None else not progress, leave=False)
+        for name, spec in bar:
+            arr = reader.get(name)                    # a read-only view into the memory map
+            target = jnp.float32 if spec.keep_f32 else dtype
+            m = _EXPERT.match(name)
+            if m is None:
+                tensors[name] = jnp.array(arr, dtype=target, copy=True)
+                continue
+            key = f"{m['mixer']}experts.{m['proj']}_proj"
+            if key not in stacks:
+                stacks[key] = np.empty((E, *spec.shape), np.dtype(target))
+            stacks[key][int(m["e"])] = arr
+            if int(m["e"]) == E - 1:
+                tensors[key] = jnp.asarray(stacks.pop(key))
+        for note in notes:
+            log.info("%s: %s", directory, note)
+        return tensors, notes
+    finally:
+        reader.close()
+
+
+# ---- saving ----------------------------------------------------------------------------------
+def write_checkpoint(directory: str | os.PathLike, config: ModelConfig, tensors: Mapping[str, object], *,
+                     torch_dtype: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
+    """config.json plus model.safetensors, or shards with model.safetensors.index.json when the tensors
+    exceed max_shard_bytes. Old model*.safetensors files and index in the directory are replaced."""
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    expected = expected_tensors(config)
+    missing = sorted(set(expected) - set(tensors))
+    extra = sorted(set(tensors) - set(expected))
+    if missing or extra:
+        raise CheckpointError([f"{n}: missing from the tensors to save" for n in missing]
+                              + [f"{n}: not a tensor of this config" for n in extra])
+    arrays = {n: np.asarray(tensors[n]) for n in expected}
+    for old in [*d.glob("model*.safetensors"), d / "model.safetensors.index.json"]:
+        if old.is_file():
+            old.unlink()
+    hf = config.to_hf_dict()
+    if torch_dtype is not None:
+        hf["torch_dtype"] = torch_dtype
+    (d / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, arr in arrays.items():
+        if shards[-1] and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    if len(shards) == 1:
+        save_safetensors(d / "model.safetensors", shards[0], metadata={"format": "pt"})
+        return [d / "model.safetensors"]
+    files, weight_map = [], {}
+    for k, shard in enumerate(shards, 1):
+        f = d / f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        save_safetensors(f, shard, metadata={"format": "pt"})
+        files.append(f)
+        weight_map.update({n: f.name for n in shard})
+    index = {"metadata": {"total_size": int(sum(a.nbytes for a in arrays.values()))}, "weight_map": weight_map}
+    (d / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return files
