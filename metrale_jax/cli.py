@@ -1,58 +1,553 @@
-"""`metrale-jax` command line."""
+"""`metrale-jax` command line: run, score and inspect Nemotron-H checkpoints (the built-in model by default).
+
+  metrale-jax demo                                    the built-in model continues a prompt
+  metrale-jax generate --model DIR --prompt TEXT      continue a prompt with any checkpoint
+  metrale-jax score --model DIR --data FILE.jsonl     per-example log-prob / perplexity
+  metrale-jax info --model DIR                        layers, sizes and weight formats (headers only)
+
+Bad paths or arguments end with one line on stderr and exit code 2.
+"""
 
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
+import json
+import math
+import os
 import sys
 import time
+from pathlib import Path
+
+PROG = "metrale-jax"
+DEMO_PROMPT = "And God said unto Moses,"
 
 
-def _demo(args) -> int:
-    """One Mamba-2 layer on random weights: prefill a sequence, decode tokens, check they agree."""
+class UsageError(Exception):
+    """A bad argument or path: reported as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a usage error as one line (no usage block) and exits 2."""
+
+    def error(self, message):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+# ---- argument types ---------------------------------------------------------------------------
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not value >= 0 or math.isinf(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number >= 0, got {text}")
+    return value
+
+
+def _top_p(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text}")
+    return value
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        ids = [int(t) for t in text.replace(",", " ").split()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+    if not ids:
+        raise argparse.ArgumentTypeError("expected at least one token id")
+    return ids
+
+
+# ---- loading ----------------------------------------------------------------------------------
+def _model_dir(arg: str | None) -> Path:
+    """--model DIR checked (a folder holding config.json), or the built-in model's folder."""
+    if arg is None:
+        from metrale_jax.builtin import builtin_model_dir
+
+        return builtin_model_dir()
+    path = Path(arg)
+    if not path.exists():
+        raise UsageError(f"--model {arg}: no such directory")
+    if not path.is_dir():
+        raise UsageError(f"--model {arg}: not a directory")
+    if not (path / "config.json").is_file():
+        raise UsageError(f"--model {arg}: no config.json there")
+    return path
+
+
+def _load(args):
+    """(model, its folder) for --model / --dtype."""
+    import jax.numpy as jnp
+
+    from metrale_jax.builtin import checkpoint_dtype
+    from metrale_jax.errors import MetraleError
+    from metrale_jax.model import NemotronH
+
+    path = _model_dir(args.model)
+    dtype = checkpoint_dtype(path) if args.dtype == "auto" else jnp.dtype(args.dtype)
+    try:
+        return NemotronH.from_pretrained(path, dtype=dtype), path
+    except (MetraleError, OSError) as e:
+        raise UsageError(f"--model {args.model or path}: {_one_line(e)}") from None
+
+
+def _describe(model, path: Path) -> str:
+    import jax
+
+    from metrale_jax.weights.checkpoint import expected_tensors
+
+    c = model.config
+    params = sum(math.prod(spec.shape) for spec in expected_tensors(c).values())
+    tok = type(model.tokenizer).__name__ if model.tokenizer is not None else "no tokenizer"
+    return (f"{path}: pattern {c.hybrid_override_pattern!r}, hidden {c.hidden_size}, vocab {c.vocab_size}, "
+            f"{params / 1e6:.2f}M params, {model.dtype.name}, {tok}; backend {jax.default_backend()}")
+
+
+# ---- generation -------------------------------------------------------------------------------
+@functools.cache
+def _sampler():
     import jax
     import jax.numpy as jnp
 
-    from metrale_jax import ModelConfig, NemotronMamba2Layer, SlotAllocator, SsmPool
-    from metrale_jax.init import random_norm, random_ssm_weights
+    @functools.partial(jax.jit, static_argnames=("greedy",))
+    def pick(logits, key, temperature, top_p, *, greedy):
+        """Next token [B] from logits [B, V]: argmax, or top-p sampling at `temperature`."""
+        if greedy:
+            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        z = logits / temperature
+        sorted_z = jnp.sort(z, axis=-1)[:, ::-1]
+        sorted_p = jax.nn.softmax(sorted_z, axis=-1)
+        keep = (jnp.cumsum(sorted_p, axis=-1) - sorted_p) < top_p           # the top token is always kept
+        cutoff = jnp.min(jnp.where(keep, sorted_z, jnp.inf), axis=-1, keepdims=True)
+        return jax.random.categorical(key, jnp.where(z >= cutoff, z, -jnp.inf), axis=-1).astype(jnp.int32)
 
-    cfg = ModelConfig.from_hf(dict(vocab_size=256, hidden_size=128, hybrid_override_pattern="M",
-                                   mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=32, n_groups=2,
-                                   chunk_size=32))
-    k1, k2, k3 = jax.random.split(jax.random.key(args.seed), 3)
-    layer = NemotronMamba2Layer(random_norm(cfg, k1, jnp.float32), random_ssm_weights(cfg, k2, jnp.float32), cfg, 0)
-    pool = SsmPool.for_config(cfg, max_slots=2, dtype=jnp.float32)
-    alloc = SlotAllocator(pool.num_slots)
-    slot, pool = alloc.alloc(pool)
-    x = jax.random.normal(k3, (args.tokens, cfg.hidden_size), jnp.float32)
-    prefill = jax.jit(lambda l, p, h: l.prefill(p, slot, h))
-    decode = jax.jit(lambda l, p, h: l.decode(p, slot, h), donate_argnums=1)
+    return pick
+
+
+def _bucket(n: int, minimum: int) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, minimum))))
+
+
+def run_generation(model, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
+                   seed: int = 0, progress: bool | None = None) -> dict:
+    """Prefill `prompt` into one slot, then decode up to max_new_tokens, timing each phase.
+
+    The prefill runs twice on fresh caches (the first compiles), so its rate excludes compilation; the
+    first decode step compiles and is left out of the decode rate. Sampling is seeded per step as
+    model.generate does (fold_in(key(seed), step)). Returns the new tokens and the times.
+    """
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    pick = _sampler()
+    T = len(prompt)
+    ids = np.zeros((1, _bucket(T, 8)), np.int32)
+    ids[0, :T] = prompt
+    max_len = _bucket(T + max_new_tokens, 16)
+
+    def prefill():
+        cache = model.new_cache(1, max_len)
+        logits, cache = model.prefill(cache, np.array([0]), ids, np.array([T]))
+        return jax.block_until_ready(logits), cache
+
     t0 = time.perf_counter()
-    y_prefill, pool_prefill = jax.block_until_ready(prefill(layer, pool, x))
+    prefill()
     t1 = time.perf_counter()
-    ys = []
-    for t in range(args.tokens):
-        y, pool = decode(layer, pool, x[t])
-        ys.append(y)
-    y_decode = jax.block_until_ready(jnp.stack(ys))
+    logits, cache = prefill()
     t2 = time.perf_counter()
-    err = float(jnp.linalg.norm(y_decode - y_prefill) / jnp.linalg.norm(y_prefill - x))
-    state_err = float(jnp.linalg.norm(pool.ssm_state - pool_prefill.ssm_state) / jnp.linalg.norm(pool_prefill.ssm_state))
-    print(f"NemotronMamba2Layer  hidden={cfg.hidden_size} heads={cfg.mamba_num_heads}x{cfg.mamba_head_dim} "
-          f"state={cfg.ssm_state_size} groups={cfg.n_groups}  backend={jax.default_backend()}")
-    print(f"prefill {args.tokens} tokens: {t1 - t0:.3f} s (with compile)")
-    print(f"decode  {args.tokens} tokens: {t2 - t1:.3f} s ({args.tokens / (t2 - t1):.1f} tokens/s, with compile)")
-    print(f"prefill vs token-by-token decode: output rel err {err:.2e}, final state rel err {state_err:.2e}")
-    return 0 if err < 1e-4 and state_err < 1e-4 else 1
+
+    eos = model.eos_ids()
+    key = jax.random.key(seed)
+    temp, p = jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p)
+    sample = lambda logits, step: pick(logits, jax.random.fold_in(key, step), temp, p, greedy=temperature == 0)
+    slots = np.array([0])
+    tokens: list[int] = []
+    step_s: list[float] = []                  # one decode step + sampling each; the first compiles
+    finish = "length"
+    bar = tqdm(total=max_new_tokens, desc="decoding", unit="tok", file=sys.stderr, leave=False,
+               disable=None if progress is None else not progress)
+    s0 = time.perf_counter()
+    tok = sample(logits, 0)
+    first_pick_s = time.perf_counter() - s0   # compiles the sampler
+    for step in range(max_new_tokens):
+        value = int(tok[0])
+        if value in eos:
+            finish = "eos"
+            break
+        tokens.append(value)
+        bar.update(1)
+        if step + 1 == max_new_tokens:
+            break
+        s0 = time.perf_counter()
+        logits, cache = model.decode(cache, slots, tok)
+        tok = jax.block_until_ready(sample(logits, step + 1))
+        step_s.append(time.perf_counter() - s0)
+    bar.close()
+    steady = step_s[1:]
+    mean = sum(steady) / len(steady) if steady else 0.0
+    return {"tokens": tokens, "finish_reason": finish, "prompt_tokens": T,
+            "prefill_s": t2 - t1, "prefill_compile_s": max(0.0, (t1 - t0) - (t2 - t1)),
+            "decode_tokens": len(steady), "decode_s": sum(steady),
+            "decode_compile_s": max(0.0, first_pick_s + (step_s[0] - mean if step_s else 0.0))}
+
+
+def _rates(r: dict) -> list[str]:
+    pre = r["prompt_tokens"] / r["prefill_s"] if r["prefill_s"] > 0 else float("inf")
+    lines = [f"prefill: {r['prompt_tokens']} tokens in {1e3 * r['prefill_s']:.1f} ms = {pre:,.0f} tokens/s "
+             f"(compile {r['prefill_compile_s']:.1f} s)"]
+    if r["decode_tokens"]:
+        dec = r["decode_tokens"] / r["decode_s"] if r["decode_s"] > 0 else float("inf")
+        lines.append(f"decode:  {r['decode_tokens']} tokens in {r['decode_s']:.2f} s = {dec:,.1f} tokens/s "
+                     f"(compile {r['decode_compile_s']:.1f} s; {len(r['tokens'])} new tokens, "
+                     f"stopped on {r['finish_reason']})")
+    else:
+        lines.append(f"decode:  {len(r['tokens'])} new tokens, stopped on {r['finish_reason']} "
+                     f"(too few steps to time apart from the compile)")
+    return lines
+
+
+def _prompt_ids(model, args) -> list[int]:
+    if args.prompt_ids is not None:
+        ids = args.prompt_ids
+        bad = [i for i in ids if not 0 <= i < model.config.vocab_size]
+        if bad:
+            raise UsageError(f"--prompt-ids: ids {bad[:5]} outside the vocabulary [0, {model.config.vocab_size})")
+        return ids
+    if model.tokenizer is None:
+        raise UsageError(f"--model {args.model}: has no tokenizer (tokenizer.json or byte_tokenizer.json); "
+                         f"give the prompt as --prompt-ids")
+    ids = model.tokenizer.encode(args.prompt)
+    if not ids:
+        raise UsageError("--prompt: encodes to no tokens")
+    return ids
+
+
+def _text(model, ids: list[int]) -> str:
+    """Text of ids (the prompt and its continuation decoded together, so that a character split
+    across the boundary survives), or the ids themselves when the model has no tokenizer."""
+    return model.tokenizer.decode(ids) if model.tokenizer is not None else " ".join(map(str, ids))
+
+
+def cmd_demo(args) -> int:
+    t0 = time.perf_counter()
+    model, path = _load(args)
+    print(_describe(model, path if args.model else Path("built-in model")), flush=True)
+    if args.model is None:
+        print(_builtin_note(path), flush=True)
+    prompt = _prompt_ids(model, args)
+    r = run_generation(model, prompt, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                       seed=args.seed)
+    print()
+    print(_text(model, prompt + r["tokens"]))
+    print()
+    for line in _rates(r):
+        print(line)
+    print(f"total: {time.perf_counter() - t0:.1f} s (load, compile and run)")
+    return 0
+
+
+def _builtin_note(path: Path) -> str:
+    """One line on how the built-in model was trained, from its train_log.json."""
+    try:
+        log = json.loads((path / "train_log.json").read_text())
+        corpus = log["corpus"]["train.txt"]["bytes"]
+        return (f"trained by tools/train_tiny.py: {log['steps_done']} steps, {log['train_seconds'] / 60:.0f} min on "
+                f"the CPU, {corpus / 1e6:.1f} MB of the King James Bible; held-out "
+                f"{log['saved']['heldout_bits_per_byte']:.2f} bits/byte (unigram "
+                f"{log['unigram_heldout_bits_per_byte']:.2f})")
+    except (OSError, KeyError, TypeError, json.JSONDecodeError):
+        return "(no training log)"
+
+
+def cmd_generate(args) -> int:
+    model, path = _load(args)
+    print(_describe(model, path), file=sys.stderr, flush=True)
+    prompt = _prompt_ids(model, args)
+    r = run_generation(model, prompt, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                       seed=args.seed)
+    if args.json:
+        print(json.dumps({"prompt": args.prompt, "prompt_ids": prompt, "tokens": r["tokens"],
+                          "text": _text(model, r["tokens"]) if model.tokenizer is not None else None,
+                          **{k: v for k, v in r.items() if k != "tokens"}}))
+    else:
+        print(_text(model, prompt + r["tokens"]))
+        for line in _rates(r):
+            print(line, file=sys.stderr)
+    return 0
+
+
+# ---- score ------------------------------------------------------------------------------------
+def read_examples(path: str, tokenizer, vocab_size: int) -> list[list[int]]:
+    """Token ids of each line of a JSONL file: {"text": ...} (needs a tokenizer) or {"ids": [...]}."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"--data {path}: no such file")
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as e:
+        raise UsageError(f"--data {path}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    examples = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"--data {path} line {n}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{where}: not valid JSON ({e.msg})") from None
+        if isinstance(obj, dict) and isinstance(obj.get("text"), str):
+            if tokenizer is None:
+                raise UsageError(f"{where}: has text, but the model has no tokenizer (give \"ids\")")
+            ids = tokenizer.encode(obj["text"])
+        elif isinstance(obj, dict) and isinstance(obj.get("ids"), list) and all(
+                isinstance(i, int) and not isinstance(i, bool) for i in obj["ids"]):
+            ids = obj["ids"]
+            bad = [i for i in ids if not 0 <= i < vocab_size]
+            if bad:
+                raise UsageError(f"{where}: ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+        else:
+            raise UsageError(f'{where}: expected {{"text": "..."}} or {{"ids": [int, ...]}}')
+        if len(ids) < 2:
+            raise UsageError(f"{where}: needs at least 2 tokens to score, has {len(ids)}")
+        examples.append(ids)
+    if not examples:
+        raise UsageError(f"--data {path}: no examples")
+    return examples
+
+
+def score_examples(model, examples: list[list[int]], batch_size: int, progress: bool | None = None) -> list[dict]:
+    """Sum and mean log-prob of tokens 1.. of each example given those before it; batches of
+    similar length, each padded by model.score to its (batch, length) bucket."""
+    import numpy as np
+    from tqdm.auto import tqdm
+
+    order = sorted(range(len(examples)), key=lambda i: len(examples[i]))
+    out: list[dict | None] = [None] * len(examples)
+    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    for batch in tqdm(batches, desc="scoring", unit="batch", file=sys.stderr, leave=False,
+                      disable=None if progress is None else not progress):
+        lengths = np.array([len(examples[i]) for i in batch])
+        ids = np.zeros((len(batch), lengths.max()), np.int32)
+        for row, i in enumerate(batch):
+            ids[row, :lengths[row]] = examples[i]
+        logprobs = np.asarray(model.score(ids, lengths), np.float64)           # [B, T-1], 0 past each length
+        for row, i in enumerate(batch):
+            n = int(lengths[row]) - 1
+            total = float(logprobs[row, :n].sum())
+            out[i] = {"example": i, "tokens": n, "sum_logprob": total, "mean_logprob": total / n,
+                      "perplexity": math.exp(-total / n)}
+    return out
+
+
+def cmd_score(args) -> int:
+    if not Path(args.data).is_file():
+        raise UsageError(f"--data {args.data}: no such file")
+    model, path = _load(args)
+    examples = read_examples(args.data, model.tokenizer, model.config.vocab_size)
+    print(_describe(model, path), file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    rows = score_examples(model, examples, args.batch_size)
+    seconds = time.perf_counter() - t0
+    n = sum(r["tokens"] for r in rows)
+    total = sum(r["sum_logprob"] for r in rows)
+    summary = {"examples": len(rows), "tokens": n, "sum_logprob": total, "mean_logprob": total / n,
+               "perplexity": math.exp(-total / n), "bits_per_token": -total / n / math.log(2), "seconds": seconds}
+    if args.json:
+        for r in rows:
+            print(json.dumps(r))
+        print(json.dumps({"total": summary}))
+        return 0
+    print(f"{'example':>7}  {'tokens':>7}  {'mean log-prob':>13}  {'perplexity':>10}")
+    for r in rows:
+        print(f"{r['example']:>7}  {r['tokens']:>7}  {r['mean_logprob']:>13.4f}  {r['perplexity']:>10.3f}")
+    print(f"{'total':>7}  {n:>7}  {summary['mean_logprob']:>13.4f}  {summary['perplexity']:>10.3f}   "
+          f"({summary['bits_per_token']:.3f} bits/token; {seconds:.1f} s with compile)")
+    return 0
+
+
+# ---- info -------------------------------------------------------------------------------------
+_SCALES = ("weight_scale", "weight_scale_2", "weight_scale_inv", "input_scale")
+
+
+def checkpoint_summary(directory: Path) -> dict:
+    """Layers, sizes and weight formats of a checkpoint from config.json and the safetensors headers
+    (no tensor data is read)."""
+    from metrale_jax.config import ModelConfig
+    from metrale_jax.tokenizer import BYTE_TOKENIZER_FILE
+    from metrale_jax.weights.checkpoint import open_checkpoint
+
+    config = ModelConfig.from_hf(directory)
+    raw = json.loads((directory / "config.json").read_text())
+    reader = open_checkpoint(directory)
+    try:
+        infos = {name: reader.info(name) for name in reader.keys()}
+    finally:
+        reader.close()
+    from metrale_jax.weights.safetensors_io import DTYPES
+
+    bytes_by_dtype: collections.Counter = collections.Counter()
+    formats: collections.Counter = collections.Counter()
+    params = 0
+    for name, (dtype, shape) in infos.items():
+        numel = math.prod(shape)
+        bytes_by_dtype[dtype] += numel * DTYPES[dtype].itemsize
+        base, _, leaf = name.rpartition(".")
+        if leaf in _SCALES:
+            continue                                           # scales are bytes, not parameters
+        params += 2 * numel if dtype == "U8" and leaf == "weight" else numel
+        if leaf != "weight" or len(shape) < 2:
+            continue
+        if dtype == "U8":
+            formats["nvfp4"] += 1
+        elif dtype.startswith("F8_"):
+            formats["fp8 block-scaled" if f"{base}.weight_scale_inv" in infos else "fp8 per-tensor"] += 1
+        else:
+            formats[f"dense {dtype.lower()}"] += 1
+    kinds = collections.Counter(config.hybrid_override_pattern)
+    names = {"M": "mamba2", "*": "attention", "-": "mlp", "E": "moe"}
+    c = config
+    highlights = {"hidden_size": c.hidden_size, "vocab_size": c.vocab_size,
+                  "tie_word_embeddings": c.tie_word_embeddings, "dtype": raw.get("dtype") or raw.get("torch_dtype")}
+    if kinds["M"]:
+        highlights["mamba"] = (f"{c.mamba_num_heads} heads x {c.mamba_head_dim}, state {c.ssm_state_size}, "
+                               f"{c.n_groups} groups, conv {c.conv_kernel}, chunk {c.chunk_size}")
+    if kinds["*"]:
+        highlights["attention"] = (f"{c.num_attention_heads} heads / {c.num_key_value_heads} kv heads "
+                                   f"x {c.head_dim}")
+    if kinds["-"]:
+        highlights["mlp"] = f"intermediate {c.intermediate_size}, {c.mlp_hidden_act}"
+    if kinds["E"]:
+        highlights["moe"] = (f"{c.n_routed_experts} experts (top {c.num_experts_per_tok}, {c.n_group} groups / "
+                             f"top {c.topk_group}), intermediate {c.moe_intermediate_size}, "
+                             f"{c.n_shared_experts} shared ({c.moe_shared_expert_intermediate_size})"
+                             + (f", latent {c.moe_latent_size}" if c.moe_latent_size else ""))
+    if c.quantization_config is not None:
+        highlights["quantization"] = dict(c.quantization_config).get("quant_method", "?")
+    tokenizer = ("tokenizer.json" if (directory / "tokenizer.json").is_file()
+                 else "bytes" if (directory / BYTE_TOKENIZER_FILE).is_file() else None)
+    return {"path": str(directory), "pattern": c.hybrid_override_pattern, "layers": c.num_hidden_layers,
+            "layer_kinds": {names[k]: kinds[k] for k in "M*-E" if kinds[k]}, "params": params,
+            "tensors": len(infos), "bytes": sum(bytes_by_dtype.values()),
+            "bytes_by_dtype": dict(sorted(bytes_by_dtype.items())), "weight_formats": dict(sorted(formats.items())),
+            "tokenizer": tokenizer, "config": highlights}
+
+
+def cmd_info(args) -> int:
+    s = checkpoint_summary(_model_dir(args.model))
+    if args.json:
+        print(json.dumps(s, indent=1))
+        return 0
+    def mib(n: int) -> str:
+        unit = max(u for u in range(4) if n >= 1024 ** u or u == 0)
+        return f"{n} B" if unit == 0 else f"{n / 1024 ** unit:.2f} {('KiB', 'MiB', 'GiB')[unit - 1]}"
+
+    print(f"model:    {s['path']}")
+    print(f"layers:   {s['layers']}  pattern {s['pattern']!r}  ("
+          + ", ".join(f"{n} {k}" for k, n in s["layer_kinds"].items()) + ")")
+    print(f"params:   {s['params']:,}  in {s['tensors']} tensors, {mib(s['bytes'])}")
+    print("bytes:    " + ", ".join(f"{d} {mib(n)}" for d, n in s["bytes_by_dtype"].items()))
+    print("formats:  " + ", ".join(f"{n} {f}" for f, n in s["weight_formats"].items()))
+    print(f"tokenizer: {s['tokenizer'] or 'none'}")
+    for k, v in s["config"].items():
+        print(f"  {k}: {v}")
+    return 0
+
+
+# ---- entry point ------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser, metavar="COMMAND")
+
+    def model_args(p, what="the checkpoint folder (config.json, model*.safetensors)"):
+        p.add_argument("--model", metavar="DIR", help=f"{what}; default: the built-in model")
+
+    def run_args(p, default_prompt=None, temperature=0.0, top_p=1.0):
+        model_args(p)
+        p.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
+                       help="weights dtype (auto: the checkpoint's torch_dtype)")
+        prompt = p.add_mutually_exclusive_group(required=default_prompt is None)
+        prompt.add_argument("--prompt", default=default_prompt, help="text to continue")
+        prompt.add_argument("--prompt-ids", type=_token_ids, help="prompt as token ids: '1,2,3'")
+        p.add_argument("--max-new-tokens", type=_positive_int, default=200)
+        p.add_argument("--temperature", type=_non_negative_float, default=temperature,
+                       help=f"0: greedy (default {temperature})")
+        p.add_argument("--top-p", type=_top_p, default=top_p, help=f"nucleus sampling mass (default {top_p})")
+        p.add_argument("--seed", type=int, default=0)
+
+    demo = sub.add_parser("demo", help="the built-in model continues a prompt; prints tokens/s")
+    run_args(demo, DEMO_PROMPT, temperature=0.7, top_p=0.9)
+    demo.set_defaults(func=cmd_demo)
+
+    gen = sub.add_parser("generate", help="continue a prompt")
+    run_args(gen)
+    gen.add_argument("--json", action="store_true", help="one JSON object with tokens, text and timings")
+    gen.set_defaults(func=cmd_generate)
+
+    score = sub.add_parser("score", help="per-example log-prob and perplexity of a JSONL file")
+    model_args(score)
+    score.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
+    score.add_argument("--data", required=True, metavar="FILE.jsonl",
+                       help='one example a line: {"text": "..."} or {"ids": [...]}')
+    score.add_argument("--batch-size", type=_positive_int, default=8)
+    score.add_argument("--json", action="store_true", help="JSON lines: one per example, then the total")
+    score.set_defaults(func=cmd_score)
+
+    info = sub.add_parser("info", help="layers, sizes and weight formats, from the headers only")
+    model_args(info)
+    info.add_argument("--json", action="store_true")
+    info.set_defaults(func=cmd_info)
+    return parser
+
+
+def _one_line(e: BaseException) -> str:
+    """A multi-line message (a CheckpointError's list of problems) folded into one line."""
+    parts = [part.strip() for part in str(e).splitlines() if part.strip()]
+    if not parts:
+        return type(e).__name__
+    line = parts[0]
+    for part in parts[1:]:
+        line += (" " if line.endswith(":") else "; ") + part
+    return line
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="metrale-jax", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="run the built-in demo")
-    demo.add_argument("--tokens", type=int, default=64)
-    demo.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args(argv)
-    return {"demo": _demo}[args.command](args)
+    from metrale_jax.errors import MetraleError
+
+    try:
+        args = build_parser().parse_args(argv)
+        return args.func(args)
+    except UsageError as e:
+        print(f"{PROG}: error: {_one_line(e)}", file=sys.stderr)
+    except BrokenPipeError:                     # stdout closed early (`| head`): stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    except (MetraleError, OSError) as e:
+        where = f"{e.filename}: " if isinstance(e, OSError) and e.filename and str(e.filename) not in str(e) else ""
+        print(f"{PROG}: error: {where}{_one_line(e)}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return 130
+    return 2
 
 
 if __name__ == "__main__":

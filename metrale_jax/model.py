@@ -9,6 +9,10 @@ Entry points (all logits float32):
   generate(prompts, ...), score(ids, lengths)           batch jobs on top, jit-compiled per shape bucket
 The model is an nnx.Module and so a pytree: the compiled steps take it as an argument. A cache passed
 to a compiled step is donated (updated in place); use the cache that comes back.
+With a mesh (from_pretrained / from_config / NemotronH(..., mesh=...)) the weights and the cache are split
+over the mesh's devices (tensor and expert parallelism, sharding.py) and every step runs through shard_map;
+the entry points and step functions keep their signatures. Such a model's Mamba in_proj / conv rows are
+stored in a device-major order: run it through its entry points or step functions, not its layers.
 """
 
 from __future__ import annotations
@@ -25,7 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
+from metrale_jax import sharding
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import CheckpointError, ConfigError, ShapeError, SlotError
 from metrale_jax.layers.attention import NemotronAttentionLayer
@@ -65,8 +71,13 @@ class NemotronH(nnx.Module):
     """A Nemotron-H causal LM built from HF-named tensors (see weights/checkpoint.py for the names)."""
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, object], *, dtype=jnp.bfloat16,
-                 levers: ModelLevers | None = None, tokenizer=None, notes: Sequence[str] = ()):
+                 levers: ModelLevers | None = None, tokenizer=None, notes: Sequence[str] = (), mesh=None,
+                 shard_of: sharding.DeviceShare | None = None):
+        """mesh: split the model over the mesh's devices (tensors are placed on their shards unless they
+        come as sharding.ShardedTensors). shard_of: build one device's view instead (sharding.py does)."""
         self.config = config
+        self.tp = None if mesh is None else sharding.tensor_parallel(mesh)   # steps run through shard_map
+        self.vocab_axis = shard_of.axis if shard_of is not None and shard_of.vocab else None   # a view's lm_head
         self.levers = ModelLevers.from_env() if levers is None else levers
         self.dtype = jnp.dtype(dtype)
         self.tokenizer = tokenizer
@@ -77,12 +88,18 @@ class NemotronH(nnx.Module):
         missing = missing_tensors(config, tensors)
         if missing:
             raise CheckpointError(missing)
+        if self.tp is not None:
+            tensors = sharding.shard_tensors(config, tensors, self.tp, self.dtype)
         t = _cast(config, tensors, self.dtype)
         self.embeddings = nnx.Param(t["backbone.embeddings.weight"])
         layers = []
         for i, kind in enumerate(config.hybrid_override_pattern):
             norm, weights = layer_weights(config, i, t)
-            layers.append(LAYER_CLASSES[kind](norm, weights, config, i, levers=self.levers))
+            kw = {"expert_shards": shard_of.size} if shard_of is not None and kind == "E" else {}
+            layer = LAYER_CLASSES[kind](norm, weights, config, i, levers=self.levers, **kw)
+            if shard_of is not None:
+                layer.tp_axis = shard_of.axis
+            layers.append(layer)
         self.layers = nnx.List(layers)
         self.norm_f = nnx.Param(t["backbone.norm_f.weight"])
         if config.tie_word_embeddings:
@@ -91,22 +108,31 @@ class NemotronH(nnx.Module):
             self.lm_head = nnx.data(Projection("lm_head", config.vocab_size, config.hidden_size,
                                                kernels=self.levers.kernels))
             self.lm_head.set_dense(t["lm_head.weight"])
+        if self.tp is not None:
+            sharding.check_placement(self)
 
     # ---- construction ----------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, dtype=jnp.bfloat16, levers: ModelLevers | None = None,
-                        *, progress: bool | None = None) -> NemotronH:
-        """Load config.json + model.safetensors (or a sharded index) and the tokenizer if one is there."""
+                        *, progress: bool | None = None, mesh=None) -> NemotronH:
+        """Load config.json + model.safetensors (or a sharded index) and the tokenizer if one is there.
+        mesh: split the model over its devices, each tensor read from the memory map straight to its shards."""
         config = ModelConfig.from_hf(directory)
-        tensors, notes = read_checkpoint(directory, config, dtype, progress=progress)
+        tensors, notes = read_checkpoint(directory, config, dtype, progress=progress, mesh=mesh)
         return cls(config, tensors, dtype=dtype, levers=levers, tokenizer=load_tokenizer(directory, config),
-                   notes=notes)
+                   notes=notes, mesh=mesh)
 
     @classmethod
     def from_config(cls, config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, levers: ModelLevers | None = None,
-                    *, tokenizer=None) -> NemotronH:
-        """Random weights (see `random_tensors`)."""
-        return cls(config, random_tensors(config, key, dtype), dtype=dtype, levers=levers, tokenizer=tokenizer)
+                    *, tokenizer=None, mesh=None) -> NemotronH:
+        """Random weights (see `random_tensors`; the same key gives the same weights with or without a mesh).
+        mesh: split the model over its devices, each tensor placed on its shards as it is drawn."""
+        if mesh is None:
+            tensors = random_tensors(config, key, dtype)
+        else:
+            tensors = sharding.shard_tensors(config, _random_host_tensors(config, key),
+                                             sharding.tensor_parallel(mesh), dtype)
+        return cls(config, tensors, dtype=dtype, levers=levers, tokenizer=tokenizer, mesh=mesh)
 
     def state_dict(self) -> dict[str, np.ndarray]:
         """Every weight under its HF name in the HF layout (host numpy arrays)."""
@@ -117,6 +143,8 @@ class NemotronH(nnx.Module):
         out["backbone.norm_f.weight"] = self.norm_f[...]
         if self.lm_head is not None:
             out["lm_head.weight"] = self.lm_head.dense_weight().weight
+        if self.tp is not None:                          # undo the device-major row order
+            return {n: sharding.checkpoint_order(n, v, c, self.tp) for n, v in out.items()}
         return {n: np.asarray(v) for n, v in out.items()}
 
     def save_pretrained(self, directory: str | os.PathLike, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
@@ -137,7 +165,10 @@ class NemotronH(nnx.Module):
         return self.config.vocab_size
 
     def new_cache(self, max_slots: int, max_len: int) -> ModelCache:
-        """max_slots sequences (plus the padding slot) of up to max_len tokens each."""
+        """max_slots sequences (plus the padding slot) of up to max_len tokens each; on a sharded model, created
+        on its shards (SSM pool by head, conv pool by channel in device-major order, KV pool by kv head)."""
+        if self.tp is not None:
+            return sharding.new_cache(self.config, self.tp, max_slots, max_len, self.dtype)
         return ModelCache.for_config(self.config, max_slots, max_len, self.dtype)
 
     def eos_ids(self) -> frozenset[int]:
@@ -298,6 +329,10 @@ def _logits(model: NemotronH, x: jax.Array, phase: str = "prefill") -> jax.Array
 def _stack_prefill(model: NemotronH, ssm: SsmPool, kv: KvPool, slots, ids, lengths, starts):
     """Run every block over right-padded rows ids [B, T].  starts None: new sequences; else [B] positions.
     Returns (final-normed hidden [B, T, D], ssm, kv)."""
+    if model.tp is not None:
+        specs = sharding.cache_specs(model.config, model.tp)
+        return sharding.run_sharded(_stack_prefill, model, ssm, kv, slots, ids, lengths, starts,
+                                    out_specs=(P(), specs.ssm, specs.kv))
     B, T = ids.shape
     h = model.embeddings[...][ids]                                          # [B, T, D]
     D = h.shape[-1]
@@ -322,6 +357,8 @@ def _stack_prefill(model: NemotronH, ssm: SsmPool, kv: KvPool, slots, ids, lengt
 
 def forward_step(model: NemotronH, ids):
     """ids [B, T] -> logits [B, T, V] float32 (full rows, no cache)."""
+    if model.tp is not None:
+        return sharding.run_sharded(forward_step, model, ids, out_specs=sharding.logits_spec(model, 3))
     TRACE_COUNTS["forward"] += 1
     B, T = ids.shape
     h = _hidden_no_cache(model, ids, jnp.full((B,), T, jnp.int32))
@@ -339,6 +376,10 @@ def _hidden_no_cache(model: NemotronH, ids, lengths):
 
 def prefill_step(model: NemotronH, cache: ModelCache, slots, ids, lengths, *, all_logits: bool, continue_: bool):
     """`NemotronH.prefill` without the host-side checks: (logits [B, V] or [B, T, V], new cache)."""
+    if model.tp is not None:
+        out_specs = (sharding.logits_spec(model, 3 if all_logits else 2), sharding.cache_specs(model.config, model.tp))
+        return sharding.run_sharded(prefill_step, model, cache, slots, ids, lengths, out_specs=out_specs,
+                                    all_logits=all_logits, continue_=continue_)
     TRACE_COUNTS["prefill"] += 1
     B, T = ids.shape
     starts = cache.seq_lens[slots] if continue_ else None
@@ -353,6 +394,9 @@ def prefill_step(model: NemotronH, cache: ModelCache, slots, ids, lengths, *, al
 
 def decode_step(model: NemotronH, cache: ModelCache, slots, tokens):
     """`NemotronH.decode` without the host-side checks: (logits [B, V], new cache)."""
+    if model.tp is not None:
+        out_specs = (sharding.logits_spec(model, 2), sharding.cache_specs(model.config, model.tp))
+        return sharding.run_sharded(decode_step, model, cache, slots, tokens, out_specs=out_specs)
     TRACE_COUNTS["decode"] += 1
     pos = cache.seq_lens[slots]
     ssm, kv = cache.ssm, cache.kv
@@ -370,6 +414,8 @@ def decode_step(model: NemotronH, cache: ModelCache, slots, tokens):
 
 def score_step(model: NemotronH, ids, lengths):
     """ids [B, T], lengths [B] -> log p(ids[t+1] | ids[:t+1]) [B, T-1], zero past each length."""
+    if model.tp is not None:
+        return sharding.run_sharded(score_step, model, ids, lengths, out_specs=P())
     TRACE_COUNTS["score"] += 1
     B, T = ids.shape
     h = _hidden_no_cache(model, ids, lengths)[:, :-1].reshape(B * (T - 1), -1)
@@ -388,9 +434,23 @@ def _token_logprobs(model: NemotronH, x: jax.Array, targets: jax.Array, chunk: i
     def one(args):
         xc, tc = args
         logits = _logits(model, xc)
+        if model.vocab_axis is not None:
+            return _vocab_parallel_logprobs(logits, tc, model.vocab_axis)
         return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tc[:, None], axis=1)[:, 0]
 
     return jax.lax.map(one, (xs, ts)).reshape(-1)[:N]
+
+
+def _vocab_parallel_logprobs(logits: jax.Array, targets: jax.Array, axis: str) -> jax.Array:
+    """log_softmax(logits)[target] when this device holds vocabulary rows [d*Vl, (d+1)*Vl) of the logits
+    (logits [N, Vl], targets [N] global ids): a max, a sum and the target's logit reduced over `axis`."""
+    Vl = logits.shape[1]
+    m = jax.lax.pmax(jnp.max(logits, axis=1), axis)
+    s = jax.lax.psum(jnp.sum(jnp.exp(logits - m[:, None]), axis=1), axis)
+    local = targets - jax.lax.axis_index(axis) * Vl
+    mine = (local >= 0) & (local < Vl)
+    picked = jnp.take_along_axis(logits, jnp.clip(local, 0, Vl - 1)[:, None], axis=1)[:, 0]
+    return jax.lax.psum(jnp.where(mine, picked, 0.0), axis) - m - jnp.log(s)
 
 
 @functools.partial(jax.jit, static_argnames=("greedy",))
@@ -447,10 +507,16 @@ def random_tensors(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> d
     ~ N(0, 1/fan_in) (output maps further / sqrt(layers)), norms ~ 1 + 0.1 N, Mamba dt / A / D as
     `init.random_ssm_weights` draws them, and a small random e_score_correction_bias so that the
     choice-only bias is exercised."""
+    specs = expected_tensors(config)
+    return {n: jnp.asarray(v).astype(jnp.float32 if specs[n].keep_f32 else dtype)
+            for n, v in _random_host_tensors(config, key)}
+
+
+def _random_host_tensors(config: ModelConfig, key: jax.Array):
+    """(name, float32 numpy array) pairs of `random_tensors`, drawn one at a time."""
     c = config
     rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
     depth = 1.0 / math.sqrt(c.num_hidden_layers)
-    out: dict[str, jax.Array] = {}
     for name, spec in expected_tensors(config).items():
         z = rng.standard_normal(spec.shape, np.float32)
         leaf = name.rsplit(".", 1)[-1]
@@ -476,5 +542,4 @@ def random_tensors(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> d
             v = 0.02 * z
         else:
             v = z * spec.shape[-1] ** -0.5 * (depth if name.endswith(_OUT_PROJECTIONS) else 1.0)
-        out[name] = jnp.asarray(np.asarray(v, np.float32)).astype(jnp.float32 if spec.keep_f32 else dtype)
-    return out
+        yield name, np.asarray(v, np.float32)

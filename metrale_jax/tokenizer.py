@@ -42,6 +42,13 @@ class ByteTokenizer:
     def __repr__(self) -> str:
         return "ByteTokenizer(vocab_size=259)"
 
+    # The tokenizer is static data of a model pytree: equal tokenizers keep compiled steps shared.
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ByteTokenizer)
+
+    def __hash__(self) -> int:
+        return hash(ByteTokenizer)
+
 
 class HFTokenizer:
     """A `tokenizers.Tokenizer` loaded from tokenizer.json; bos / eos / pad ids come from the model's
@@ -60,6 +67,15 @@ class HFTokenizer:
         self.eos_id = eos_id if eos_id is not None else self._find("</s>", "<|end_of_text|>", "<eos>")
         self.pad_id = pad_id if pad_id is not None else self._find("<pad>", "<unk>")
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+
+    def _key(self) -> tuple:
+        return (self.path.resolve(), self.bos_id, self.eos_id, self.pad_id, self.vocab_size)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, HFTokenizer) and self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
 
     def _find(self, *names: str) -> int | None:
         for name in names:

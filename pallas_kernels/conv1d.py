@@ -1,4 +1,5 @@
-"""Causal depthwise conv1d of the Mamba-2 mixer (forward over packed sequences, and the decode update).
+"""Causal depthwise conv1d of the Mamba-2 mixer (forward over packed sequences, and the decode update):
+jnp references and Pallas kernels.
 
 Layout: tokens first. x [T, C]; weight [C, K] (tap K-1 multiplies the current token); conv state
 [.., C, K-1] holds the previous K-1 inputs, oldest first. Accumulation is float32, tap by tap in
@@ -7,11 +8,17 @@ order 0..K-1, in both the forward and the update, so a prefill and token-by-toke
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import registry
-from pallas_kernels.varlen import token_positions
+from pallas_kernels.triton_util import check_floating, check_shape, compiler_params, next_pow2
+from pallas_kernels.varlen import as_cu_seqlens, token_positions
 
 
 def _activate(acc: jax.Array, activation: str | None) -> jax.Array:
@@ -51,15 +58,21 @@ def causal_conv1d_reference(x: jax.Array, weight: jax.Array, bias: jax.Array | N
             src = jnp.where((pos >= lag)[:, None], from_x, from_state)
         acc = acc + weight[:, k].astype(jnp.float32) * src
     y = jnp.where(valid[:, None], _activate(acc, activation), 0.0).astype(x.dtype)
+    return y, _final_states(x, init, cu, K)
 
-    # final state: the last K-1 entries of (initial state ++ the sequence's tokens)
+
+def _final_states(x: jax.Array, init: jax.Array, cu: jax.Array, K: int) -> jax.Array:
+    """The last K-1 entries of (initial state ++ the sequence's tokens), per sequence: [S, C, K-1]."""
+    T, C = x.shape
+    S = cu.shape[0] - 1
+    chan = jnp.arange(C)
     lengths = cu[1:] - cu[:-1]                                  # [S]
     ext = lengths[:, None] + jnp.arange(K - 1)[None, :]         # [S, K-1] index into ext
     from_init = init[jnp.arange(S)[:, None, None], chan[None, :, None], jnp.clip(ext, 0, K - 2)[:, None, :]]
     src_tok = jnp.clip(cu[:-1, None] + ext - (K - 1), 0, T - 1)  # [S, K-1]
     from_tok = jnp.transpose(x[src_tok], (0, 2, 1))            # [S, C, K-1]
     final = jnp.where((ext < K - 1)[:, None, :], from_init, from_tok.astype(init.dtype))
-    return y, final.astype(init.dtype)
+    return final.astype(init.dtype)
 
 
 def causal_conv1d_update_reference(x: jax.Array, conv_state: jax.Array, weight: jax.Array,
@@ -79,3 +92,154 @@ def causal_conv1d_update_reference(x: jax.Array, conv_state: jax.Array, weight: 
 
 registry.register("causal_conv1d", reference=causal_conv1d_reference)
 registry.register("causal_conv1d_update", reference=causal_conv1d_update_reference)
+
+
+# ---- Pallas (Triton backend) ---------------------------------------------------------------------------------
+# Forward: grid (channel blocks, token blocks); a token's tap at lag l reads x[t - l] when it lies in the same
+# sequence (position >= l), else entry K-1+pos-l of the sequence's initial state. Taps accumulate in f32 in the
+# reference's order. The final states (S x C x (K-1) values) are gathered by the same jnp code as the reference.
+# Update: grid (channel blocks, batch rows): window = state ++ x, y = silu(sum_k w_k window_k), state shifts by one.
+
+
+@dataclasses.dataclass(frozen=True)
+class ConvBlocks:
+    block_t: int = 32
+    block_c: int = 256
+    num_warps: int = 4
+
+
+def _act(acc, activation):
+    return acc * jax.nn.sigmoid(acc) if activation in ("silu", "swish") else acc
+
+
+def _conv_fwd_kernel(seq_ref, pos_ref, x_ref, w_ref, b_ref, init_ref, y_ref, *, T, C, K, BT, BC, has_bias, has_init,
+                     activation):
+    cb, tb = pl.program_id(0), pl.program_id(1)
+    f32 = jnp.float32
+    tok = tb * BT + jnp.arange(BT)
+    ch = cb * BC + jnp.arange(BC)
+    tm, cm = tok < T, ch < C
+    m = tm[:, None] & cm[None, :]
+    seq = plgpu.load(seq_ref.at[tok], mask=tm, other=0)
+    pos = plgpu.load(pos_ref.at[tok], mask=tm, other=-1)         # -1: a row past the packed tokens
+    acc = jnp.zeros((BT, BC), f32)
+    if has_bias:
+        acc = acc + plgpu.load(b_ref.at[ch], mask=cm, other=0.0).astype(f32)[None, :]
+    for k in range(K):
+        lag = K - 1 - k
+        if lag == 0:
+            src = plgpu.load(x_ref.at[tok[:, None], ch[None, :]], mask=m, other=0.0).astype(f32)
+        else:
+            inside = (pos >= lag)[:, None]
+            src = plgpu.load(x_ref.at[tok[:, None] - lag, ch[None, :]], mask=m & inside, other=0.0).astype(f32)
+            if has_init:
+                hist = (K - 1 + pos - lag)[:, None]
+                from_state = plgpu.load(init_ref.at[seq[:, None], ch[None, :], hist], mask=m & ~inside & (hist >= 0),
+                                        other=0.0).astype(f32)
+                src = jnp.where(inside, src, from_state)
+        wk = plgpu.load(w_ref.at[ch, k], mask=cm, other=0.0).astype(f32)
+        acc = acc + wk[None, :] * src
+    y = jnp.where((pos >= 0)[:, None], _act(acc, activation), 0.0)
+    plgpu.store(y_ref.at[tok[:, None], ch[None, :]], y.astype(y_ref.dtype), mask=m)
+
+
+def causal_conv1d_pallas(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, *,
+                         initial_states: jax.Array | None = None, cu_seqlens: jax.Array | None = None,
+                         activation: str | None = "silu", interpret: bool = False,
+                         blocks: ConvBlocks | None = None) -> tuple[jax.Array, jax.Array]:
+    """The Pallas conv forward; same call and results as `causal_conv1d_reference`."""
+    check_shape("causal_conv1d", "x", x, (None, None))
+    check_floating("causal_conv1d", "x", x)
+    T, C = x.shape
+    check_shape("causal_conv1d", "weight", weight, (C, None))
+    if bias is not None:
+        check_shape("causal_conv1d", "bias", bias, (C,))
+    if activation not in ("silu", "swish", None):
+        raise ValueError(f"conv1d: unsupported activation {activation!r}")
+    return _conv_fwd(x, weight, bias, initial_states, cu_seqlens, activation=activation, interpret=interpret,
+                     blocks=blocks)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "interpret", "blocks"))
+def _conv_fwd(x, weight, bias, initial_states, cu_seqlens, *, activation, interpret, blocks):
+    T, C = x.shape
+    K = weight.shape[1]
+    cu = as_cu_seqlens(T, cu_seqlens)
+    S = cu.shape[0] - 1
+    if initial_states is not None:
+        check_shape("causal_conv1d", "initial_states", initial_states, (S, C, K - 1))
+    seq, pos, valid, _ = token_positions(T, cu)
+    pos = jnp.where(valid, pos, -1)
+    blk = blocks or ConvBlocks()
+    BT, BC = min(blk.block_t, next_pow2(T)), min(blk.block_c, next_pow2(C))
+    one = jnp.zeros((1,), x.dtype)
+    kernel = functools.partial(_conv_fwd_kernel, T=T, C=C, K=K, BT=BT, BC=BC,
+                               has_bias=bias is not None, has_init=initial_states is not None and K > 1,
+                               activation=activation)
+    y = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((T, C), x.dtype), grid=(pl.cdiv(C, BC), pl.cdiv(T, BT)),
+        compiler_params=compiler_params(blk.num_warps), interpret=interpret, name="causal_conv1d_fwd",
+    )(seq, pos, x, weight, one if bias is None else bias,
+      jnp.zeros((1, 1, 1), x.dtype) if initial_states is None else initial_states)
+    state_dtype = x.dtype if initial_states is None else initial_states.dtype
+    init = jnp.zeros((S, C, K - 1), state_dtype) if initial_states is None else initial_states
+    return y, _final_states(x, init, cu, K)
+
+
+def _conv_update_kernel(x_ref, state_ref, w_ref, b_ref, y_ref, new_ref, *, C, K, BC, has_bias, activation):
+    cb, b = pl.program_id(0), pl.program_id(1)
+    f32 = jnp.float32
+    ch = cb * BC + jnp.arange(BC)
+    cm = ch < C
+    x = plgpu.load(x_ref.at[b, ch], mask=cm, other=0.0)
+    acc = jnp.zeros((BC,), f32)
+    if has_bias:
+        acc = acc + plgpu.load(b_ref.at[ch], mask=cm, other=0.0).astype(f32)
+    for k in range(K):
+        if k == K - 1:
+            src = x.astype(f32)
+        else:
+            win = plgpu.load(state_ref.at[b, ch, k], mask=cm, other=0.0)
+            src = win.astype(f32)
+            if k >= 1:
+                plgpu.store(new_ref.at[b, ch, k - 1], win, mask=cm)
+        acc = acc + plgpu.load(w_ref.at[ch, k], mask=cm, other=0.0).astype(f32) * src
+    if K >= 2:
+        plgpu.store(new_ref.at[b, ch, K - 2], x.astype(new_ref.dtype), mask=cm)
+    plgpu.store(y_ref.at[b, ch], _act(acc, activation).astype(y_ref.dtype), mask=cm)
+
+
+def causal_conv1d_update_pallas(x: jax.Array, conv_state: jax.Array, weight: jax.Array,
+                                bias: jax.Array | None = None, *, activation: str | None = "silu",
+                                interpret: bool = False, blocks: ConvBlocks | None = None):
+    """The Pallas conv decode step; same call and results as `causal_conv1d_update_reference`."""
+    check_shape("causal_conv1d_update", "x", x, (None, None))
+    Bt, C = x.shape
+    K = weight.shape[1]
+    check_shape("causal_conv1d_update", "weight", weight, (C, None))
+    check_shape("causal_conv1d_update", "conv_state", conv_state, (Bt, C, K - 1))
+    if bias is not None:
+        check_shape("causal_conv1d_update", "bias", bias, (C,))
+    if activation not in ("silu", "swish", None):
+        raise ValueError(f"conv1d: unsupported activation {activation!r}")
+    return _conv_update(x, conv_state, weight, bias, activation=activation, interpret=interpret, blocks=blocks)
+
+
+@functools.partial(jax.jit, static_argnames=("activation", "interpret", "blocks"))
+def _conv_update(x, conv_state, weight, bias, *, activation, interpret, blocks):
+    Bt, C = x.shape
+    K = weight.shape[1]
+    blk = blocks or ConvBlocks()
+    BC = min(blk.block_c * 4, next_pow2(C))
+    kernel = functools.partial(_conv_update_kernel, C=C, K=K, BC=BC, has_bias=bias is not None,
+                               activation=activation)
+    return pl.pallas_call(
+        kernel, out_shape=[jax.ShapeDtypeStruct((Bt, C), x.dtype), jax.ShapeDtypeStruct(conv_state.shape,
+                                                                                      conv_state.dtype)],
+        grid=(pl.cdiv(C, BC), Bt), compiler_params=compiler_params(blk.num_warps), interpret=interpret,
+        name="causal_conv1d_update",
+    )(x, conv_state, weight, jnp.zeros((1,), x.dtype) if bias is None else bias)
+
+
+registry.register("causal_conv1d", pallas=causal_conv1d_pallas)
+registry.register("causal_conv1d_update", pallas=causal_conv1d_update_pallas)

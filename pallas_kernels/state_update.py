@@ -1,4 +1,4 @@
-"""Mamba-2 recurrent state update for decode: jnp references.
+"""Mamba-2 recurrent state update for decode: jnp references and Pallas kernels.
 
 The state pool is passed whole, flattened to rows: state [R, H, P, N] (R = layers * slots), and each
 batch row names its pool row. Rows are gathered, advanced one token (or K tokens, keeping the state
@@ -8,13 +8,18 @@ after every token for verify and rollback), and scattered back; no other row is 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import registry
 from pallas_kernels.ssd import process_dt
+from pallas_kernels.triton_util import check_floating, check_shape, compiler_params, next_pow2, softplus
 
 
 def _step(h, x, dt, A, B, C, D):
@@ -64,3 +69,138 @@ def state_update_multi_reference(state: jax.Array, rows: jax.Array, x: jax.Array
 
 registry.register("state_update", reference=state_update_reference)
 registry.register("state_update_multi", reference=state_update_multi_reference)
+
+
+# ---- Pallas (Triton backend) ---------------------------------------------------------------------------------
+# Grid (P-blocks, heads, batch rows): each program gathers the [BP, N] tile of its pool row, advances it (K tokens
+# in registers for the multi form) and scatters it back into the same buffer: the pool is an input aliased to
+# an output (input_output_aliases), so under jit with the pool donated nothing else of the pool is read,
+# written or copied. Batch rows naming the same (padding) row race only on that row.
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateBlocks:
+    """Tuning knobs: P rows of the state per program, warps per program."""
+
+    block_p: int = 16
+    num_warps: int = 4
+
+
+def default_update_blocks(P: int, N: int) -> UpdateBlocks:
+    """From the head shape only (never the batch), so a row's result does not depend on the batch."""
+    return UpdateBlocks(block_p=min(next_pow2(P), max(1, 2048 // next_pow2(N))), num_warps=4)
+
+
+def _update_kernel(rows_ref, A_ref, D_ref, dtb_ref, x_ref, dt_ref, B_ref, C_ref, state_in_ref, y_ref, state_ref,
+                   *steps_ref, K, P, N, rep, BP, Np, has_D, has_bias, softplus_dt, dt_lo, dt_hi, clamp_dt, multi):
+    del state_in_ref  # aliased to state_ref
+    pb, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    f32 = jnp.float32
+    pc = pb * BP + jnp.arange(BP)
+    n = jnp.arange(Np)
+    pm, nm = pc < P, n < N
+    tile = pm[:, None] & nm[None, :]
+    r, g = rows_ref[b], h // rep
+    a = A_ref[h].astype(f32)
+    state = plgpu.load(state_ref.at[r, h, pc[:, None], n[None, :]], mask=tile, other=0.0).astype(f32)
+
+    def token(k, state):
+        at = (b, k) if multi else (b,)
+        dt = dt_ref[(*at, h)].astype(f32)
+        if has_bias:
+            dt = dt + dtb_ref[h].astype(f32)
+        if softplus_dt:
+            dt = softplus(dt)
+        if clamp_dt:
+            dt = jnp.minimum(jnp.maximum(dt, dt_lo), dt_hi)
+        x = plgpu.load(x_ref.at[(*at, h, pc)], mask=pm, other=0.0).astype(f32)          # [BP]
+        Bv = plgpu.load(B_ref.at[(*at, g, n)], mask=nm, other=0.0).astype(f32)          # [Np]
+        Cv = plgpu.load(C_ref.at[(*at, g, n)], mask=nm, other=0.0).astype(f32)
+        dA = jnp.exp(jnp.minimum(dt * a, 0.0))
+        state = state * dA + (dt * x)[:, None] * Bv[None, :]
+        y = jnp.sum(state * Cv[None, :], axis=1)
+        state = state.astype(state_ref.dtype).astype(f32)          # the state is stored between tokens
+        if has_D:
+            y = y + D_ref[h].astype(f32) * x
+        plgpu.store(y_ref.at[(*at, h, pc)], y.astype(y_ref.dtype), mask=pm)
+        if multi:
+            plgpu.store(steps_ref[0].at[b, k, h, pc[:, None], n[None, :]], state.astype(state_ref.dtype), mask=tile)
+        return state
+
+    state = jax.lax.fori_loop(0, K, token, state) if multi else token(0, state)
+    plgpu.store(state_ref.at[r, h, pc[:, None], n[None, :]], state.astype(state_ref.dtype), mask=tile)
+
+
+def _check_update(state, rows, x, dt, A, B, C, D, dt_bias, lead):
+    """Shapes of the update's arguments; lead = (Bt,) or (Bt, K)."""
+    name = "state_update"
+    check_shape(name, "state", state, (None, None, None, None))
+    _, H, P, N = state.shape
+    check_shape(name, "rows", rows, lead[:1])
+    if not jnp.issubdtype(rows.dtype, jnp.integer):
+        raise ValueError(f"{name}: rows expected an integer dtype, got {rows.dtype}")
+    check_shape(name, "x", x, (*lead, H, P))
+    check_shape(name, "dt", dt, (*lead, H))
+    check_shape(name, "A", A, (H,))
+    check_shape(name, "B", B, (*lead, None, N))
+    check_shape(name, "C", C, B.shape)
+    for arg, v in (("x", x), ("dt", dt), ("B", B), ("C", C), ("state", state)):
+        check_floating(name, arg, v)
+    if H % B.shape[-2]:
+        raise ValueError(f"{name}: n_groups {B.shape[-2]} does not divide heads {H}")
+    if D is not None:
+        check_shape(name, "D", D, (H,))
+    if dt_bias is not None:
+        check_shape(name, "dt_bias", dt_bias, (H,))
+
+
+@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "interpret", "blocks", "multi"))
+def _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, *, dt_softplus, dt_limit, interpret, blocks, multi):
+    _, H, P, N = state.shape
+    Bt = x.shape[0]
+    K = x.shape[1] if multi else 1
+    blk = blocks or default_update_blocks(P, N)
+    BP, Np = blk.block_p, next_pow2(N)
+    lo, hi = dt_limit
+    one = jnp.zeros((1,), jnp.float32)
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)]
+    if multi:
+        out_shape.append(jax.ShapeDtypeStruct((Bt, K, H, P, N), state.dtype))
+    kernel = functools.partial(
+        _update_kernel, K=K, P=P, N=N, rep=H // B.shape[-2], BP=BP, Np=Np, has_D=D is not None,
+        has_bias=dt_bias is not None, softplus_dt=dt_softplus, dt_lo=lo, dt_hi=hi,
+        clamp_dt=lo > 0.0 or not math.isinf(hi), multi=multi)
+    return pl.pallas_call(
+        kernel, out_shape=out_shape, grid=(pl.cdiv(P, BP), H, Bt), input_output_aliases={8: 1},
+        compiler_params=compiler_params(blk.num_warps, 1), interpret=interpret, name="ssm_state_update",
+    )(rows.astype(jnp.int32), A, one if D is None else D, one if dt_bias is None else dt_bias, x, dt, B, C, state)
+
+
+def state_update_pallas(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array,
+                        C: jax.Array, *, D: jax.Array | None = None, dt_bias: jax.Array | None = None,
+                        dt_softplus: bool = True, dt_limit: tuple[float, float] = (0.0, math.inf),
+                        interpret: bool = False, blocks: UpdateBlocks | None = None) -> tuple[jax.Array, jax.Array]:
+    """The Pallas one-token update; same call and results as `state_update_reference`, the pool updated in
+    place when the caller donates it."""
+    _check_update(state, rows, x, dt, A, B, C, D, dt_bias, (x.shape[0],))
+    y, state = _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, dt_softplus=dt_softplus,
+                              dt_limit=tuple(float(v) for v in dt_limit), interpret=interpret, blocks=blocks,
+                              multi=False)
+    return y, state
+
+
+def state_update_multi_pallas(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array,
+                              B: jax.Array, C: jax.Array, *, D: jax.Array | None = None,
+                              dt_bias: jax.Array | None = None, dt_softplus: bool = True,
+                              dt_limit: tuple[float, float] = (0.0, math.inf), interpret: bool = False,
+                              blocks: UpdateBlocks | None = None):
+    """The Pallas K-token update; same call and results as `state_update_multi_reference`."""
+    _check_update(state, rows, x, dt, A, B, C, D, dt_bias, x.shape[:2])
+    y, state, steps = _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, dt_softplus=dt_softplus,
+                                     dt_limit=tuple(float(v) for v in dt_limit), interpret=interpret,
+                                     blocks=blocks, multi=True)
+    return y, steps, state
+
+
+registry.register("state_update", pallas=state_update_pallas)
+registry.register("state_update_multi", pallas=state_update_multi_pallas)

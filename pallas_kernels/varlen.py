@@ -40,6 +40,7 @@ class ChunkTable:
     first: jax.Array
     end_pos: jax.Array
     last_chunk: jax.Array  # [S] index of each sequence's last chunk (-1 for an empty sequence)
+    chunk_cu: jax.Array    # [S+1] sequence s owns chunk rows chunk_cu[s] .. chunk_cu[s+1]-1
 
 
 def chunk_table(T: int, cu: jax.Array, chunk_size: int) -> ChunkTable:
@@ -58,5 +59,5 @@ def chunk_table(T: int, cu: jax.Array, chunk_size: int) -> ChunkTable:
     return ChunkTable(
         seq=seq, start=jnp.where(used, start, 0), length=length, first=used & (j == 0),
         end_pos=jnp.where(used, j * chunk_size + length, 0),
-        last_chunk=jnp.where(n_chunks > 0, chunk_cu[1:] - 1, -1),
+        last_chunk=jnp.where(n_chunks > 0, chunk_cu[1:] - 1, -1), chunk_cu=chunk_cu,
     )

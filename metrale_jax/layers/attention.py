@@ -17,7 +17,7 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import ConfigError, ShapeError, WeightFormatError
-from metrale_jax.layers.blocks import linear, optional_param, param, value_of
+from metrale_jax.layers.blocks import linear, optional_param, param, reduced_linear, value_of
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import check_array, check_slots
 from metrale_jax.layers.projection import Projection
@@ -61,6 +61,8 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
     """A Nemotron-H attention block (pattern character *)."""
 
     supports_replay_tail_split = True
+    # mesh axis o_proj's partial sums are reduced over; set on a tensor-parallel device view (sharding.py)
+    tp_axis: str | None = None
 
     def __init__(self, input_norm, attn: NemotronAttentionWeights, config: ModelConfig, layer_idx: int, *,
                  pool_layer: int | None = None, levers: ModelLevers | None = None):
@@ -158,7 +160,10 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
             keys, values, k_pos = pk[l, slots], pv[l, slots], jnp.arange(L, dtype=jnp.int32)
         o = attend(q, keys, values, pos, k_pos, base + lengths, self.scale)       # [B, T, KVH, G, hd]
         o = o.astype(hidden.dtype).reshape(B * T, H * hd)
-        out = hidden + linear(self.o_proj, self.o_bias, o, phase).reshape(B, T, D)
+        if self.tp_axis is None:
+            out = hidden + linear(self.o_proj, self.o_bias, o, phase).reshape(B, T, D)
+        else:
+            out = hidden + reduced_linear(self.o_proj, self.o_bias, o, phase, self.tp_axis).reshape(B, T, D)
         return out, KvPool(pk, pv)
 
     def _check(self, pool: KvPool, hidden: jax.Array, name: str = "hidden") -> None:

@@ -18,6 +18,17 @@ def linear(proj: Projection, bias, x: jax.Array, phase: str) -> jax.Array:
     return y.astype(x.dtype)
 
 
+def reduced_linear(proj: Projection, bias, x: jax.Array, phase: str, axis: str) -> jax.Array:
+    """`linear` on a tensor-parallel device: this device's partial proj(x) (x split by input column) in
+    float32, summed over `axis` (the block's one all-reduce), then the bias once, then one rounding."""
+    return plus_bias(jax.lax.psum(proj(x, phase=phase, out_dtype=jnp.float32), axis), bias).astype(x.dtype)
+
+
+def plus_bias(y: jax.Array, bias) -> jax.Array:
+    """A float32 accumulator y + an optional bias Param (in float32)."""
+    return y if bias is None else y + bias[...].astype(jnp.float32)
+
+
 def param(name: str, value, shape: tuple[int, ...]) -> nnx.Param:
     """An nnx.Param from an array (or DenseWeight), checking its shape and that it is floating."""
     arr = value.weight if isinstance(value, DenseWeight) else jnp.asarray(value)

@@ -17,6 +17,7 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import ConfigError, ShapeError, WeightFormatError
+from metrale_jax.layers.blocks import reduced_linear
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import check_array, check_slots
 from metrale_jax.layers.projection import Projection
@@ -75,6 +76,8 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
     is_ssm_layer = True
     uses_ssm_pool = True
     supports_replay_tail_split = True
+    # mesh axis out_proj's partial sums are reduced over; set on a tensor-parallel device view (sharding.py)
+    tp_axis: str | None = None
 
     def __init__(self, input_norm, ssm: NemotronSsmWeights, config: ModelConfig, layer_idx: int, *,
                  pool_layer: int | None = None, levers: ModelLevers | None = None):
@@ -102,25 +105,52 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         self.norm_weight = nnx.Param(_vector(f"{name}.mixer.norm.weight", ssm.norm_weight, I))
         self.in_proj = Projection(f"{name}.mixer.in_proj", c.in_proj_dim, D, kernels=self.kernels)
         self.out_proj = Projection(f"{name}.mixer.out_proj", D, I, kernels=self.kernels)
-        if isinstance(ssm.in_proj, DenseWeight) and isinstance(ssm.out_proj, DenseWeight):
-            self.set_bf16_weights(ssm.in_proj, ssm.out_proj)
-        else:
-            raise WeightFormatError(
-                f"{name}.mixer.in_proj/out_proj: only dense weights are supported so far, got "
-                f"{type(ssm.in_proj).__name__} / {type(ssm.out_proj).__name__}")
+        # the layer's own projections: each container installs in the arm its type names (BF16 dense, NVFP4
+        # default w4a16, W4A4, block-scaled FP8 native; an FP8 default honours native_fp8_ssm=decode)
+        fp8_prefill = levers.native_fp8_ssm != "decode"
+        prepared = [(p, p.arm_for(w), w) for p, w in ((self.in_proj, ssm.in_proj), (self.out_proj, ssm.out_proj))]
+        prepared = [(p, arm, p.prepare(arm, w, prefill=fp8_prefill)) for p, arm, w in prepared]
+        for p, arm, w in prepared:
+            p.install(arm, w, prefill=fp8_prefill)
 
     # ---- weights (seed names) ----------------------------------------------------------
+    def _install_pair(self, arm: str, in_proj, out_proj, **kw) -> None:
+        """Check both projections' weights (and kernels) before installing either; None skips one."""
+        ready = [(p, p.prepare(arm, w, **kw)) for p, w in ((self.in_proj, in_proj), (self.out_proj, out_proj))
+                 if w is not None]
+        for p, w in ready:
+            p.install(arm, w, **kw)
+
     def set_bf16_weights(self, in_proj, out_proj) -> None:
         """Install dense projections; decode and prefill then use the dense arm ahead of any other."""
-        self.in_proj.set_dense(in_proj)
-        self.out_proj.set_dense(out_proj)
+        self._install_pair("bf16_native", in_proj, out_proj)
 
     def bf16_native_ready(self) -> bool:
         return self.in_proj.dense_ready() and self.out_proj.dense_ready()
 
+    def set_fp8_weights(self, in_proj, out_proj, prefill: bool) -> None:
+        """Install native block-scaled FP8 projections (Fp8Weight tagged FP8_BLOCK_SCALED, scale exactly
+        [ceil(N/128), ceil(K/128)] f32; anything else is a WeightFormatError naming the tensor). Decode then
+        uses w8a16_gemv; with prefill, prefill uses w8a16_gemm_pipelined (or w8a16_gemm) ahead of the
+        NVFP4 / W4A4 arms; prefill=False is decode-only mode. A kernel that did not resolve is a
+        KernelUnavailableError here, never at the first token."""
+        self._install_pair("fp8_native", in_proj, out_proj, prefill=prefill)
+
+    def set_prefill_weights(self, in_proj_t, out_proj_t) -> None:
+        """Install transposed NVFP4 copies (Nvfp4WeightT, or an Nvfp4Weight to transpose): prefill then uses
+        w4a16_gemm_t (w4a16_gemm_t_m128 above 128 tokens) instead of w4a16_gemm, unless an earlier arm applies."""
+        self._install_pair("nvfp4_t", in_proj_t, out_proj_t)
+
+    def set_fp8_prefill_weights(self, in_proj, out_proj) -> None:
+        """Install pre-dequantized FP8 E4M3 copies (Fp8PrefillWeight) for prefill (fp8_gemm_t): after the
+        native and W4A4 arms, before the transposed NVFP4 one."""
+        self._install_pair("fp8_prefill", in_proj, out_proj)
+
     def ssm_weights(self) -> NemotronSsmWeights:
+        """The mixer's weights; in_proj / out_proj are the layer's own containers (NVFP4, W4A4, BF16 or
+        FP8, whichever it was built with), e.g. for the loader to build transposed or FP8 prefill copies."""
         return NemotronSsmWeights(
-            in_proj=self.in_proj.dense_weight(), out_proj=self.out_proj.dense_weight(),
+            in_proj=self.in_proj.base_weight(), out_proj=self.out_proj.base_weight(),
             conv1d_weight=self.conv1d_weight[...],
             conv1d_bias=None if self.conv1d_bias is None else self.conv1d_bias[...],
             dt_bias=self.dt_bias[...], A_log=self.A_log[...], D=self.D[...], norm_weight=self.norm_weight[...])
@@ -169,6 +199,8 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         g = self._kernel("gated_rmsnorm")(y.reshape(y.shape[0], c.d_inner), z, self.norm_weight[...],
                                           group_size=c.gated_norm_group_size, eps=c.layer_norm_epsilon,
                                           out_dtype=hidden.dtype)
+        if self.tp_axis is not None:
+            return hidden + reduced_linear(self.out_proj, None, g, phase, self.tp_axis)
         return hidden + self.out_proj(g, phase=phase)
 
     def _conv(self):

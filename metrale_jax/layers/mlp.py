@@ -15,7 +15,7 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import ConfigError, ShapeError, WeightFormatError
-from metrale_jax.layers.blocks import linear, optional_param, param, value_of
+from metrale_jax.layers.blocks import linear, optional_param, param, plus_bias, value_of
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import check_array
 from metrale_jax.layers.projection import Projection
@@ -67,17 +67,28 @@ class Relu2MLP(nnx.Module):
 
     def __call__(self, x: jax.Array, *, phase: str = "prefill") -> jax.Array:
         """x [T, D] -> [T, D] in x.dtype; relu^2 is applied to the float32 accumulator."""
+        return linear(self.down_proj, self.down_bias, self._act(x, phase), phase)
+
+    def partial_sum(self, x: jax.Array, *, phase: str = "prefill") -> jax.Array:
+        """Tensor parallel: this device's share of down_proj(act) in float32 [T, D], without the down bias
+        (the caller sums the shares over the mesh axis and adds the bias once)."""
+        return self.down_proj(self._act(x, phase), phase=phase, out_dtype=jnp.float32)
+
+    def _act(self, x: jax.Array, phase: str) -> jax.Array:
+        """relu(up_proj(x) + up_bias)^2 [T, I] in x.dtype."""
         if self.up_bias is None:
             u = self.up_proj(x, phase=phase, out_dtype=jnp.float32)
         else:
             u = self.up_proj(x, phase=phase, out_dtype=jnp.float32) + self.up_bias[...].astype(jnp.float32)
-        return linear(self.down_proj, self.down_bias, relu2(u).astype(x.dtype), phase)
+        return relu2(u).astype(x.dtype)
 
 
 class NemotronMLPLayer(LayerCapabilities, nnx.Module):
     """A Nemotron-H MLP block (pattern character -)."""
 
     supports_replay_tail_split = True
+    # mesh axis down_proj's partial sums are reduced over; set on a tensor-parallel device view (sharding.py)
+    tp_axis: str | None = None
 
     def __init__(self, input_norm, mlp: NemotronMlpWeights, config: ModelConfig, layer_idx: int, *,
                  levers: ModelLevers | None = None):
@@ -104,6 +115,9 @@ class NemotronMLPLayer(LayerCapabilities, nnx.Module):
         """hidden [T, D] -> hidden + mlp(norm(hidden)), rows independent."""
         check_array("hidden", hidden, (None, self.config.hidden_size), floating=True)
         x = registry.get("rmsnorm", self.kernels)(hidden, self.input_norm[...], eps=self.config.layer_norm_epsilon)
+        if self.tp_axis is not None:
+            y = jax.lax.psum(self.mlp.partial_sum(x, phase=phase), self.tp_axis)
+            return hidden + plus_bias(y, self.mlp.down_bias).astype(hidden.dtype)
         return hidden + self.mlp(x, phase=phase)
 
     def decode_multi_seq(self, hidden: jax.Array) -> jax.Array:

@@ -21,7 +21,7 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import ConfigError, ShapeError, WeightFormatError
-from metrale_jax.layers.blocks import linear, optional_param, param, value_of
+from metrale_jax.layers.blocks import linear, optional_param, param, plus_bias, value_of
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import check_array
 from metrale_jax.layers.mlp import NemotronMlpWeights, Relu2MLP, relu2
@@ -79,7 +79,8 @@ def _grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.A
 def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, up: jax.Array,
                    down: jax.Array) -> jax.Array:
     """sum_j weights[t, j] * down_e(relu(up_e(x_t))^2) over the chosen e = experts[t, j].
-    x [T, Din], experts / weights [T, k], up [E, I, Din], down [E, Din, I] -> [T, Din] float32."""
+    x [T, Din], experts / weights [T, k], up [E, I, Din], down [E, Din, I] -> [T, Din] float32.
+    A pair whose expert id is E (one held by another device) joins no group: its rows come out 0."""
     T, k = experts.shape
     E = up.shape[0]
     flat = experts.reshape(-1)                                    # [T*k] pair p = t*k + j
@@ -97,9 +98,13 @@ class NemotronMoELayer(LayerCapabilities, nnx.Module):
     """A Nemotron-H MoE block (pattern character E)."""
 
     supports_replay_tail_split = True
+    # mesh axis the expert-parallel partial sums are reduced over; set on a device view (sharding.py)
+    tp_axis: str | None = None
 
     def __init__(self, input_norm, moe: NemotronMoeWeights, config: ModelConfig, layer_idx: int, *,
-                 levers: ModelLevers | None = None):
+                 levers: ModelLevers | None = None, expert_shards: int = 1):
+        """expert_shards: the routed experts are split in that many equal parts and this layer holds one
+        (expert parallelism: a device view holds E / tp experts; the router still sees all E)."""
         if not 0 <= layer_idx < config.num_hidden_layers or config.hybrid_override_pattern[layer_idx] != "E":
             raise ConfigError("layer_idx", f"layer {layer_idx} is not an MoE layer of "
                                            f"{config.hybrid_override_pattern!r}")
@@ -111,12 +116,15 @@ class NemotronMoELayer(LayerCapabilities, nnx.Module):
         name = f"backbone.layers.{layer_idx}"
         D, E, I = c.hidden_size, c.n_routed_experts, c.moe_intermediate_size
         Din = c.moe_latent_size or D
+        if expert_shards < 1 or E % expert_shards:
+            raise ConfigError("n_routed_experts", f"{E} is not divisible into expert_shards={expert_shards}")
+        El = E // expert_shards
         self.input_norm = param(f"{name}.norm.weight", input_norm, (D,))
         self.gate = nnx.Param(param(f"{name}.mixer.gate.weight", moe.gate, (E, D))[...].astype(jnp.float32))
         self.e_score_correction_bias = nnx.Param(param(
             f"{name}.mixer.gate.e_score_correction_bias", moe.e_score_correction_bias, (E,))[...].astype(jnp.float32))
-        self.experts_up = param(f"{name}.mixer.experts.*.up_proj.weight", moe.experts_up, (E, I, Din))
-        self.experts_down = param(f"{name}.mixer.experts.*.down_proj.weight", moe.experts_down, (E, Din, I))
+        self.experts_up = param(f"{name}.mixer.experts.*.up_proj.weight", moe.experts_up, (El, I, Din))
+        self.experts_down = param(f"{name}.mixer.experts.*.down_proj.weight", moe.experts_down, (El, Din, I))
         if c.n_shared_experts:
             if moe.shared is None:
                 raise WeightFormatError(f"{name}.mixer.shared_experts: missing, but n_shared_experts is "
@@ -169,6 +177,8 @@ class NemotronMoELayer(LayerCapabilities, nnx.Module):
 
     def mixer(self, x: jax.Array, *, phase: str = "prefill") -> jax.Array:
         """The MoE on normalised rows.  x [T, D] -> [T, D] in x.dtype."""
+        if self.tp_axis is not None:
+            return self._mixer_expert_parallel(x, phase)
         experts, weights = self.route(x)
         xl = x if self.fc1_latent_proj is None else linear(self.fc1_latent_proj, self.fc1_latent_bias, x, phase)
         y = routed_experts(xl, experts, weights, self.experts_up[...], self.experts_down[...]).astype(x.dtype)
@@ -177,6 +187,27 @@ class NemotronMoELayer(LayerCapabilities, nnx.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(x, phase=phase)
         return y
+
+    def _mixer_expert_parallel(self, x: jax.Array, phase: str) -> jax.Array:
+        """`mixer` on one device of a mesh axis: the replicated router chooses among all E experts; this
+        device adds the contributions of the E/tp experts it holds (pairs routed elsewhere get weight 0 and
+        no group) and its share of the shared experts, and one psum over the axis sums the shares."""
+        experts, weights = self.route(x)
+        xl = x if self.fc1_latent_proj is None else linear(self.fc1_latent_proj, self.fc1_latent_bias, x, phase)
+        El = self.experts_up.shape[0]
+        local = experts - jax.lax.axis_index(self.tp_axis) * El
+        mine = (local >= 0) & (local < El)
+        y = routed_experts(xl, jnp.where(mine, local, El), jnp.where(mine, weights, 0.0), self.experts_up[...],
+                           self.experts_down[...])                                    # [T, Din] f32, partial
+        if self.fc2_latent_proj is not None:
+            y = self.fc2_latent_proj(y.astype(x.dtype), phase=phase, out_dtype=jnp.float32)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts.partial_sum(x, phase=phase)
+        y = jax.lax.psum(y, self.tp_axis)
+        y = plus_bias(y, self.fc2_latent_bias)
+        if self.shared_experts is not None:
+            y = plus_bias(y, self.shared_experts.down_bias)
+        return y.astype(x.dtype)
 
     def __call__(self, hidden: jax.Array, *, phase: str = "prefill") -> jax.Array:
         """hidden [T, D] -> hidden + moe(norm(hidden)), rows independent."""

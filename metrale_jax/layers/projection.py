@@ -1,75 +1,239 @@
-"""Projection: one linear map (in_proj, out_proj, ...) holding the weight copies installed for it.
+"""Projection: one linear map (in_proj, out_proj, q_proj, ...) holding the weight copies installed for it.
 
-Each installed copy is an *arm*; a call picks the first arm, in the phase's fixed order, whose
-weights are installed. Only the dense BF16 arm exists so far; the quantized arms plug into
-`DECODE_ORDER` / `PREFILL_ORDER`.
+Each installed copy is an *arm*; a call takes the first arm of its phase's fixed order that is installed
+(DESIGN.md, "Projection arms"):
+
+  decode:  bf16_native > fp8_native (w8a16_gemv) > w4a4 > nvfp4 (w4a16_gemv, the default)
+  prefill: bf16_native > fp8_native (only if installed with prefill=True: w8a16_gemm_pipelined, else
+           w8a16_gemm) > w4a4 > fp8_prefill (fp8_gemm_t) > nvfp4_t (w4a16_gemm_t, or w4a16_gemm_t_m128
+           above 128 tokens when it resolved) > nvfp4 (w4a16_gemm)
+
+Every kernel an arm needs must resolve when the arm is installed (KernelUnavailableError there, never at
+the first token); every weight is checked at install (WeightFormatError naming the tensor).
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from metrale_jax.errors import KernelUnavailableError, ShapeError, WeightFormatError
-from metrale_jax.weights.containers import DenseWeight, as_dense
+from metrale_jax.weights.containers import (DenseWeight, Fp8PrefillWeight, Fp8Weight, Nvfp4Weight, Nvfp4WeightT,
+                                            W4a4Weight, WeightQuantFormat, as_dense, check_fp8, check_fp8_prefill,
+                                            check_nvfp4, check_nvfp4_t, fp8_to_block_scaled)
 from pallas_kernels import registry
 
-DECODE_ORDER = ("bf16_native",)
-PREFILL_ORDER = ("bf16_native",)
-ARM_KERNELS = {"bf16_native": ("dense_matmul",)}
+DECODE_ORDER = ("bf16_native", "fp8_native", "w4a4", "nvfp4")
+PREFILL_ORDER = ("bf16_native", "fp8_native", "w4a4", "fp8_prefill", "nvfp4_t", "nvfp4")
+ARMS = ("bf16_native", "fp8_native", "w4a4", "fp8_prefill", "nvfp4_t", "nvfp4")
+# kernels each arm needs at install; an entry (a, b) means "a or b"
+ARM_KERNELS = {
+    "bf16_native": ("dense_matmul",),
+    "fp8_native": ("w8a16_gemv", ("w8a16_gemm_pipelined", "w8a16_gemm")),   # the prefill pair only with prefill=True
+    "w4a4": ("w4a4_gemm",),
+    "fp8_prefill": ("fp8_gemm_t",),
+    "nvfp4_t": ("w4a16_gemm_t",),
+    "nvfp4": ("w4a16_gemv", "w4a16_gemm"),
+}
+M128_ABOVE = 128   # prefill tokens above which the transposed NVFP4 arm takes w4a16_gemm_t_m128
+# the layer's own ("base") weights: the first installed of these (what ssm_weights() reports)
+BASE_PRIORITY = ("nvfp4", "w4a4", "bf16_native", "fp8_native")
+
+
+class QuantWeight(nnx.Variable):
+    """A projection's (non-trainable) weight container: quantized arrays plus their scales."""
 
 
 class Projection(nnx.Module):
-    """y = x W^T with W [N, K]; `name` is used in every error."""
+    """y = x W^T with W [N, K]; `name` (the checkpoint module name) is used in every error."""
 
     def __init__(self, name: str, out_features: int, in_features: int, *, kernels: str | None = None):
         self.name = name
         self.out_features = out_features
         self.in_features = in_features
         self.kernels = kernels
-        self.bf16_native: nnx.Param | None = nnx.data(None)
+        self.fp8_prefill_enabled = False
+        for arm in ARMS:
+            setattr(self, arm, nnx.data(None))
 
-    # ---- installing arms -----------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.out_features, self.in_features
+
+    # ---- installing arms -----------------------------------------------------------------------------
+    def prepare(self, arm: str, weight, *, prefill: bool = True):
+        """Check `weight` for `arm` (tag, dtypes, scale shapes, kernels) and return the container to install;
+        raises WeightFormatError / KernelUnavailableError and installs nothing."""
+        if arm == "bf16_native":
+            w = as_dense(self.name, weight, self.shape)
+        elif arm == "fp8_native":
+            w = check_fp8(self.name, weight, self.shape, formats=(WeightQuantFormat.FP8_BLOCK_SCALED,))
+        elif arm == "nvfp4":
+            w = check_nvfp4(self.name, weight, self.shape)
+        elif arm == "w4a4":
+            inner = weight.weight if isinstance(weight, W4a4Weight) else weight
+            w = W4a4Weight(check_nvfp4(self.name, inner, self.shape))
+        elif arm == "fp8_prefill":
+            w = check_fp8_prefill(self.name, weight, self.shape)
+        elif arm == "nvfp4_t":
+            w = check_nvfp4_t(self.name, weight.transposed() if isinstance(weight, Nvfp4Weight) else weight,
+                              self.shape)
+        else:
+            raise ValueError(f"{self.name}: unknown arm {arm!r} (arms: {ARMS})")
+        kernels = ARM_KERNELS[arm]
+        if arm == "fp8_native" and not prefill:
+            kernels = kernels[:1]                  # decode-only mode needs w8a16_gemv alone
+        self._require(arm, kernels)
+        return w
+
+    def install(self, arm: str, prepared, *, prefill: bool = True) -> None:
+        """Install a container returned by `prepare` (two-step so a layer can check both of its
+        projections before installing either)."""
+        setattr(self, arm, nnx.Param(prepared) if arm == "bf16_native" else QuantWeight(prepared))
+        if arm == "fp8_native":
+            self.fp8_prefill_enabled = bool(prefill)
+
     def set_dense(self, weight) -> None:
-        w = as_dense(self.name, weight, (self.out_features, self.in_features))
-        self._require_kernels("bf16_native")
-        self.bf16_native = nnx.Param(w)
+        """BF16 native arm (ahead of every other arm in both phases)."""
+        self.install("bf16_native", self.prepare("bf16_native", weight))
 
-    def _require_kernels(self, arm: str) -> None:
-        for kernel in ARM_KERNELS[arm]:
-            if not registry.resolved(kernel, self.kernels):
+    def set_fp8(self, weight: Fp8Weight, *, prefill: bool) -> None:
+        """FP8 native arm: only FP8_BLOCK_SCALED weights with the exact [ceil(N/128), ceil(K/128)] f32 grid.
+        prefill=False is decode-only mode: prefill then skips this arm."""
+        self.install("fp8_native", self.prepare("fp8_native", weight, prefill=prefill), prefill=prefill)
+
+    def set_nvfp4(self, weight: Nvfp4Weight) -> None:
+        """The default NVFP4 arm (w4a16_gemv / w4a16_gemm)."""
+        self.install("nvfp4", self.prepare("nvfp4", weight))
+
+    def set_w4a4(self, weight: W4a4Weight | Nvfp4Weight) -> None:
+        """W4A4 arm: NVFP4 weights, activations quantized to NVFP4 on the fly."""
+        self.install("w4a4", self.prepare("w4a4", weight))
+
+    def set_fp8_prefill(self, weight: Fp8PrefillWeight) -> None:
+        """Pre-dequantized FP8 E4M3 prefill copy (fp8_gemm_t)."""
+        self.install("fp8_prefill", self.prepare("fp8_prefill", weight))
+
+    def set_nvfp4_t(self, weight: Nvfp4WeightT | Nvfp4Weight) -> None:
+        """Transposed NVFP4 prefill copy (w4a16_gemm_t; w4a16_gemm_t_m128 above 128 tokens if it resolved).
+        An Nvfp4Weight is transposed here."""
+        self.install("nvfp4_t", self.prepare("nvfp4_t", weight))
+
+    def arm_for(self, weight) -> str:
+        """The arm a container's type names (arrays and DenseWeight: bf16_native)."""
+        for cls, arm in ((W4a4Weight, "w4a4"), (Nvfp4Weight, "nvfp4"), (Nvfp4WeightT, "nvfp4_t"),
+                         (Fp8PrefillWeight, "fp8_prefill"), (Fp8Weight, "fp8_native")):
+            if isinstance(weight, cls):
+                return arm
+        if isinstance(weight, DenseWeight) or hasattr(weight, "shape"):
+            return "bf16_native"
+        raise WeightFormatError(f"{self.name}: cannot install a {type(weight).__name__} as a weight")
+
+    def set_weight(self, weight, *, fp8_prefill: bool = True) -> str:
+        """Install any container in the arm its type names; returns the arm. A per-tensor FP8 scale is
+        expanded (exactly) to the 128x128 block grid first. Arrays are taken as dense weights."""
+        arm = self.arm_for(weight)
+        if arm == "fp8_native" and weight.format is WeightQuantFormat.FP8_PER_TENSOR:
+            weight = fp8_to_block_scaled(check_fp8(self.name, weight, self.shape))
+        self.install(arm, self.prepare(arm, weight, prefill=fp8_prefill), prefill=fp8_prefill)
+        return arm
+
+    def _require(self, arm: str, kernels) -> None:
+        for need in kernels:
+            options = need if isinstance(need, tuple) else (need,)
+            if not any(registry.resolved(k, self.kernels) for k in options):
                 raise KernelUnavailableError(
-                    f"{self.name}: arm {arm!r} needs kernel {kernel!r}, which did not resolve on this backend")
+                    f"{self.name}: arm {arm!r} needs kernel {' or '.join(map(repr, options))}, which did not "
+                    f"resolve on this backend (kernels={self.kernels or registry.default_mode()!r})")
 
+    # ---- what is installed -------------------------------------------------------------------------------
     def installed_arms(self) -> tuple[str, ...]:
-        return tuple(a for a in ARM_KERNELS if getattr(self, a) is not None)
+        return tuple(a for a in ARMS if getattr(self, a) is not None)
+
+    def arm_weight(self, arm: str):
+        v = getattr(self, arm)
+        if v is None:
+            raise WeightFormatError(f"{self.name}: arm {arm!r} is not installed")
+        return v.get_value()
+
+    def base_weight(self):
+        """The layer's own weights: the first installed of nvfp4, w4a4, bf16_native, fp8_native."""
+        for arm in BASE_PRIORITY:
+            if getattr(self, arm) is not None:
+                return self.arm_weight(arm)
+        raise WeightFormatError(f"{self.name}: no weights installed")
 
     def dense_ready(self) -> bool:
-        return self.bf16_native is not None and all(registry.resolved(k, self.kernels)
-                                                    for k in ARM_KERNELS["bf16_native"])
+        return self.bf16_native is not None and registry.resolved("dense_matmul", self.kernels)
 
+    def dense_weight(self) -> DenseWeight:
+        if self.bf16_native is None:
+            raise WeightFormatError(f"{self.name}: no dense weights installed (arms: {self.installed_arms()})")
+        return self.bf16_native.get_value()
+
+    # ---- dispatch ------------------------------------------------------------------------------------
     def active_arm(self, phase: str, tokens: int) -> str:
         """The arm that serves a call of `tokens` rows in `phase` ('decode' or 'prefill')."""
         order = {"decode": DECODE_ORDER, "prefill": PREFILL_ORDER}.get(phase)
         if order is None:
             raise ValueError(f"{self.name}: phase must be 'decode' or 'prefill', got {phase!r}")
         for arm in order:
-            if getattr(self, arm) is not None:
-                return arm
-        raise WeightFormatError(f"{self.name}: no weights installed")
+            if getattr(self, arm) is None:
+                continue
+            if arm == "fp8_native" and phase == "prefill" and not self.fp8_prefill_enabled:
+                continue                       # decode-only FP8 mode
+            return arm
+        raise WeightFormatError(f"{self.name}: no weights installed for {phase} (arms: {self.installed_arms()})")
 
-    def dense_weight(self) -> DenseWeight:
-        if self.bf16_native is None:
-            raise WeightFormatError(f"{self.name}: no dense weights installed")
-        return self.bf16_native.get_value()
+    def active_kernel(self, phase: str, tokens: int) -> str:
+        """The registry kernel that serves a call (the arm's kernel for this phase and token count)."""
+        arm = self.active_arm(phase, tokens)
+        decode = phase == "decode"
+        if arm == "bf16_native":
+            return "dense_matmul"
+        if arm == "fp8_native":
+            if decode:
+                return "w8a16_gemv"
+            return "w8a16_gemm_pipelined" if registry.resolved("w8a16_gemm_pipelined", self.kernels) else "w8a16_gemm"
+        if arm == "w4a4":
+            return "w4a4_gemm"
+        if arm == "fp8_prefill":
+            return "fp8_gemm_t"
+        if arm == "nvfp4_t":
+            big = tokens > M128_ABOVE and registry.resolved("w4a16_gemm_t_m128", self.kernels)
+            return "w4a16_gemm_t_m128" if big else "w4a16_gemm_t"
+        return "w4a16_gemv" if decode else "w4a16_gemm"
 
-    # ---- calling -------------------------------------------------------------------
+    # ---- calling -----------------------------------------------------------------------------------------
     def __call__(self, x: jax.Array, *, phase: str = "prefill", out_dtype=None) -> jax.Array:
         """x [M, K] -> [M, N] in out_dtype (default x.dtype)."""
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise ShapeError(f"{self.name}: input must be [M, {self.in_features}], got {tuple(x.shape)}")
         arm = self.active_arm(phase, x.shape[0])
+        kernel = self.active_kernel(phase, x.shape[0])
+        fn = registry.get(kernel, self.kernels)
+        w = self.arm_weight(arm)
+        out_dtype = out_dtype or x.dtype
         if arm == "bf16_native":
-            matmul = registry.get("dense_matmul", self.kernels)
-            return matmul(x, self.bf16_native.get_value().weight, out_dtype=out_dtype)
-        raise WeightFormatError(f"{self.name}: arm {arm!r} has no implementation")
+            return fn(x, w.weight, out_dtype=out_dtype)
+        if arm == "fp8_native":
+            return fn(x, w.weight, w.scale, out_dtype=out_dtype)
+        if arm == "w4a4":
+            n = w.weight
+            return fn(x, n.packed, n.scale, n.global_scale, n.input_scale, out_dtype=out_dtype,
+                      decode=phase == "decode")
+        if arm == "fp8_prefill":
+            return fn(x, w.weight, w.scale, out_dtype=out_dtype)
+        if arm == "nvfp4_t":
+            return fn(x, w.packed_t, w.scale_t, w.global_scale, out_dtype=out_dtype)
+        return fn(x, w.packed, w.scale, w.global_scale, out_dtype=out_dtype)
+
+
+def arm_reference(weight, x: jax.Array, *, out_dtype=None) -> jax.Array:
+    """What any arm computes, from its container alone: dequantize to float32, then x @ W^T in float32
+    (activation quantization of the FP8-matrix-unit and W4A4 arms not included). For tests and tools."""
+    w = weight.dequantize(jnp.float32)
+    y = jax.lax.dot_general(x.astype(jnp.float32), w, (((1,), (1,)), ((), ())),
+                            precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return y.astype(out_dtype or x.dtype)

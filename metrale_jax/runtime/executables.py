@@ -9,7 +9,7 @@ ModelLevers.graphs is False) the same function is called directly: op by op, no 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 import jax
 
@@ -26,6 +26,14 @@ def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     return b
 
 
+def pick_bucket(n: int, buckets: Sequence[int], what: str = "size") -> int:
+    """The smallest of `buckets` (sorted ascending) that holds n."""
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
+
+
 def _signature(args: Sequence) -> tuple:
     leaves, tree = jax.tree_util.tree_flatten(args)
     return tree, tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)) if hasattr(x, "shape")
@@ -33,26 +41,48 @@ def _signature(args: Sequence) -> tuple:
 
 
 class Executables:
-    """Compile-once cache of executables with compile / hit / eager counters per entry point."""
+    """Compile-once cache of executables with compile / hit / eager counters per entry point.
 
-    def __init__(self, *, graphs: bool = True):
+    Plain Python values in the arguments are keyed by type only: bind static options with
+    functools.partial and name them in `static` (part of the cache key). Arguments in frozen_argnums
+    (e.g. a model's weights, passed as the same list every step) have their part of the key computed
+    once per object. compiler_options are passed to every compile (e.g. a lower XLA optimisation level
+    for CPU tests).
+    """
+
+    def __init__(self, *, graphs: bool = True, compiler_options: Mapping[str, object] | None = None):
         self.graphs = graphs
+        self.compiler_options = dict(compiler_options) if compiler_options else None
         self.compiles: collections.Counter[str] = collections.Counter()
         self.hits: collections.Counter[str] = collections.Counter()
         self.eager_runs: collections.Counter[str] = collections.Counter()
         self._cache: dict[tuple, jax.stages.Compiled] = {}
         self._by_slot: dict[int, set[tuple]] = collections.defaultdict(set)
+        self._frozen: dict[int, tuple[object, tuple]] = {}      # id -> (the object, its signature)
+
+    def _frozen_signature(self, arg) -> tuple:
+        hit = self._frozen.get(id(arg))
+        if hit is None or hit[0] is not arg:
+            hit = self._frozen[id(arg)] = (arg, _signature((arg,)))
+        return hit[1]
 
     def run(self, entry: str, fn: Callable, *args, donate_argnums: tuple[int, ...] = (),
-            slots: Iterable[int] = ()):
+            slots: Iterable[int] = (), static: Hashable = None, frozen_argnums: tuple[int, ...] = ()):
         """fn(*args) through its executable for these argument shapes (compiled on first use)."""
         if not self.graphs:
             self.eager_runs[entry] += 1
             return fn(*args)
-        key = (entry, donate_argnums, _signature(args))
+        if frozen_argnums:
+            sig = (tuple(self._frozen_signature(args[i]) for i in frozen_argnums),
+                   _signature([a for i, a in enumerate(args) if i not in frozen_argnums]))
+        else:
+            sig = _signature(args)
+        key = (entry, static, donate_argnums, frozen_argnums, sig)
         exe = self._cache.get(key)
         if exe is None:
-            exe = jax.jit(fn, donate_argnums=donate_argnums).lower(*args).compile()
+            lowered = jax.jit(fn, donate_argnums=donate_argnums).lower(*args)
+            exe = lowered.compile(compiler_options=self.compiler_options) if self.compiler_options \
+                else lowered.compile()
             self._cache[key] = exe
             self.compiles[entry] += 1
         else:
@@ -73,6 +103,10 @@ class Executables:
     @property
     def size(self) -> int:
         return len(self._cache)
+
+    @property
+    def total_compiles(self) -> int:
+        return sum(self.compiles.values())
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {"compiles": dict(self.compiles), "hits": dict(self.hits), "eager_runs": dict(self.eager_runs)}

@@ -296,8 +296,9 @@ def open_checkpoint(directory: str | os.PathLike):
 
 
 def read_checkpoint(directory: str | os.PathLike, config: ModelConfig, dtype=jnp.bfloat16, *,
-                    progress: bool | None = None) -> tuple[dict[str, object], list[str]]:
-    """All tensors of a dense HF checkpoint, validated, cast and in HF names: (tensors, notes)."""
+                    progress: bool | None = None, mesh=None) -> tuple[dict[str, object], list[str]]:
+    """All tensors of a dense HF checkpoint, validated, cast and in HF names: (tensors, notes).
+    mesh: each tensor goes from the memory map straight to its shards (a sharding.ShardedTensors)."""
     reader = open_checkpoint(directory)
     try:
         problems, notes = check_checkpoint(reader, config)
@@ -309,7 +310,11 @@ def read_checkpoint(directory: str | os.PathLike, config: ModelConfig, dtype=jnp
         E = config.n_routed_experts
         bar = tqdm(expected.items(), total=len(expected), desc="loading weights", unit="tensor",
                    disable=None if progress is None else not progress, leave=False)
-        for name, spec in bar:
+        if mesh is not None:                          # each view read by its devices' shares only
+            from metrale_jax import sharding         # here: sharding imports this module
+            tensors = sharding.shard_tensors(config, ((name, reader.get(name)) for name, _ in bar),
+                                             sharding.tensor_parallel(mesh), dtype)
+        for name, spec in (bar if mesh is None else ()):
             arr = reader.get(name)                    # a read-only view into the memory map
             target = jnp.float32 if spec.keep_f32 else dtype
             m = _EXPERT.match(name)

@@ -51,3 +51,25 @@ def test_drop_slot_forgets_its_executables(rng):
     pool, _ = ex.run("a", _step, pool, jnp.ones(3), slots=[1])
     assert ex.compiles["a"] == 2
     assert ex.drop_slot(7) == 0
+
+
+def test_static_options_are_part_of_the_key(rng):
+    import functools
+
+    def scaled(x, *, factor):
+        return x * factor
+
+    ex = Executables(compiler_options={"xla_backend_optimization_level": 0})
+    x = jnp.asarray(rng.standard_normal(3), jnp.float32)
+    for f in (2.0, 3.0, 2.0):
+        y = ex.run("scaled", functools.partial(scaled, factor=f), x, static=f)
+        np.testing.assert_allclose(np.asarray(y), f * np.asarray(x), rtol=1e-6)
+    assert ex.compiles["scaled"] == 2 and ex.hits["scaled"] == 1 and ex.total_compiles == 2
+
+
+def test_pick_bucket():
+    from metrale_jax.runtime import pick_bucket
+
+    assert [pick_bucket(n, (4, 16)) for n in (1, 4, 5, 16)] == [4, 4, 16, 16]
+    with pytest.raises(ValueError, match="largest bucket"):
+        pick_bucket(17, (4, 16), "prefill chunk")

@@ -1,0 +1,358 @@
+"""Serving runtime throughput: the Engine (metrale_jax/runtime) on Nemotron-H-8B shapes with random BF16 weights.
+
+Sections (each against a floor or baseline measured in the same run):
+- decode: tokens/s at batch 1, 32, 256. "device" = the compiled decode step chained on the device (greedy
+  tokens fed back without a host round trip); "engine" = Engine.step() with every sequence decoding (host
+  bookkeeping, sampling and the token fetch included). Floor: (weight bytes + per-sequence state bytes
+  read and written + keys/values read) / the copy bandwidth measured here.
+- prefill: tokens/s of one T-token prompt through the compiled prefill step, against the bytes floor and
+  the FLOPs floor (2 x matmul params x T + attention, at the bf16 matmul rate measured here).
+- ttft: time to first token for a prompt whose first P tokens are in the prefix cache (a hit: restore the
+  snapshot, prefill the rest) vs the same length with a fresh prefix (a miss: prefill everything).
+- spec: speculative decoding (n-gram prompt lookup, 3 drafts) on vs off on a repetitive prompt set, greedy:
+  tokens/s, draft acceptance, and whether the outputs are identical. With random weights the acceptance
+  comes from the model's own loops, not from language.
+Times: wall clock around block_until_ready; median of repeats; compiles happen in warm-up, never timed.
+
+    PYTHONPATH=. python benchmarks/bench_runtime.py [--out DIR] [--sections decode,prefill,ttft,spec]
+        [--deadline SECONDS]
+    CPU dry run (tiny config with every block kind, small sizes):
+    JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_runtime.py --tiny --out /tmp/rt
+writes DIR/runtime_<date>.json (DIR default benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import math
+import os
+import platform
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.model import NemotronH
+from metrale_jax.runtime import Engine, Executables, SpeculativeConfig, steps
+from metrale_jax.runtime.prefix_cache import tree_nbytes
+from metrale_jax.runtime.sampling import sample_tokens
+from metrale_jax.weights.checkpoint import expected_tensors
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIG_8B = os.path.join(ROOT, "tests", "fixtures", "configs", "nemotron_h_8b.json")
+TINY = dict(vocab_size=256, hidden_size=64, hybrid_override_pattern="M*E-M-", mamba_num_heads=8, mamba_head_dim=8,
+            ssm_state_size=16, n_groups=2, chunk_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=96, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+            moe_shared_expert_intermediate_size=32, n_group=4, topk_group=2)
+SIZES = {  # decode batches / prompt / new tokens; prefill T = ttft prefix, + tail; spec batches / new tokens
+    "full": dict(batches=(1, 32, 256), prompt=64, new=64, prefix=2048, tail=64, spec_batches=(1, 8), spec_new=256,
+                 nominal_bw=4.8e12, nominal_flops=989e12),
+    "tiny": dict(batches=(1, 4, 8), prompt=16, new=8, prefix=64, tail=16, spec_batches=(1, 4), spec_new=24,
+                 nominal_bw=None, nominal_flops=None),
+}
+T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
+
+
+# ---- model and baselines ----------------------------------------------------------------------------
+def random_model(config: ModelConfig, dtype, seed: int = 0) -> NemotronH:
+    """Random weights drawn on the device, scaled like model.random_tensors (a host draw of 8B is too slow)."""
+    key = jax.random.key(seed)
+    depth = config.num_hidden_layers ** -0.5
+    tensors = {}
+    for i, (name, spec) in enumerate(expected_tensors(config).items()):
+        k = jax.random.fold_in(key, i)
+        leaf = name.rsplit(".", 1)[-1]
+        z = jax.random.normal(k, spec.shape, jnp.float32)
+        if name.endswith("norm.weight") or name == "backbone.norm_f.weight" or leaf == "D":
+            v = 1.0 + 0.1 * z
+        elif name == "backbone.embeddings.weight":
+            v = z
+        elif leaf == "dt_bias":
+            dt = jnp.exp(jax.random.uniform(k, spec.shape, jnp.float32, math.log(config.time_step_min),
+                                            math.log(config.time_step_max)))
+            v = dt + jnp.log(-jnp.expm1(-dt))
+        elif leaf == "A_log":
+            v = jnp.log(jax.random.uniform(k, spec.shape, jnp.float32, 1.0, 16.0))
+        elif name.endswith("conv1d.weight"):
+            v = z * config.conv_kernel ** -0.5
+        elif leaf in ("bias", "e_score_correction_bias"):
+            v = 0.05 * z
+        else:
+            out_map = name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight", "fc2_latent_proj.weight"))
+            v = z * spec.shape[-1] ** -0.5 * (depth if out_map else 1.0)
+        tensors[name] = v.astype(jnp.float32 if spec.keep_f32 else dtype)
+        del z
+    return NemotronH(config, tensors, dtype=dtype)
+
+
+def block(x):
+    return jax.tree.map(lambda a: a.block_until_ready() if hasattr(a, "block_until_ready") else a, x)
+
+
+def median_time(fn, reps: int = 5) -> float:
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        block(fn())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by an elementwise pass over a large array (the bytes-floor baseline)."""
+    n = (1 << 28) if jax.default_backend() == "gpu" else (1 << 22)
+    x = jnp.ones((n,), jnp.float32)
+    f = jax.jit(lambda a: a * 1.0001 + 1.0)
+    block(f(x))
+    return 2 * x.nbytes / median_time(lambda: f(x))
+
+
+def matmul_rate(dtype) -> float:
+    """FLOP/s of a large square matmul in the model dtype (the FLOPs-floor baseline)."""
+    n = 8192 if jax.default_backend() == "gpu" else 512
+    a = jnp.ones((n, n), dtype)
+    f = jax.jit(lambda x, y: x @ y)
+    block(f(a, a))
+    return 2 * n ** 3 / median_time(lambda: f(a, a))
+
+
+def matmul_params(config: ModelConfig) -> int:
+    """Parameters that take part in a token's matmuls (embeddings excluded, lm_head included; MoE: active
+    experts only)."""
+    n = 0
+    for name, spec in expected_tensors(config).items():
+        if len(spec.shape) != 2 or name == "backbone.embeddings.weight" or "conv1d" in name or ".gate." in name:
+            continue
+        if ".experts." in name:
+            if int(name.split(".experts.")[1].split(".")[0]) >= config.num_experts_per_tok:
+                continue
+        n += math.prod(spec.shape)
+    return n
+
+
+def state_bytes_per_seq(cache, seq_len: int) -> dict:
+    """Per decoding sequence and step: Mamba state read + written, keys/values read (seq_len rows) + written."""
+    ssm = (cache.ssm.conv_state[:, 0].nbytes + cache.ssm.ssm_state[:, 0].nbytes) if cache.ssm.num_layers else 0
+    kv_row = cache.kv.k[:, 0, 0].nbytes * 2 if cache.kv.num_layers else 0
+    return {"ssm_rw": 2 * ssm, "kv_read": kv_row * seq_len, "kv_write": kv_row}
+
+
+# ---- sections ---------------------------------------------------------------------------------------
+def bench_decode(model, sz, exe, bw, out):
+    """Prefill B prompts, then time the decode steps: through Engine.step and chained on the device."""
+    batches, prompt, new = sz["batches"], sz["prompt"], sz["new"]
+    Bmax, chain = max(batches), 16
+    pre = min(32, Bmax)                                    # prefill rows per step (one prefill executable)
+    eng = Engine(model, max_slots=Bmax, max_len=prompt + new + 2 * chain + 1, batch_buckets=batches,
+                 prefill_batch_buckets=(pre,), token_buckets=(prompt,), prefill_token_budget=prompt * pre,
+                 executables=exe, eos_ids=[])
+    log(f"decode: warm-up compiles {eng.warmup()}")
+    wbytes = tree_nbytes(jax.tree.leaves(model))
+    rng = np.random.default_rng(0)
+    V = model.config.vocab_size
+    greedy = functools.partial(sample_tokens, sampling=False)
+    res = {}
+    for B in batches:
+        for _ in range(B):
+            eng.submit(rng.integers(0, V, prompt).tolist(), new)
+        while eng.queue or any(r.pending is None for r in eng.running.values()):
+            eng.step()                                     # every prompt prefilled and its first token out
+        t, n0 = time.perf_counter(), eng.counters["decode_rows"]
+        while eng.has_work:
+            eng.step()
+        engine_s = time.perf_counter() - t
+        rows = eng.counters["decode_rows"] - n0
+        engine_step = engine_s / max(rows / B, 1)
+        # the compiled step chained on the device over the same (now released) slots
+        slots = jax.device_put(np.arange(B, dtype=np.int32))
+        tok = jax.device_put(rng.integers(0, V, B).astype(np.int32))
+        z, zi = jax.device_put(np.zeros(B, np.float32)), jax.device_put(np.zeros(B, np.int32))
+
+        def chained():
+            nonlocal tok
+            for _ in range(chain):
+                logits, eng.cache = eng.call("decode", steps.decode_step, eng.cache, slots, tok, decode=True,
+                                             donate_argnums=(1,))
+                tok = exe.run("sample", greedy, logits, z, z, zi, zi, static=False)
+            return tok
+
+        block(chained())                                   # max_len has room for two chains
+        dev_s = median_time(chained, reps=1) / chain
+        per = state_bytes_per_seq(eng.cache, prompt + new)
+        floor_s = (wbytes + B * sum(per.values())) / bw
+        kv_pool_read = per["kv_write"] * eng.cache.max_len          # decode attends over the slot's whole row
+        res[B] = {"device_step_s": dev_s, "device_tokens_per_s": B / dev_s, "engine_step_s": engine_step,
+                  "engine_tokens_per_s": rows / engine_s, "floor_step_s": floor_s,
+                  "device_vs_floor": floor_s / dev_s, "engine_vs_floor": floor_s / engine_step,
+                  "state_bytes_per_seq": per, "kv_bytes_read_per_seq_actual": kv_pool_read}
+        log(f"decode B={B}: device {B / dev_s:,.0f} tok/s ({floor_s / dev_s:.0%} of the bytes floor), "
+            f"engine {rows / engine_s:,.0f} tok/s ({floor_s / engine_step:.0%})")
+    out["decode"] = {"weight_bytes": wbytes, "prompt": prompt, "new_tokens": new, "max_len": eng.cache.max_len,
+                     "by_batch": res}
+
+
+def _one_slot_engine(model, sz, exe):
+    """The engine the prefill and ttft sections share (same cache shapes, so the same executables)."""
+    P, tail = sz["prefix"], sz["tail"]
+    return Engine(model, max_slots=1, max_len=P + tail + 2, batch_buckets=(1,), token_buckets=(bucket_of(tail), P),
+                  prefill_token_budget=P, prefix_cache_bytes=1 << 40, executables=exe, eos_ids=[])
+
+
+def bench_prefill(model, sz, exe, bw, flops, out):
+    """One P-token prompt through the compiled prefill step (a fresh slot each time)."""
+    T = sz["prefix"]
+    eng = _one_slot_engine(model, sz, exe)
+    c = model.config
+    ids = jax.device_put(np.random.default_rng(1).integers(0, c.vocab_size, (1, T)).astype(np.int32))
+    slots, lengths = jax.device_put(np.zeros(1, np.int32)), jax.device_put(np.full(1, T, np.int32))
+    zero = jax.device_put(np.int32(0))
+
+    def once():
+        eng.cache = exe.run("zero_slot", steps.zero_slot, eng.cache, zero, donate_argnums=(0,))
+        res = eng.call("prefill", steps.prefill_step, eng.cache, slots, ids, lengths, None, None, None,
+                       donate_argnums=(1,))
+        eng.cache = res.cache
+        return res.logits
+
+    block(once())                                          # compile
+    t = median_time(once, reps=3)
+    wbytes = tree_nbytes(jax.tree.leaves(model))
+    fl = 2 * matmul_params(c) * T + len(c.attention_layer_ids) * 2 * c.num_attention_heads * c.head_dim * T * T
+    bytes_floor = wbytes + state_bytes_per_seq(eng.cache, 0)["ssm_rw"] / 2
+    out["prefill"] = {"T": T, "seconds": t, "tokens_per_s": T / t, "flops_est": fl, "bytes_floor_s": bytes_floor / bw,
+                      "flops_floor_s": fl / flops, "vs_flops_floor": fl / flops / t,
+                      "vs_bytes_floor": bytes_floor / bw / t}
+    log(f"prefill T={T}: {T / t:,.0f} tok/s, {fl / flops / t:.0%} of the matmul-rate floor, "
+        f"{bytes_floor / bw / t:.0%} of the bytes floor")
+
+
+def bench_ttft(model, sz, exe, out):
+    """Prompt = P tokens seen before + a new tail (a hit restores P, prefills the tail) against a prompt of the
+    same length never seen (a miss prefills it all). The first round compiles what the rounds use."""
+    P, tail = sz["prefix"], sz["tail"]
+    eng = _one_slot_engine(model, sz, exe)
+    rng = np.random.default_rng(2)
+    V = model.config.vocab_size
+
+    def ttft(prompt):
+        rid = eng.submit(prompt, 1)
+        eng.run()
+        r = eng.pop(rid)
+        return r.t_first - r.t_submit, r.prefix_hit
+
+    hits, misses = [], []
+    for _ in range(4):
+        base = rng.integers(0, V, P).tolist()
+        ttft(base)                                         # its snapshot at P
+        hits.append(ttft(base + rng.integers(0, V, tail).tolist()))
+        misses.append(ttft(rng.integers(0, V, P + tail).tolist()))
+    hits, misses = hits[1:], misses[1:]
+    h, m = statistics.median(t for t, _ in hits), statistics.median(t for t, _ in misses)
+    out["ttft"] = {"prefix_tokens": P, "tail_tokens": tail, "hit_s": h, "miss_s": m, "speedup": m / h,
+                   "restored_tokens": [n for _, n in hits], "missed_restores": [n for _, n in misses],
+                   "prefix_cache": eng.prefix_cache.stats()}
+    log(f"ttft: hit {h * 1e3:.1f} ms, miss {m * 1e3:.1f} ms ({m / h:.1f}x)")
+
+
+def bucket_of(n: int) -> int:
+    b = 1
+    while b < n:
+        b *= 2
+    return b
+
+
+def bench_spec(model, sz, exe, out):
+    """Greedy generation from repetitive prompts (a random segment x 4), speculation off vs on."""
+    new, batches = sz["spec_new"], sz["spec_batches"]
+    V = model.config.vocab_size
+    rng = np.random.default_rng(3)
+    seg = sz["prompt"] // 2
+    prompt_len = 4 * seg
+    common = dict(max_slots=max(batches), max_len=prompt_len + new + 8, batch_buckets=batches,
+                  prefill_batch_buckets=(max(batches),), token_buckets=(prompt_len,),
+                  prefill_token_budget=prompt_len * max(batches), executables=exe, eos_ids=[])
+    plain = Engine(model, **common)
+    spec = Engine(model, speculative=SpeculativeConfig(num_draft=3), **common)
+    log(f"spec: warm-up compiles {plain.warmup() + spec.warmup()}")
+    res = {}
+    for B in batches:
+        prompts = [rng.integers(0, V, seg).tolist() * 4 for _ in range(B)]
+        row = {}
+        for name, eng in (("off", plain), ("on", spec)):
+            t = time.perf_counter()
+            gens = eng.generate(prompts, new)
+            dt = time.perf_counter() - t
+            row[name] = (sum(len(g.tokens) for g in gens) / dt, [g.tokens for g in gens])
+        same = sum(a == b for a, b in zip(row["off"][1], row["on"][1]))
+        res[B] = {"off_tokens_per_s": row["off"][0], "on_tokens_per_s": row["on"][0],
+                  "speedup": row["on"][0] / row["off"][0], "identical_outputs": f"{same}/{B}"}
+        log(f"spec B={B}: {res[B]['speedup']:.2f}x ({row['off'][0]:,.0f} -> {row['on'][0]:,.0f} tok/s), "
+            f"identical outputs {same}/{B}")
+    c = spec.counters
+    out["spec"] = {"num_draft": 3, "prompt": f"{seg} random tokens x 4", "new_tokens": new, "by_batch": res,
+                   "drafted": c["drafted_tokens"], "accepted": c["accepted_tokens"],
+                   "acceptance": c["accepted_tokens"] / max(c["drafted_tokens"], 1)}
+
+
+# ---- main -------------------------------------------------------------------------------------------
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap.add_argument("--tiny", action="store_true", help="tiny config and sizes (a CPU dry run)")
+    ap.add_argument("--config", default=CONFIG_8B, help="HF config.json (default: Nemotron-H-8B shapes)")
+    ap.add_argument("--sections", default="decode,prefill,ttft,spec")
+    ap.add_argument("--deadline", type=float, default=float("inf"), help="skip sections that start after this")
+    args = ap.parse_args()
+    sz = SIZES["tiny" if args.tiny else "full"]
+    config = ModelConfig.from_hf(TINY if args.tiny else args.config)
+    dtype = jnp.bfloat16
+    out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": str(jax.devices()[0]),
+           "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
+           "config": {k: getattr(config, k) for k in ("hidden_size", "num_hidden_layers", "hybrid_override_pattern",
+                                                       "mamba_num_heads", "mamba_head_dim", "ssm_state_size",
+                                                       "n_groups", "chunk_size", "num_attention_heads",
+                                                       "num_key_value_heads", "head_dim", "intermediate_size",
+                                                       "vocab_size")},
+           "dtype": "bfloat16", "ssm_state_dtype": str(config.mamba_ssm_cache_dtype), "sizes": sz, "errors": {}}
+    log("building the model")
+    model = random_model(config, dtype)
+    bw, flops = copy_bandwidth(), matmul_rate(dtype)
+    out["baselines"] = {"copy_bytes_per_s": bw, "matmul_flops_per_s": flops, "nominal_bytes_per_s": sz["nominal_bw"],
+                        "nominal_flops_per_s": sz["nominal_flops"]}
+    log(f"copy {bw / 1e9:,.0f} GB/s, matmul {flops / 1e12:,.1f} TFLOP/s")
+    exe = Executables()
+    sections = {"decode": lambda: bench_decode(model, sz, exe, bw, out),
+                "prefill": lambda: bench_prefill(model, sz, exe, bw, flops, out),
+                "ttft": lambda: bench_ttft(model, sz, exe, out),
+                "spec": lambda: bench_spec(model, sz, exe, out)}
+    for name in args.sections.split(","):
+        if time.time() - T0 > args.deadline:
+            out["errors"][name] = "skipped: deadline"
+            continue
+        try:
+            sections[name]()
+        except Exception as e:                               # keep the other sections' numbers
+            out["errors"][name] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+    out["compiles"] = exe.stats()["compiles"]
+    out["wall_s"] = time.time() - T0
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, f"runtime_{datetime.date.today().isoformat()}{'_tiny' if args.tiny else ''}.json")
+    with open(path, "w") as fh:
+        json.dump(out, fh, indent=1, default=str)
+    log(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

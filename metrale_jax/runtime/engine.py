@@ -1,0 +1,595 @@
+"""Engine: continuous batching over a NemotronH's slot pool, with a prefix cache and speculative decoding.
+
+Each `step()` admits queued requests into free slots (a zeroed slot, or a restored prefix snapshot),
+decodes every sequence that has a pending token (one token each, or a speculative verify of the
+pending token plus its drafts), then prefills waiting prompts in chunks under the per-step token
+budget, each chunk continuing from the slot's cached length. Finished requests release their slots.
+Every model call is a compiled executable per (entry point, batch bucket, token bucket) with the cache
+donated (runtime/executables.py); inputs are padded with the padding slot to the buckets, so after
+`warmup()` no step compiles. The model's capability flags pick the paths: a decode graph veto runs
+decode / verify eagerly, a multi-sequence or batched-verify veto runs them one sequence at a time, a
+layer whose graphs go stale on a new sequence drops that slot's executables at admission, and a model
+without the in-pass replay-tail capture takes prefix snapshots by ending a prefill chunk at the cut.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+import numpy as np
+
+from metrale_jax.errors import ConfigError, ShapeError
+from metrale_jax.model import Generation
+from metrale_jax.runtime import steps
+from metrale_jax.runtime.executables import Executables, bucket, pick_bucket
+from metrale_jax.runtime.prefix_cache import PrefixCache
+from metrale_jax.runtime.sampling import sample_tokens
+from metrale_jax.runtime.speculative import SpeculativeConfig, make_drafter
+from metrale_jax.state.kv_pool import KvSlotState
+from metrale_jax.state.slots import SlotAllocator
+from metrale_jax.state.ssm_pool import SlotState
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    """One request's parameters and progress (host side)."""
+
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop: frozenset = frozenset()
+    on_token: Callable[[int, int], None] | None = None
+    score: bool = False
+    slot: int = -1
+    done: int = 0                       # prompt tokens in the cache
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    pending: int | None = None          # the last emitted token, not yet fed to the model
+    finish_reason: str | None = None
+    logprobs: list[float] = dataclasses.field(default_factory=list)
+    drafter: object = None
+    prefix_hit: int = 0                 # prompt tokens restored from the prefix cache
+    t_submit: float = 0.0
+    t_first: float | None = None        # when the first token was emitted (time to first token)
+    t_done: float | None = None
+
+
+def _dev(x, dtype=np.int32):
+    return jax.device_put(np.asarray(x, dtype))
+
+
+def _devs(*arrays):
+    """Several host arrays onto the device in one batched transfer."""
+    return jax.device_put(tuple(np.asarray(a) for a in arrays))
+
+
+def _groups(items: list, size: int):
+    return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def _powers(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], max(1, lo)
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (hi,)
+
+
+class Engine:
+    """Continuous-batching server over one model and one slot pool.
+
+    max_slots sequences at once (more queue), each up to max_len tokens (prompt + new tokens).
+    prefill_token_budget: prompt tokens per step (default: the model's levers).
+    batch_buckets / token_buckets: the padded shapes steps compile for (default: powers of two up to
+    max_slots / the budget, token buckets from min_token_bucket); prefill_batch_buckets: prefill's own
+    (default batch_buckets; a prefill step takes at most the largest of them rows).
+    prefix_cache_bytes > 0 turns the prefix cache on: snapshots every prefix_block tokens (a multiple of
+    the SSD chunk size; default the chunk size), at most capture_rows of them taken per step.
+    speculative: a SpeculativeConfig; drafter replaces its drafter (an object whose new_sequence(context)
+    returns one with append(token) and propose(limit) -> token list), e.g. a custom or test drafter.
+    eos_ids: stop tokens (default: the model's). executables / decode_executables: registries to share
+    between engines on the same model and cache shapes (the decode one becomes an eager one when a layer
+    vetoes graphs).
+    """
+
+    def __init__(self, model, *, max_slots: int = 8, max_len: int = 2048, prefill_token_budget: int | None = None,
+                 batch_buckets: Sequence[int] | None = None, token_buckets: Sequence[int] | None = None,
+                 prefill_batch_buckets: Sequence[int] | None = None,
+                 min_token_bucket: int = 16, prefix_cache_bytes: int = 0, prefix_block: int | None = None,
+                 capture_rows: int = 1, speculative: SpeculativeConfig | None = None, drafter=None, eos_ids=None,
+                 executables: Executables | None = None, decode_executables: Executables | None = None,
+                 compiler_options=None):
+        if getattr(model, "tp", None) is not None:
+            raise ConfigError("model", "the engine's step functions (runtime/steps.py) do not run a mesh-sharded "
+                                       "model yet; build the model without a mesh")
+        self.model = model
+        # the weights as one flat list: a Module's own pytree flatten costs milliseconds per step at 50 blocks
+        self._params, self._treedef = jax.tree_util.tree_flatten(model)
+        self.caps = caps = model.capabilities
+        levers = model.levers
+        budget = levers.prefill_token_budget if prefill_token_budget is None else int(prefill_token_budget)
+        if budget < 1:
+            raise ConfigError("prefill_token_budget", f"must be >= 1, got {budget}")
+        if max_slots < 1 or max_len < 1:
+            raise ConfigError("max_slots", f"need max_slots >= 1 and max_len >= 1, got {max_slots}, {max_len}")
+        self.budget = budget
+        self.max_len = int(max_len)
+        self.cache = model.new_cache(max_slots, max_len)
+        self.allocator = SlotAllocator(self.cache.num_slots)
+        self.pad = self.cache.padding_slot
+
+        self.batch_buckets = self._buckets("batch_buckets", batch_buckets, _powers(1, bucket(max_slots)))
+        top = bucket(min(budget, max_len))
+        self.token_buckets = self._buckets("token_buckets", token_buckets, _powers(min(min_token_bucket, top), top))
+        self.prefill_buckets = self._buckets("prefill_batch_buckets", prefill_batch_buckets, self.batch_buckets)
+        self.decode_buckets = (1,) if caps.multi_seq_per_sequence else self.batch_buckets
+        self.verify_buckets = (1,) if caps.verify_per_sequence else self.batch_buckets
+
+        graphs = levers.graphs
+        self.exe = executables or Executables(graphs=graphs, compiler_options=compiler_options)
+        if caps.decode_graph_veto or not graphs:
+            self.decode_exe = Executables(graphs=False)
+        else:
+            self.decode_exe = decode_executables or self.exe
+
+        self.prefix_cache = None
+        self.replay_tail = caps.replay_tail_capture
+        self.capture_rows = int(capture_rows)
+        if prefix_cache_bytes:
+            chunk = levers.ssm_chunk_size(model.config)
+            block = chunk if prefix_block is None else int(prefix_block)
+            if block < 1 or block % chunk:
+                raise ConfigError("prefix_block", f"must be a positive multiple of the SSD chunk size {chunk}, "
+                                                  f"got {block}")
+            if caps.has_aux_state:
+                raise ConfigError("prefix_cache_bytes", "a layer carries aux state (has_aux_state), which "
+                                                        "snapshots do not hold yet; turn the prefix cache off")
+            if any(getattr(l, "uses_local_mla_prefill", False) for l in model.layers):
+                raise ConfigError("prefix_cache_bytes", "a layer's prefill attends only to its own tokens "
+                                                        "(uses_local_mla_prefill); a prefix skip would hide "
+                                                        "the prefix from it")
+            if self.capture_rows < 1:
+                raise ConfigError("capture_rows", f"must be >= 1, got {capture_rows}")
+            self.prefix_cache = PrefixCache(block, prefix_cache_bytes)
+
+        self.speculative = speculative
+        self.drafter = None
+        if speculative is not None:
+            if caps.rollback_unsupported:
+                raise ConfigError("speculative", "a layer declines rollback (decode_rollback_unsupported); "
+                                                 "speculative decoding commits an earlier state")
+            self.drafter = make_drafter(model, speculative) if drafter is None else drafter
+        elif drafter is not None:
+            raise ConfigError("drafter", "a drafter needs speculative=SpeculativeConfig(...) (num_draft)")
+
+        self.eos_ids = frozenset(model.eos_ids() if eos_ids is None else (int(e) for e in eos_ids))
+        self.queue: collections.deque[Request] = collections.deque()
+        self.running: dict[int, Request] = {}          # slot -> request, in admission order
+        self.requests: dict[int, Request] = {}
+        self._next_id = 0
+        self._progress = None
+        self._finished: list[int] = []
+        self.counters = collections.Counter()
+
+    def _buckets(self, name: str, given, default) -> tuple[int, ...]:
+        b = tuple(sorted({int(x) for x in (default if given is None else given)}))
+        if not b or b[0] < 1:
+            raise ConfigError(name, f"expected positive sizes, got {given}")
+        return b
+
+    # ---- requests ------------------------------------------------------------------------------
+    def submit(self, prompt, max_new_tokens: int = 16, *, temperature: float = 0.0, top_p: float = 1.0,
+               seed: int = 0, stop=(), on_token: Callable[[int, int], None] | None = None) -> int:
+        """Queue a generation request (token ids); returns its id. on_token(id, token) streams tokens."""
+        tokens = self._check_prompt(prompt, "prompt")
+        if max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
+            raise ConfigError("submit", f"need max_new_tokens >= 0, temperature >= 0, 0 < top_p <= 1; got "
+                                        f"{max_new_tokens}, {temperature}, {top_p}")
+        if len(tokens) + max_new_tokens > self.max_len:
+            raise ShapeError(f"prompt: {len(tokens)} tokens + max_new_tokens {max_new_tokens} exceed the engine's "
+                             f"max_len {self.max_len}")
+        return self._enqueue(Request(rid=0, prompt=tokens, max_new_tokens=int(max_new_tokens),
+                                     temperature=float(temperature), top_p=float(top_p), seed=int(seed) % 2**31,
+                                     stop=frozenset(int(s) for s in stop) | self.eos_ids, on_token=on_token))
+
+    def submit_score(self, ids) -> int:
+        """Queue a scoring request: log p(ids[t+1] | ids[:t+1]) for every t."""
+        tokens = self._check_prompt(ids, "ids")
+        if len(tokens) > self.max_len:
+            raise ShapeError(f"ids: {len(tokens)} tokens exceed the engine's max_len {self.max_len}")
+        return self._enqueue(Request(rid=0, prompt=tokens, max_new_tokens=0, score=True))
+
+    def _check_prompt(self, prompt, name: str) -> list[int]:
+        arr = np.asarray(prompt)
+        if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
+            raise ShapeError(f"{name}: expected a non-empty list of token ids, got {arr.dtype}{list(arr.shape)}")
+        V = self.model.config.vocab_size
+        if arr.min() < 0 or arr.max() >= V:
+            raise ShapeError(f"{name}: token ids must lie in [0, {V}), got range [{arr.min()}, {arr.max()}]")
+        return [int(t) for t in arr]
+
+    def _enqueue(self, r: Request) -> int:
+        r.rid, self._next_id = self._next_id, self._next_id + 1
+        r.t_submit = time.perf_counter()
+        if self.drafter is not None and not r.score:
+            r.drafter = self.drafter.new_sequence(r.prompt)
+        self.requests[r.rid] = r
+        self.queue.append(r)
+        return r.rid
+
+    def pop(self, rid: int) -> Request:
+        """Remove and return a finished request (tokens, finish_reason, logprobs, prefix_hit, timings)."""
+        r = self.requests.get(rid)
+        if r is None or r.finish_reason is None:
+            raise KeyError(f"request {rid} is {'unknown' if r is None else 'not finished'}")
+        return self.requests.pop(rid)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.queue or self.running)
+
+    def call(self, entry: str, fn: Callable, *args, decode: bool = False, **kw):
+        """fn(model, *args) through the engine's executables (decode=True: the decode registry, eager under a
+        graph veto). The model goes in as its flattened weights; donate_argnums count it as argument 0."""
+        treedef = self._treedef
+
+        def with_model(params, *rest):
+            return fn(jax.tree_util.tree_unflatten(treedef, params), *rest)
+
+        exe = self.decode_exe if decode else self.exe
+        return exe.run(entry, with_model, self._params, *args, frozen_argnums=(0,), **kw)
+
+    # ---- the loop ------------------------------------------------------------------------------
+    def step(self) -> list[int]:
+        """One engine iteration; returns the ids of the requests that finished in it."""
+        self._finished: list[int] = []
+        self._admit()
+        live = list(self.running.values())
+        decoding = [r for r in live if r.pending is not None]
+        prefilling = [r for r in live if r.done < len(r.prompt)]
+        if decoding:
+            (self._speculate if self.speculative else self._decode)(decoding)
+        if prefilling:
+            self._prefill(prefilling)
+        self.counters["steps"] += 1
+        return self._finished
+
+    def run(self, progress: bool | None = False) -> None:
+        """Step until the queue and the pool are empty (progress: a tqdm bar over requests)."""
+        from tqdm.auto import tqdm
+
+        total = len(self.queue) + len(self.running)
+        with tqdm(total=total, disable=not progress if progress is not None else None, unit="req",
+                  desc="engine") as bar:
+            self._progress = bar
+            try:
+                while self.has_work:
+                    self.step()
+            finally:
+                self._progress = None
+
+    def _admit(self) -> None:
+        while self.queue and self.allocator.free_count:
+            r = self.queue.popleft()
+            (slot,) = self.allocator.alloc()
+            if self.caps.stale_on_new_sequence:
+                self.counters["dropped_executables"] += self.exe.drop_slot(slot)
+                if self.decode_exe is not self.exe:
+                    self.counters["dropped_executables"] += self.decode_exe.drop_slot(slot)
+            self.cache = self.exe.run("zero_slot", steps.zero_slot, self.cache, _dev(slot), donate_argnums=(0,))
+            r.slot = slot
+            self.running[slot] = r
+            if self.prefix_cache is not None and not r.score:
+                hit = self.prefix_cache.lookup(r.prompt, len(r.prompt) - 1)
+                if hit is not None:
+                    self._restore(slot, hit)
+                    r.done = r.prefix_hit = hit.length
+
+    def _restore(self, slot: int, hit) -> None:
+        self.cache = self.exe.run("restore_ssm", steps.restore_ssm, self.cache, _dev(slot), hit.ssm,
+                                  _dev(hit.length), donate_argnums=(0,))
+        if self.cache.kv.num_layers:
+            for j, blk in enumerate(hit.kv_blocks):
+                self.cache = self.exe.run("kv_block_put", steps.kv_block_put, self.cache, _dev(slot),
+                                          _dev(j * self.prefix_cache.block), blk, donate_argnums=(0,))
+
+    def _kv_block(self, slot: int, j: int) -> KvSlotState:
+        block = self.prefix_cache.block
+        return self.exe.run("kv_block_get", functools.partial(steps.kv_block_get, block=block), self.cache,
+                            _dev(slot), _dev(j * block), static=block)
+
+    # ---- emitting and finishing ------------------------------------------------------------------
+    def _emit(self, r: Request, tokens) -> None:
+        """Append sampled tokens to r (up to a stop token or max_new_tokens), stream them, finish r."""
+        for t in tokens:
+            t = int(t)
+            if r.t_first is None:
+                r.t_first = time.perf_counter()
+            if t in r.stop:
+                return self._finish(r, "eos")
+            r.tokens.append(t)
+            self.counters["generated_tokens"] += 1
+            if r.drafter is not None:
+                r.drafter.append(t)
+            if r.on_token is not None:
+                r.on_token(r.rid, t)
+            if len(r.tokens) >= r.max_new_tokens:
+                return self._finish(r, "length")
+        r.pending = r.tokens[-1]
+
+    def _finish(self, r: Request, reason: str) -> None:
+        r.finish_reason = reason
+        r.pending = None
+        r.t_done = time.perf_counter()
+        del self.running[r.slot]
+        self.allocator.release(r.slot)
+        self.counters["finished"] += 1
+        self._finished.append(r.rid)
+        if self._progress is not None:
+            self._progress.update(1)
+
+    def _sample(self, logits, reqs: list[Request], B: int) -> np.ndarray:
+        sampling = any(r.temperature > 0 for r in reqs)
+        params = self._row_params(reqs, B)
+        out = self.exe.run("sample", functools.partial(sample_tokens, sampling=sampling), logits,
+                           *_devs(*params), static=sampling)
+        return np.asarray(out)[:len(reqs)]
+
+    @staticmethod
+    def _row_params(reqs: list[Request], n: int):
+        """Per-row sampling parameters padded to n rows: temperature, top_p, seed, tokens emitted so far."""
+        pad = n - len(reqs)
+        return (np.array([r.temperature for r in reqs] + [0.0] * pad, np.float32),
+                np.array([r.top_p for r in reqs] + [1.0] * pad, np.float32),
+                np.array([r.seed for r in reqs] + [0] * pad, np.int32),
+                np.array([len(r.tokens) for r in reqs] + [0] * pad, np.int32))
+
+    # ---- decode --------------------------------------------------------------------------------
+    def _decode(self, reqs: list[Request]) -> None:
+        for group in _groups(reqs, self.decode_buckets[-1]):
+            B = pick_bucket(len(group), self.decode_buckets, "decode batch")
+            slots = [r.slot for r in group] + [self.pad] * (B - len(group))
+            tokens = [r.pending for r in group] + [0] * (B - len(group))
+            logits, self.cache = self.call("decode", steps.decode_step, self.cache,
+                                           *_devs(np.array(slots, np.int32), np.array(tokens, np.int32)),
+                                           decode=True, donate_argnums=(1,), slots=slots[:len(group)])
+            self.counters["decode_rows"] += len(group)
+            for r, t in zip(group, self._sample(logits, group, B)):
+                self._emit(r, [t])
+
+    def _speculate(self, reqs: list[Request]) -> None:
+        nd_max = self.speculative.num_draft
+        drafts = {r.rid: r.drafter.propose(min(nd_max, r.max_new_tokens - len(r.tokens) - 1)) for r in reqs}
+        if not any(drafts.values()):
+            return self._decode(reqs)
+        k = nd_max + 1
+        for group in _groups(reqs, self.verify_buckets[-1]):
+            n = pick_bucket(len(group), self.verify_buckets, "verify batch")
+            tokens = np.zeros((n, k), np.int32)
+            num_draft = np.zeros(n, np.int32)
+            for i, r in enumerate(group):
+                d = drafts[r.rid]
+                tokens[i, 0] = r.pending
+                tokens[i, 1:1 + len(d)] = d
+                tokens[i, 1 + len(d):] = tokens[i, len(d)]          # filler rows: never accepted
+                num_draft[i] = len(d)
+            slots = [r.slot for r in group] + [self.pad] * (n - len(group))
+            sampling = any(r.temperature > 0 for r in group)
+            inputs = _devs(np.array(slots, np.int32), tokens, num_draft, *self._row_params(group, n))
+            out, accepted, self.cache = self.call(
+                "verify", functools.partial(steps.verify_step, sampling=sampling), self.cache, *inputs,
+                decode=True, donate_argnums=(1,), slots=slots[:len(group)], static=sampling)
+            out, accepted = np.asarray(out), np.asarray(accepted)
+            self.counters["verify_rows"] += len(group)
+            self.counters["drafted_tokens"] += int(num_draft.sum())
+            self.counters["accepted_tokens"] += int(accepted[:len(group)].sum())
+            for i, r in enumerate(group):
+                self._emit(r, out[i, :accepted[i] + 1])
+
+    # ---- prefill -------------------------------------------------------------------------------
+    def _cut(self, r: Request, n: int) -> int | None:
+        """The snapshot point in r's next n prompt tokens: the last block boundary in (done, done+n] not
+        cached yet, or None."""
+        if self.prefix_cache is None or r.score:
+            return None
+        b = self.prefix_cache.block
+        m = (r.done + n) // b * b
+        if m <= r.done or m < b or self.prefix_cache.contains(r.prompt[:m]):
+            return None
+        return m
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        budget, rows = self.budget, []
+        max_rows, max_tokens = self.prefill_buckets[-1], self.token_buckets[-1]
+        captures = []                                  # (row, request, cut point)
+        for r in reqs:
+            if budget <= 0 or len(rows) == max_rows:
+                break
+            n = min(len(r.prompt) - r.done, budget, max_tokens)
+            m = self._cut(r, n) if len(captures) < self.capture_rows else None
+            if m is not None:
+                if not self.replay_tail:
+                    n = m - r.done                     # two-pass split: this chunk ends at the cut
+                captures.append((len(rows), r, m))
+            rows.append((r, n))
+            budget -= n
+        scoring = any(r.score for r, _ in rows)
+        if scoring and self.replay_tail:
+            captures = []                              # one variant fewer: no in-pass capture beside scoring
+        B = pick_bucket(len(rows), self.prefill_buckets, "prefill batch")
+        T = pick_bucket(max(n for _, n in rows), self.token_buckets, "prefill chunk")
+        ids = np.zeros((B, T), np.int32)
+        lengths = np.zeros(B, np.int32)
+        slots = np.full(B, self.pad, np.int32)
+        for b, (r, n) in enumerate(rows):
+            ids[b, :n] = r.prompt[r.done:r.done + n]
+            lengths[b], slots[b] = n, r.slot
+        args = [self.cache, _dev(slots), _dev(ids), _dev(lengths), None, None, None]
+        entry = "prefill"
+        in_pass = bool(captures) and self.replay_tail
+        if in_pass:
+            cuts = lengths.copy()
+            capture_rows = np.zeros(self.capture_rows, np.int32)
+            for c, (b, r, m) in enumerate(captures):
+                cuts[b], capture_rows[c] = m - r.done, b
+            args[4:6] = _dev(cuts), _dev(capture_rows)
+            entry = "prefill_capture"
+        if scoring:
+            targets = np.zeros((B, T), np.int32)
+            for b, (r, n) in enumerate(rows):
+                nxt = r.prompt[r.done + 1:r.done + n + 1]
+                targets[b, :len(nxt)] = nxt
+            args[6] = _dev(targets)
+            entry += "_score"
+        out = self.call(entry, steps.prefill_step, *args, donate_argnums=(1,), slots=slots[:len(rows)])
+        self.cache = out.cache
+        self.counters["prefill_tokens"] += int(lengths.sum())
+        for c, (b, r, m) in enumerate(captures):
+            state = out.captured[c] if in_pass else self._slot_state(r.slot)
+            self.prefix_cache.insert(r.prompt[:m], state, functools.partial(self._kv_block, r.slot))
+        lp = None if out.target_logprobs is None else np.asarray(out.target_logprobs)
+        firsts = []
+        for b, (r, n) in enumerate(rows):
+            if r.score:
+                keep = min(n, len(r.prompt) - 1 - r.done)
+                r.logprobs.extend(lp[b, :max(keep, 0)].tolist())
+            r.done += n
+            if r.done == len(r.prompt):
+                if r.score:
+                    self._finish(r, "score")
+                elif r.max_new_tokens == 0:
+                    self._finish(r, "length")
+                else:
+                    firsts.append((b, r))
+        if firsts:
+            toks = self._sample(out.logits, [r for r, _ in rows], B)
+            for b, r in firsts:
+                self._emit(r, [toks[b]])
+
+    def _slot_state(self, slot: int) -> SlotState:
+        return self.exe.run("slot_ssm_state", steps.slot_ssm_state, self.cache, _dev(slot))
+
+    # ---- warm-up -------------------------------------------------------------------------------
+    def warmup(self, *, sampling: bool = False, score: bool = False) -> int:
+        """Compile every executable the engine can reach (all on the padding slot, so no live state changes).
+        sampling / score: also the sampling and scoring variants. Returns the number of compiles."""
+        before = self.compiles
+        pad = self.pad
+        mb = max(self.capture_rows, 1)
+        for B in self.prefill_buckets:
+            slots = _dev(np.full(B, pad))
+            for T in self.token_buckets:
+                ids, lengths = _dev(np.zeros((B, T))), _dev(np.zeros(B))
+                variants = [("prefill", None, None, None)]
+                if self.prefix_cache is not None and self.replay_tail:
+                    variants.append(("prefill_capture", _dev(np.zeros(B)), _dev(np.zeros(mb)), None))
+                if score:
+                    variants.append(("prefill_score", None, None, _dev(np.zeros((B, T)))))
+                for entry, cuts, rows, targets in variants:
+                    out = self.call(entry, steps.prefill_step, self.cache, slots, ids, lengths, cuts, rows, targets,
+                                    donate_argnums=(1,))
+                    self.cache = out.cache
+        V = self.model.config.vocab_size
+        for B in sorted(set(self.prefill_buckets) | set(self.decode_buckets) | set(self.verify_buckets)):
+            for s in ([False, True] if sampling else [False]):
+                self.exe.run("sample", functools.partial(sample_tokens, sampling=s), _dev(np.zeros((B, V)),
+                             np.float32), _dev(np.zeros(B), np.float32), _dev(np.ones(B), np.float32),
+                             _dev(np.zeros(B)), _dev(np.zeros(B)), static=s)
+        if self.decode_exe.graphs:
+            for B in self.decode_buckets:
+                _, self.cache = self.call("decode", steps.decode_step, self.cache, _dev(np.full(B, pad)),
+                                          _dev(np.zeros(B)), decode=True, donate_argnums=(1,))
+            if self.speculative is not None:
+                k = self.speculative.num_draft + 1
+                for n in self.verify_buckets:
+                    for s in ([False, True] if sampling else [False]):
+                        z = _dev(np.zeros(n))
+                        *_, self.cache = self.call(
+                            "verify", functools.partial(steps.verify_step, sampling=s), self.cache,
+                            _dev(np.full(n, pad)), _dev(np.zeros((n, k))), z, _dev(np.zeros(n), np.float32),
+                            _dev(np.ones(n), np.float32), z, z, decode=True, donate_argnums=(1,), static=s)
+        self.cache = self.exe.run("zero_slot", steps.zero_slot, self.cache, _dev(pad), donate_argnums=(0,))
+        if self.prefix_cache is not None:
+            state = self.exe.run("slot_ssm_state", steps.slot_ssm_state, self.cache, _dev(pad))
+            self.cache = self.exe.run("restore_ssm", steps.restore_ssm, self.cache, _dev(pad), state, _dev(0),
+                                      donate_argnums=(0,))
+            if self.cache.kv.num_layers:
+                blk = self._kv_block(pad, 0)
+                self.cache = self.exe.run("kv_block_put", steps.kv_block_put, self.cache, _dev(pad), _dev(0), blk,
+                                          donate_argnums=(0,))
+        return self.compiles - before
+
+    # ---- batch jobs ----------------------------------------------------------------------------
+    def generate(self, prompts, max_new_tokens: int = 16, *, temperature: float = 0.0, top_p: float = 1.0,
+                 seed: int = 0, stop=(), stream: Callable[[int, int], None] | None = None,
+                 progress: bool | None = False) -> list[Generation]:
+        """Continue each prompt (token ids, or strings when the model has a tokenizer) through the engine.
+        Request i samples with its own stream (seed, i); stream(i, token) gets tokens as they come."""
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not len(prompts):
+            raise ShapeError("prompts: expected a non-empty list of token-id lists or strings")
+        as_text = isinstance(prompts[0], str)
+        if any(isinstance(p, str) != as_text for p in prompts):
+            raise ShapeError("prompts: mix of strings and token lists")
+        tok = self.model.tokenizer
+        if as_text and tok is None:
+            raise ConfigError("tokenizer", "string prompts need a tokenizer; this model has none (pass token ids)")
+        rids = []
+        for i, p in enumerate(prompts):
+            cb = None if stream is None else (lambda _rid, t, i=i: stream(i, t))
+            rids.append(self.submit(tok.encode(p) if as_text else p, max_new_tokens, temperature=temperature,
+                                    top_p=top_p, seed=(seed * 1_000_003 + i) % 2**31, stop=stop, on_token=cb))
+        self._run_until(rids, progress)
+        reqs = [self.pop(rid) for rid in rids]
+        return [Generation(tokens=list(r.tokens), text=tok.decode(r.tokens) if as_text else None,
+                           finish_reason=r.finish_reason) for r in reqs]
+
+    def score(self, ids, lengths=None, *, progress: bool | None = False) -> np.ndarray:
+        """log p(ids[b, t+1] | ids[b, :t+1]) [B, T-1] float32, zero past each row's length."""
+        ids = np.asarray(ids)
+        if ids.ndim != 2 or ids.shape[1] < 2:
+            raise ShapeError(f"ids: expected [B, T] token ids with T >= 2, got {list(ids.shape)}")
+        B, T = ids.shape
+        lengths = np.full(B, T) if lengths is None else np.asarray(lengths)
+        if lengths.shape != (B,) or lengths.min() < 1 or lengths.max() > T:
+            raise ShapeError(f"lengths: expected [{B}] integers in [1, {T}], got {lengths.tolist()}")
+        rids = [self.submit_score(ids[b, :lengths[b]]) for b in range(B)]
+        self._run_until(rids, progress)
+        out = np.zeros((B, T - 1), np.float32)
+        for b, rid in enumerate(rids):
+            lp = self.pop(rid).logprobs
+            out[b, :len(lp)] = lp
+        return out
+
+    def _run_until(self, rids: list[int], progress) -> None:
+        from tqdm.auto import tqdm
+
+        pending = set(rids)
+        with tqdm(total=len(rids), disable=not progress if progress is not None else None, unit="req",
+                  desc="engine") as bar:
+            while pending:
+                if not self.has_work:
+                    raise RuntimeError(f"requests {sorted(pending)} are neither queued nor running")
+                done = pending.intersection(self.step())
+                pending -= done
+                bar.update(len(done))
+
+    # ---- counters ------------------------------------------------------------------------------
+    @property
+    def compiles(self) -> int:
+        n = self.exe.total_compiles
+        return n + (self.decode_exe.total_compiles if self.decode_exe is not self.exe else 0)
+
+    def stats(self) -> dict:
+        out = {"counters": dict(self.counters), "compiles": self.compiles, "executables": self.exe.stats()}
+        if self.decode_exe is not self.exe:
+            out["decode_executables"] = self.decode_exe.stats()
+        if self.prefix_cache is not None:
+            out["prefix_cache"] = self.prefix_cache.stats()
+        return out

@@ -1,0 +1,227 @@
+"""Model-level step functions the runtime compiles: pure functions of (model, cache, inputs).
+
+They call the layers' entry points the way model.py's `_stack_prefill` / `decode_step` do, and add
+what serving needs: chunked prefill that always continues from each slot's cached length, with an
+optional replay-tail capture at a cut per row (the SSM state at the cut comes back for the prefix
+cache; the KV rows before the cut stay in the pool), a multi-token verify through every layer with
+write-on-accept (the state after the last accepted token is committed, nothing is re-run), and the
+slot helpers (zero, restore a snapshot, copy KV blocks out and in). The padding slot absorbs padded
+rows; each step leaves its seq_len at 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from metrale_jax.layers.attention import NemotronAttentionLayer
+from metrale_jax.layers.mamba2 import NemotronMamba2Layer, SsmPrefillBuffers
+from metrale_jax.model import _logits, _rmsnorm, _token_logprobs
+from metrale_jax.runtime.speculative import accept_drafts
+from metrale_jax.state.cache import ModelCache
+from metrale_jax.state.kv_pool import KvPool, KvSlotState
+from metrale_jax.state.ssm_pool import SlotState, SsmPool
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PrefillOut:
+    """logits [B, V] f32 of each row's last real token; the new cache; captured: one SlotState per
+    capture row (state at that row's cut, conv [L, C, K-1] / ssm [L, H, P, N]) or None; target_logprobs
+    [B, T] (log p(targets[b, t] | row prefix through t), 0 past each length) or None."""
+
+    logits: jax.Array
+    cache: ModelCache
+    captured: tuple | None = None
+    target_logprobs: jax.Array | None = None
+
+
+def _interleave(a: jax.Array, b: jax.Array) -> jax.Array:
+    return jnp.stack([a, b], axis=1).reshape(-1)
+
+
+def mamba_prefill_split(layer: NemotronMamba2Layer, pool: SsmPool, slots, x, cu, starts, cuts, padding_slot: int):
+    """A layer's varlen prefill with each request split at its cut (replay-tail capture).
+
+    x [N, D] packed by cu [B+1]; request b continues slot slots[b] from position starts[b] and is cut after
+    cuts[b] of its tokens (0 <= cut <= length). The projections run once over all rows; the conv and the
+    scan run twice: heads (each from its slot's state) and then tails, each tail a prefill starting at its
+    cut from the state the head left in the slot. Returns (out [N, D], pool, conv at cuts [B, C, K-1],
+    ssm at cuts [B, H, P, N])."""
+    B = slots.shape[0]
+    l = layer.pool_layer
+    pad = jnp.full((B,), padding_slot, jnp.int32)
+    zero = jnp.zeros((B,), jnp.int32)
+    cu2 = jnp.concatenate([_interleave(cu[:-1], cu[:-1] + cuts), cu[-1:]])         # segment 2b head, 2b+1 tail
+    head_slots, tail_slots = _interleave(slots, pad), _interleave(pad, slots)       # the other half: padding
+    head_starts, tail_starts = _interleave(starts, zero), _interleave(zero, starts + cuts)
+    p = jnp.arange(x.shape[0], dtype=jnp.int32)
+    tail = (jnp.searchsorted(cu2, p, side="right") - 1) % 2 == 1                   # [N]
+    zxbcdt = layer.prefill_phase1_proj_batched(x)
+    head, pool = layer.prefill_phase1_conv1d(pool, head_slots, zxbcdt, cu2, head_starts)
+    conv_cut = pool.conv_state[l, slots]
+    tail_bufs, pool = layer.prefill_phase1_conv1d(pool, tail_slots, zxbcdt, cu2, tail_starts)
+    bufs = SsmPrefillBuffers(z=head.z, xbc=jnp.where(tail[:, None], tail_bufs.xbc, head.xbc), dt=head.dt)
+    head_y, pool, _ = layer.prefill_gdn_full(pool, head_slots, bufs, cu2, head_starts)
+    ssm_cut = pool.ssm_state[l, slots]
+    tail_y, pool, _ = layer.prefill_gdn_full(pool, tail_slots, bufs, cu2, tail_starts)
+    y = jnp.where(tail[:, None, None], tail_y.y, head_y.y)
+    out = layer.prefill_phase3(x, dataclasses.replace(bufs, y=y))
+    return out, pool, conv_cut, ssm_cut
+
+
+def _stack(model, ssm: SsmPool, kv: KvPool, slots, ids, lengths, starts, cuts, padding_slot: int):
+    """Every block over right-padded rows ids [B, T] continuing at starts [B].  cuts None: no capture.
+    Returns (final-normed hidden [B, T, D], ssm, kv, [(conv at cuts, ssm at cuts)] per Mamba layer)."""
+    B, T = ids.shape
+    h = model.embeddings[...][ids]                                          # [B, T, D]
+    D = h.shape[-1]
+    t = jnp.arange(T, dtype=jnp.int32)
+    valid = t[None, :] < lengths[:, None]                                   # [B, T]
+    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths).astype(jnp.int32)])
+    p = jnp.arange(B * T, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu, p, side="right").astype(jnp.int32) - 1, 0, B - 1)
+    src = jnp.where(p < cu[B], seq * T + p - cu[seq], 0)                    # packed row -> padded row
+    dst = jnp.clip(cu[:B, None] + t[None, :], 0, B * T - 1)                 # padded row -> packed row
+    captured = []
+    for layer in model.layers:
+        if isinstance(layer, NemotronMamba2Layer):
+            x = h.reshape(B * T, D)[src]
+            if cuts is None:
+                out, ssm = layer.prefill_varlen(ssm, slots, x, cu, starts)
+            else:
+                out, ssm, conv_cut, ssm_cut = mamba_prefill_split(layer, ssm, slots, x, cu, starts, cuts,
+                                                                  padding_slot)
+                captured.append((conv_cut, ssm_cut))
+            h = jnp.where(valid[..., None], out[dst], h)
+        elif isinstance(layer, NemotronAttentionLayer):
+            h, kv = layer.prefill_batched(kv, slots, h, lengths, starts)
+        else:
+            h = layer(h.reshape(B * T, D), phase="prefill").reshape(B, T, D)
+    return _rmsnorm(model, h), ssm, kv, captured
+
+
+def _captured_states(ssm: SsmPool, captured, capture_rows) -> tuple[SlotState, ...]:
+    """Per capture row r: the state at its row's cut in every Mamba layer."""
+    out = []
+    for r in range(capture_rows.shape[0]):
+        b = capture_rows[r]
+        if captured:
+            conv = jnp.stack([c[b] for c, _ in captured])
+            st = jnp.stack([s[b] for _, s in captured])
+        else:                                            # no Mamba layers: empty states
+            conv = jnp.zeros((0, *ssm.conv_state.shape[2:]), ssm.conv_state.dtype)
+            st = jnp.zeros((0, *ssm.ssm_state.shape[2:]), ssm.ssm_state.dtype)
+        out.append(SlotState(conv=conv, ssm=st))
+    return tuple(out)
+
+
+def prefill_step(model, cache: ModelCache, slots, ids, lengths, cuts=None, capture_rows=None,
+                 targets=None) -> PrefillOut:
+    """One chunk of prefill for B rows: ids [B, T] right-padded, lengths [B] (0 for a padding row), each
+    row continuing its slot from the slot's cached length (0 for a fresh slot).
+
+    cuts [B] / capture_rows [R] (both or neither): replay-tail capture; row b is split after cuts[b] of its
+    tokens (cuts[b] = lengths[b]: no split) and the state at the cut of rows capture_rows comes back.
+    targets [B, T]: also return log p(targets[b, t]) at every row position (scoring)."""
+    B, T = ids.shape
+    pad = cache.padding_slot
+    starts = cache.seq_lens[slots]
+    h, ssm, kv, captured = _stack(model, cache.ssm, cache.kv, slots, ids, lengths, starts, cuts, pad)
+    seq_lens = cache.seq_lens.at[slots].set(starts + lengths).at[pad].set(0)
+    logits = _logits(model, h[jnp.arange(B), jnp.clip(lengths - 1, 0, T - 1)])
+    states = None if cuts is None else _captured_states(ssm, captured, capture_rows)
+    lp = None
+    if targets is not None:
+        lp = _token_logprobs(model, h.reshape(B * T, -1), targets.reshape(-1)).reshape(B, T)
+        lp = jnp.where(jnp.arange(T)[None, :] < lengths[:, None], lp, 0.0)
+    return PrefillOut(logits=logits, cache=ModelCache(ssm, kv, seq_lens), captured=states, target_logprobs=lp)
+
+
+def decode_step(model, cache: ModelCache, slots, tokens) -> tuple[jax.Array, ModelCache]:
+    """One token per sequence (tokens [B]) at each slot's cached length: (logits [B, V] f32, cache)."""
+    pad = cache.padding_slot
+    pos = cache.seq_lens[slots]
+    ssm, kv = cache.ssm, cache.kv
+    h = model.embeddings[...][tokens]                                       # [B, D]
+    for layer in model.layers:
+        if isinstance(layer, NemotronMamba2Layer):
+            h, ssm = layer.decode_multi_seq(ssm, slots, h)
+        elif isinstance(layer, NemotronAttentionLayer):
+            h, kv = layer.decode_multi_seq(kv, slots, h, pos)
+        else:
+            h = layer(h, phase="decode")
+    logits = _logits(model, _rmsnorm(model, h), "decode")
+    return logits, ModelCache(ssm, kv, cache.seq_lens.at[slots].set(pos + 1).at[pad].set(0))
+
+
+def verify_step(model, cache: ModelCache, slots, tokens, num_draft, temperature, top_p, seeds, counters, *,
+                sampling: bool):
+    """Speculative verify with write-on-accept for n sequences in one sweep.
+
+    tokens [n, k]: each sequence's pending token then its drafts (num_draft [n] real ones). Every layer
+    runs the n*k rows (Mamba layers through decode_verify_multi, which keeps the state after every row;
+    attention writes the k rows' keys/values). After acceptance (speculative.accept_drafts) each Mamba
+    layer commits the state after the last kept row and seq_len advances by accepted + 1; keys/values
+    past it are masked by seq_len and overwritten later. Returns (out [n, k], accepted [n], cache): the
+    sequence emits out[i, :accepted[i] + 1]."""
+    n, k = tokens.shape
+    pad = cache.padding_slot
+    pos = cache.seq_lens[slots]
+    ssm, kv = cache.ssm, cache.kv
+    h = model.embeddings[...][tokens.reshape(-1)]                           # [n*k, D]
+    steps = []
+    for layer in model.layers:
+        if isinstance(layer, NemotronMamba2Layer):
+            h, ssm, st = layer.decode_verify_multi(ssm, slots, h, k)
+            steps.append((layer.pool_layer, st))
+        elif isinstance(layer, NemotronAttentionLayer):
+            h, kv = layer.decode_verify_multi(kv, slots, h, pos, k)
+        else:
+            h = layer(h, phase="decode")
+    logits = _logits(model, _rmsnorm(model, h), "decode").reshape(n, k, -1)
+    out, accepted = accept_drafts(logits, tokens, num_draft, temperature, top_p, seeds, counters,
+                                  sampling=sampling)
+    rows = jnp.arange(n)
+    conv, state = ssm.conv_state, ssm.ssm_state
+    for l, st in steps:
+        conv = conv.at[l, slots].set(st.conv[rows, accepted].astype(conv.dtype))
+        state = state.at[l, slots].set(st.ssm[rows, accepted].astype(state.dtype))
+    seq_lens = cache.seq_lens.at[slots].set(pos + accepted + 1).at[pad].set(0)
+    return out, accepted, ModelCache(SsmPool(conv, state), kv, seq_lens)
+
+
+# ---- slot helpers -----------------------------------------------------------------------------
+def zero_slot(cache: ModelCache, slot) -> ModelCache:
+    """A fresh slot: Mamba states, keys/values and length all zero."""
+    ssm, kv = cache.ssm, cache.kv
+    return ModelCache(SsmPool(ssm.conv_state.at[:, slot].set(0), ssm.ssm_state.at[:, slot].set(0)),
+                      KvPool(kv.k.at[:, slot].set(0), kv.v.at[:, slot].set(0)), cache.seq_lens.at[slot].set(0))
+
+
+def slot_ssm_state(cache: ModelCache, slot) -> SlotState:
+    """A copy of one slot's Mamba states in every layer (the two-pass capture's snapshot)."""
+    return SlotState(cache.ssm.conv_state[:, slot], cache.ssm.ssm_state[:, slot])
+
+
+def restore_ssm(cache: ModelCache, slot, state: SlotState, seq_len) -> ModelCache:
+    """Put a snapshot's Mamba states into `slot` and set its length (its KV blocks go in separately)."""
+    ssm = cache.ssm
+    return ModelCache(SsmPool(ssm.conv_state.at[:, slot].set(state.conv.astype(ssm.conv_state.dtype)),
+                              ssm.ssm_state.at[:, slot].set(state.ssm.astype(ssm.ssm_state.dtype))),
+                      cache.kv, cache.seq_lens.at[slot].set(seq_len))
+
+
+def kv_block_get(cache: ModelCache, slot, start, *, block: int) -> KvSlotState:
+    """Keys/values of positions start .. start+block-1 of `slot`: k, v [L, block, KVH, hd]."""
+    take = lambda a: jax.lax.dynamic_slice_in_dim(a[:, slot], start, block, axis=1)
+    return KvSlotState(take(cache.kv.k), take(cache.kv.v))
+
+
+def kv_block_put(cache: ModelCache, slot, start, blk: KvSlotState) -> ModelCache:
+    """Write a KV block (from kv_block_get) at positions start.. of `slot`."""
+    kv = cache.kv
+    put = lambda a, b: jax.lax.dynamic_update_slice(a, b[:, None].astype(a.dtype), (0, slot, start, 0, 0))
+    return ModelCache(cache.ssm, KvPool(put(kv.k, blk.k), put(kv.v, blk.v)), cache.seq_lens)

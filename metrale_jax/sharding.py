@@ -1,0 +1,412 @@
+"""Tensor and expert parallelism with jax.sharding: meshes, partition specs, row permutations, and the
+shard_map wrapper that runs a model step as the same layer code on every device's share of the weights.
+
+Layout over the mesh axis (tp devices), one all-reduce (psum) per block and nothing else in a step:
+  Mamba-2    heads and groups split: in_proj rows permuted into device-major [z_d | x_d | B_d | C_d | dt_d]
+             (n_groups % tp == 0), conv channels [x_d | B_d | C_d], dt_bias / A_log / D / gated-norm weight by
+             head, the SSM pool by head and the conv pool by (permuted) channel; out_proj by input column + psum.
+  attention  q/k/v rows by head (num_key_value_heads % tp == 0), the KV pool by kv head; o_proj columns + psum.
+  MLP        up_proj rows, down_proj columns + psum.
+  MoE        expert parallel: each device holds E/tp routed experts and adds their contributions for every
+             token; the router, e_score_correction_bias and latent projections are replicated; shared
+             experts split like the MLP; one psum for routed + shared.
+  embeddings replicated (a lookup of B rows costs nothing and needs no collective).
+  lm_head    split by vocabulary row when vocab_size % tp == 0 and it is not tied: its GEMV is the largest
+             single read of a decode step; logits come out sharded over the vocabulary, with no collective
+             in the step (whoever samples reduces them). Tied or indivisible: replicated.
+A step on a sharded model (NemotronH(mesh=...)) runs inside shard_map on a *device view*: the same NemotronH
+class built with `local_config` sizes, whose layers reduce over the axis (their `tp_axis`). The conv pool's
+channels are stored in the permuted order (see `conv_channels_to_checkpoint_order`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+from collections.abc import Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from metrale_jax.config import ModelConfig
+from metrale_jax.errors import CheckpointError, ConfigError
+from metrale_jax.state.cache import ModelCache
+from metrale_jax.weights.checkpoint import expected_tensors
+
+TP_AXIS = "tp"
+_BLOCK_NORM = re.compile(r"^backbone\.layers\.\d+\.norm\.weight$")
+_LAYER = re.compile(r"^backbone\.layers\.(?P<i>\d+)\.mixer\.(?P<suffix>.+)$")
+_EXPERT = re.compile(r"^experts\.(\d+\.)?(up|down)_proj(\.weight)?$")
+_ONE_EXPERT = re.compile(
+    r"^(?P<mixer>backbone\.layers\.\d+\.mixer\.)experts\.(?P<e>\d+)\.(?P<proj>up|down)_proj\.weight$")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorParallel:
+    """A mesh and the axis the model is split over (hashable: it is static data of a sharded model)."""
+
+    mesh: Mesh
+    axis: str = TP_AXIS
+
+    @property
+    def size(self) -> int:
+        return self.mesh.shape[self.axis]
+
+    def sharding(self, spec: P) -> NamedSharding:
+        return NamedSharding(self.mesh, spec)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceShare:
+    """How one device's view of a sharded model is cut (NemotronH(shard_of=...)): the axis its blocks
+    reduce over, the number of devices, and whether lm_head is split by vocabulary row."""
+
+    axis: str
+    size: int
+    vocab: bool
+
+
+def make_mesh(tp: int | None = None, devices: Sequence | None = None, axis: str = TP_AXIS) -> Mesh:
+    """A 1-D mesh of `tp` devices (default: all of `devices`, default jax.devices()) named `axis`."""
+    devices = list(jax.devices() if devices is None else devices)
+    tp = len(devices) if tp is None else tp
+    if not 1 <= tp <= len(devices):
+        raise ConfigError("tp", f"expected 1 <= tp <= {len(devices)} (devices available), got {tp}")
+    return Mesh(np.array(devices[:tp]), (axis,), axis_types=(AxisType.Auto,))
+
+
+def tensor_parallel(mesh: Mesh, axis: str | None = None) -> TensorParallel:
+    """Check a mesh for model splitting: the tensor-parallel axis (`axis`, else the only axis, else 'tp');
+    every other axis must have size 1 (data parallelism over a second axis is not supported yet)."""
+    if not isinstance(mesh, Mesh):
+        raise ConfigError("mesh", f"expected a jax.sharding.Mesh, got {type(mesh).__name__}")
+    names = tuple(mesh.axis_names)
+    axis = axis or (names[0] if len(names) == 1 else TP_AXIS)
+    if axis not in names:
+        raise ConfigError("mesh", f"has axes {names}; the tensor-parallel axis {axis!r} is not one of them")
+    others = {n: mesh.shape[n] for n in names if n != axis and mesh.shape[n] != 1}
+    if others:
+        raise ConfigError("mesh", f"axes {others} have size > 1; only the tensor-parallel axis {axis!r} may "
+                                  "(data parallelism is not supported yet)")
+    if any(t != AxisType.Auto for t in mesh.axis_types):
+        mesh = Mesh(mesh.devices, names, axis_types=(AxisType.Auto,) * len(names))   # shard_map + GSPMD
+    return TensorParallel(mesh, axis)
+
+
+# ---- sizes -------------------------------------------------------------------------------------
+def vocab_sharded(config: ModelConfig, tp: int) -> bool:
+    """Whether lm_head (and so the logits) is split by vocabulary row."""
+    return tp > 1 and not config.tie_word_embeddings and config.vocab_size % tp == 0
+
+
+def local_config(config: ModelConfig, tp: int) -> ModelConfig:
+    """The config one device's view is built with: heads, groups, intermediate sizes (and the vocabulary
+    when lm_head is split) divided by tp for the block kinds the model has. Routed experts keep the global
+    count (the router is replicated; the layer holds E/tp of them). Raises ConfigError naming the field that
+    tp does not divide."""
+    kinds = set(config.hybrid_override_pattern)
+    c = config
+    need: list[tuple[str, int]] = []
+    if "M" in kinds:
+        need += [("n_groups", c.n_groups), ("mamba_num_heads", c.mamba_num_heads)]
+    if "*" in kinds:
+        need += [("num_key_value_heads", c.num_key_value_heads), ("num_attention_heads", c.num_attention_heads)]
+    if "-" in kinds:
+        need += [("intermediate_size", c.intermediate_size)]
+    if "E" in kinds:
+        need += [("n_routed_experts", c.n_routed_experts)]
+        if c.n_shared_experts:
+            need += [("moe_shared_expert_intermediate_size", c.moe_shared_expert_intermediate_size)]
+    for field, value in need:
+        if value % tp:
+            raise ConfigError(field, f"{value} is not divisible by the tensor-parallel size {tp}")
+    changes = {f: v // tp for f, v in need if f != "n_routed_experts"}
+    if vocab_sharded(c, tp):
+        changes["vocab_size"] = c.vocab_size // tp
+    return dataclasses.replace(c, **changes)
+
+
+# ---- row permutations (checkpoint order -> device-major order) ---------------------------------
+def _blocks(starts_sizes: Sequence[tuple[int, int]], tp: int) -> np.ndarray:
+    """Indices that take device d's 1/tp of every (start, size) segment, devices one after another."""
+    parts = []
+    for d in range(tp):
+        for start, size in starts_sizes:
+            n = size // tp
+            parts.append(np.arange(start + d * n, start + (d + 1) * n))
+    return np.concatenate(parts).astype(np.int64)
+
+
+def conv_rows(config: ModelConfig, tp: int) -> np.ndarray:
+    """conv channel order [x_d | B_d | C_d] for d = 0..tp-1, as indices into the checkpoint's [x | B | C]."""
+    I, GN = config.d_inner, config.n_groups * config.ssm_state_size
+    return _blocks([(0, I), (I, GN), (I + GN, GN)], tp)
+
+
+def in_proj_rows(config: ModelConfig, tp: int) -> np.ndarray:
+    """in_proj row order [z_d | x_d | B_d | C_d | dt_d] for d = 0..tp-1, as indices into the checkpoint's
+    [z | x | B | C | dt], so that device d's contiguous share is its own heads' and groups' rows."""
+    I, GN, H = config.d_inner, config.n_groups * config.ssm_state_size, config.mamba_num_heads
+    return _blocks([(0, I), (I, I), (2 * I, GN), (2 * I + GN, GN), (2 * I + 2 * GN, H)], tp)
+
+
+def checkpoint_order(name: str, value, config: ModelConfig, tp: TensorParallel) -> np.ndarray:
+    """A sharded model's tensor (rows in device-major order) back in the checkpoint's row order."""
+    rows = tensor_layout(name, config, tp).rows
+    arr = np.asarray(value)
+    if rows is None:
+        return arr
+    out = np.empty_like(arr)
+    out[rows] = arr
+    return out
+
+
+def conv_channels_to_checkpoint_order(conv_state, config: ModelConfig, tp: int) -> np.ndarray:
+    """A sharded pool's conv_state [..., conv_dim, K-1] (device-major channels) in checkpoint channel order."""
+    arr = np.asarray(conv_state)
+    out = np.empty_like(arr)
+    out[..., conv_rows(config, tp), :] = arr
+    return out
+
+
+# ---- where each checkpoint tensor goes -----------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A checkpoint tensor's partition spec, and the row order (indices into the checkpoint's axis 0) of
+    its global array, or None when it keeps the checkpoint's order."""
+
+    spec: P
+    rows: np.ndarray | None = None
+
+
+def tensor_layout(name: str, config: ModelConfig, tp: TensorParallel) -> Layout:
+    """The layout of an HF-named tensor (a routed expert's, or a layer's stacked experts: split by expert)."""
+    a, n = tp.axis, tp.size
+    if name in ("backbone.embeddings.weight", "backbone.norm_f.weight") or _BLOCK_NORM.match(name):
+        return Layout(P())
+    if name == "lm_head.weight":
+        return Layout(P(a, None) if vocab_sharded(config, n) else P())
+    m = _LAYER.match(name)
+    if m is None:
+        raise CheckpointError(f"{name}: no sharding rule for this tensor")
+    kind, s = config.hybrid_override_pattern[int(m["i"])], m["suffix"]
+    rows_by = P(a, None)
+    cols_by = P(None, a)
+    if kind == "M":
+        table = {"in_proj.weight": Layout(rows_by, in_proj_rows(config, n)),
+                 "conv1d.weight": Layout(P(a, None, None), conv_rows(config, n)),
+                 "conv1d.bias": Layout(P(a), conv_rows(config, n)),
+                 "dt_bias": Layout(P(a)), "A_log": Layout(P(a)), "D": Layout(P(a)), "norm.weight": Layout(P(a)),
+                 "out_proj.weight": Layout(cols_by)}
+    elif kind == "*":
+        table = {f"{p}_proj.weight": Layout(rows_by) for p in "qkv"} | {f"{p}_proj.bias": Layout(P(a)) for p in "qkv"}
+        table |= {"o_proj.weight": Layout(cols_by), "o_proj.bias": Layout(P())}
+    elif kind == "-":
+        table = _mlp_table("", a)
+    else:
+        if _EXPERT.match(s):
+            return Layout(P(a, None, None))
+        table = {"gate.weight": Layout(P()), "gate.e_score_correction_bias": Layout(P())}
+        table |= _mlp_table("shared_experts.", a)
+        table |= {f"fc{k}_latent_proj.{w}": Layout(P()) for k in (1, 2) for w in ("weight", "bias")}
+    if s not in table:
+        raise CheckpointError(f"{name}: no sharding rule for this tensor")
+    return table[s]
+
+
+def _mlp_table(prefix: str, a: str) -> dict[str, Layout]:
+    return {f"{prefix}up_proj.weight": Layout(P(a, None)), f"{prefix}up_proj.bias": Layout(P(a)),
+            f"{prefix}down_proj.weight": Layout(P(None, a)), f"{prefix}down_proj.bias": Layout(P())}
+
+
+def _fit(spec: P, ndim: int) -> P:
+    return P(*(tuple(spec) + (None,) * ndim)[:ndim])
+
+
+def place(name: str, value, config: ModelConfig, tp: TensorParallel, dtype) -> jax.Array:
+    """One HF-named tensor (numpy / memory-mapped view, or jax array) on its shards, rows permuted by its
+    layout and cast to dtype. From numpy, a split tensor's shares are read and converted one device at a
+    time (never the whole tensor on the host); a replicated one is converted once."""
+    layout = tensor_layout(name, config, tp)
+    spec = _fit(layout.spec, np.ndim(value))
+    sharding = tp.sharding(spec)
+    dtype = jnp.dtype(dtype)
+    if isinstance(value, jax.Array):
+        v = value if layout.rows is None else jnp.take(value, jnp.asarray(layout.rows), axis=0)
+        return jax.device_put(v.astype(dtype), sharding)
+    rows = layout.rows
+    if all(p is None for p in spec):
+        return jax.device_put(np.asarray(value, dtype=dtype), sharding)
+
+    def part(index):
+        if rows is None:
+            return np.asarray(value[index], dtype=dtype)
+        return np.asarray(value[rows[index[0]]][(slice(None), *index[1:])], dtype=dtype)
+
+    return jax.make_array_from_callback(tuple(np.shape(value)), sharding, part)
+
+
+def place_experts(name: str, members: Sequence, config: ModelConfig, tp: TensorParallel, dtype) -> jax.Array:
+    """A layer's routed experts (one [N, K] view each, in order) stacked to [E, N, K] and split by expert:
+    each device reads only its own experts."""
+    spec = tensor_layout(name, config, tp).spec
+    shape = (len(members), *np.shape(members[0]))
+    dtype = jnp.dtype(dtype)
+
+    def part(index):
+        return np.stack([np.asarray(members[e][index[1:]], dtype=dtype) for e in range(shape[0])[index[0]]])
+
+    return jax.make_array_from_callback(shape, tp.sharding(spec), part)
+
+
+class ShardedTensors(dict):
+    """HF-named tensors already permuted and placed on a mesh by `shard_tensors` (so that
+    NemotronH(..., mesh=...) does not place them again)."""
+
+
+def shard_tensors(config: ModelConfig, tensors, tp: TensorParallel, dtype) -> ShardedTensors:
+    """Place HF-named tensors (a mapping, or (name, array) pairs taken one at a time) on their shards, in
+    `dtype` except those the checkpoint table keeps in float32. A layer's routed experts, given one by one,
+    are stacked [E, ...] under "<mixer>.experts.up_proj" / ".down_proj" once all E have come."""
+    if isinstance(tensors, ShardedTensors):
+        return tensors
+    f32 = {n for n, s in expected_tensors(config).items() if s.keep_f32}
+    E = config.n_routed_experts
+    out = ShardedTensors()
+    pending: dict[str, dict[int, object]] = {}
+    for name, value in (tensors.items() if isinstance(tensors, Mapping) else tensors):
+        m = _ONE_EXPERT.match(name)
+        if m is None:
+            out[name] = place(name, value, config, tp, jnp.float32 if name in f32 else dtype)
+            continue
+        key = f"{m['mixer']}experts.{m['proj']}_proj"
+        group = pending.setdefault(key, {})
+        group[int(m["e"])] = value
+        if len(group) == E:
+            del pending[key]
+            out[key] = place_experts(key, [group[e] for e in range(E)], config, tp, dtype)
+    if pending:
+        raise CheckpointError([f"{k}: {len(v)} of {E} routed experts given" for k, v in pending.items()])
+    return out
+
+
+# ---- device views ------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class DeviceView:
+    """What shard_map needs to run a step on one device: the view's pytree structure (local sizes, layers
+    reducing over the axis) and each weight's partition spec, in the model's leaf order."""
+
+    treedef: object
+    leaf_specs: tuple
+
+
+def _spec_from_shapes(path: str, global_shape, local_shape, tp: TensorParallel) -> P:
+    """The spec that cuts global_shape into local_shape: at most one axis, divided by tp."""
+    split = [i for i, (g, l) in enumerate(zip(global_shape, local_shape)) if g != l]
+    if len(global_shape) != len(local_shape) or len(split) > 1 or \
+            any(global_shape[i] != local_shape[i] * tp.size for i in split):
+        raise ConfigError("mesh", f"weight {path}: shape {tuple(global_shape)} does not split into the device "
+                                  f"view's {tuple(local_shape)} over {tp.size} devices")
+    return P(*(tp.axis if i in split else None for i in range(len(global_shape))))
+
+
+def device_view(model) -> DeviceView:
+    """The device view of a sharded NemotronH (built once per model structure)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(model)
+    shapes = tuple((jax.tree_util.keystr(p), tuple(x.shape)) for p, x in leaves)
+    return _device_view(type(model), model.config, model.dtype, model.levers, model.tp, treedef, shapes)
+
+
+@functools.lru_cache(maxsize=16)
+def _device_view(cls, config, dtype, levers, tp: TensorParallel, treedef, shapes) -> DeviceView:
+    lc = local_config(config, tp.size)
+    local_shapes = {}
+    for name, spec in expected_tensors(config).items():
+        e = _EXPERT.match(_LAYER.match(name)["suffix"]) if _LAYER.match(name) else None
+        name = name if e is None else name.split(".experts.")[0] + f".experts.{e[2]}_proj"
+        shape = list(spec.shape if e is None else (config.n_routed_experts, *spec.shape))
+        for axis, part in enumerate(tensor_layout(name, config, tp).spec):
+            if part is not None:
+                shape[axis] //= tp.size
+        local_shapes[name] = (tuple(shape), jnp.float32 if spec.keep_f32 else dtype)
+
+    def build():
+        tensors = {n: jnp.zeros(s, d) for n, (s, d) in local_shapes.items()}
+        share = DeviceShare(tp.axis, tp.size, vocab_sharded(config, tp.size))
+        return cls(lc, tensors, dtype=dtype, levers=levers, shard_of=share)
+
+    local, local_def = jax.tree_util.tree_flatten_with_path(nnx.eval_shape(build))
+    local_paths = [jax.tree_util.keystr(p) for p, _ in local]
+    if local_paths != [p for p, _ in shapes]:
+        missing = sorted(set(local_paths) ^ {p for p, _ in shapes})
+        raise ConfigError("mesh", f"the model's weights differ from its device view's ({missing[:4]}): only "
+                                  "models as built by NemotronH (dense weights) can be sharded")
+    specs = tuple(_spec_from_shapes(p, g, tuple(x.shape), tp) for (p, g), (_, x) in zip(shapes, local))
+    return DeviceView(local_def, specs)
+
+
+def cache_specs(config: ModelConfig, tp: TensorParallel) -> ModelCache:
+    """A ModelCache of partition specs: the SSM pool by head, the conv pool by channel, the KV pool by kv
+    head, seq_lens replicated."""
+    g = jax.eval_shape(lambda: ModelCache.for_config(config, 1, 1))
+    l = jax.eval_shape(lambda: ModelCache.for_config(local_config(config, tp.size), 1, 1))
+    return jax.tree.map(lambda a, b: _spec_from_shapes("cache", a.shape, b.shape, tp), g, l)
+
+
+def new_cache(config: ModelConfig, tp: TensorParallel, max_slots: int, max_len: int, dtype) -> ModelCache:
+    """A zeroed ModelCache created directly on its shards."""
+    shardings = jax.tree.map(tp.sharding, cache_specs(config, tp))
+    return jax.jit(lambda: ModelCache.for_config(config, max_slots, max_len, dtype), out_shardings=shardings)()
+
+
+def logits_spec(model, ndim: int) -> P:
+    """Logits [..., V]: split over the vocabulary when lm_head is."""
+    v = model.tp.axis if vocab_sharded(model.config, model.tp.size) else None
+    return P(*(None,) * (ndim - 1), v)
+
+
+def run_sharded(step, model, *args, out_specs, **kwargs):
+    """step(device view, *args, **kwargs) on every device through shard_map. Arguments: the model (each
+    weight by its spec), ModelCache / SsmPool / KvPool (by their specs), arrays (replicated), None."""
+    tp = model.tp
+    view = device_view(model)
+    specs = cache_specs(model.config, tp)
+    arg_specs = {ModelCache: specs, type(specs.ssm): specs.ssm, type(specs.kv): specs.kv}
+    live = [i for i, a in enumerate(args) if a is not None]
+    in_specs = (list(view.leaf_specs), *(arg_specs.get(type(args[i]), P()) for i in live))
+
+    def body(leaves, *live_args):
+        full = list(args)
+        for i, a in zip(live, live_args):
+            full[i] = a
+        return step(jax.tree.unflatten(view.treedef, leaves), *full, **kwargs)
+
+    fn = jax.shard_map(body, mesh=tp.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
+    return fn(jax.tree.leaves(model), *(args[i] for i in live))
+
+
+def check_placement(model) -> None:
+    """Every weight of a sharded model lies on the mesh with the spec of its device view (an internal
+    consistency check of the tensor table against the layers' weights)."""
+    view = device_view(model)
+    leaves = jax.tree_util.tree_flatten_with_path(model)[0]
+    for (path, x), spec in zip(leaves, view.leaf_specs):
+        want = model.tp.sharding(spec)
+        if not isinstance(x, jax.Array) or not x.sharding.is_equivalent_to(want, x.ndim):
+            raise ConfigError("mesh", f"weight {jax.tree_util.keystr(path)} is placed as "
+                                      f"{getattr(x, 'sharding', type(x).__name__)}, expected {spec}")
+
+
+COLLECTIVES = ("all-reduce", "all-gather", "all-to-all", "collective-permute", "reduce-scatter")
+_HLO_OP = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+ = .*?\b(" + "|".join(COLLECTIVES) + r")(?:-start)?\(", re.M)
+
+
+def collective_counts(hlo_text: str) -> dict[str, int]:
+    """How many of each cross-device collective a compiled module's HLO text holds (async pairs once)."""
+    found = _HLO_OP.findall(hlo_text)
+    return {op: found.count(op) for op in COLLECTIVES}

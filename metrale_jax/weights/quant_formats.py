@@ -1,0 +1,213 @@
+"""Number formats of the quantized checkpoints: E4M3 (FP8) and E2M1 (FP4), their block scales, packing.
+
+Pure functions over numpy (checkpoint writing, exact round trips) and jnp (kernels' references,
+activation quantization at run time). Conventions, as ModelOpt / DeepSeek checkpoints store them:
+- FP8 block-scaled: E4M3 weight [N, K], f32 scale per 128x128 block [ceil(N/128), ceil(K/128)],
+  multiplied in (w = q * scale).
+- FP8 per-tensor (ModelOpt FP8): E4M3 weight, one f32 `weight_scale`.
+- NVFP4: E2M1 codes packed two per byte along K (low nibble = even element) [N, K/2], E4M3 scale
+  per 16 elements along K [N, K/16], f32 global scale `weight_scale_2`; w = e2m1 * scale * global.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+
+E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
+E4M3_MAX = 448.0
+E2M1_MAX = 6.0
+FP8_BLOCK = 128
+NVFP4_GROUP = 16
+# value of each 4-bit code: bit 3 sign, bits 2-1 exponent (bias 1), bit 0 mantissa
+E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                        -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+# rounding thresholds between magnitude codes c and c+1; ties go to the even code (0, 1.0, 2.0, 4.0)
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+def block_grid(n: int, k: int, block: int = FP8_BLOCK) -> tuple[int, int]:
+    """Shape of a 128x128 block-scale grid for an [n, k] weight."""
+    return math.ceil(n / block), math.ceil(k / block)
+
+
+# ---- E2M1 codes -------------------------------------------------------------------------------
+def e2m1_encode(x: np.ndarray) -> np.ndarray:
+    """Round float values (already divided by their scale) to E2M1 codes, ties to even; saturates at 6."""
+    x = np.asarray(x, np.float32)
+    mag = np.abs(x)
+    code = np.zeros(x.shape, np.uint8)
+    for c, t in enumerate(_E2M1_MIDPOINTS):
+        code += (mag > t) if c % 2 == 0 else (mag >= t)
+    return code | (np.signbit(x) & (code > 0)).astype(np.uint8) << 3
+
+
+def e2m1_encode_jnp(x: jax.Array) -> jax.Array:
+    """jnp twin of `e2m1_encode` (int32 codes), for quantizing activations at run time."""
+    mag = jnp.abs(x.astype(jnp.float32))
+    code = jnp.zeros(x.shape, jnp.int32)
+    for c, t in enumerate(_E2M1_MIDPOINTS):
+        code = code + ((mag > t) if c % 2 == 0 else (mag >= t)).astype(jnp.int32)
+    return code | jnp.where((x < 0) & (code > 0), 8, 0)
+
+
+def e2m1_decode(codes):
+    """E2M1 codes (any integer array, numpy or jnp) -> float32 values.
+
+    Bit trick, no table: the code's bits placed as a float16 bit pattern give value * 2^-14
+    (code 1 lands on the f16 subnormal 2^-15 = 0.5 * 2^-14), so one multiply restores the value.
+    Triton lowers every step, so the kernels use this same function.
+    """
+    xp = jnp if isinstance(codes, jax.Array) else np
+    c = codes.astype(xp.int32)
+    bits = ((c & 8) << 12) | ((c & 7) << 9)
+    if xp is np:
+        return bits.astype(np.uint16).view(np.float16).astype(np.float32) * np.float32(16384.0)
+    f16 = jax.lax.bitcast_convert_type(bits.astype(jnp.uint16), jnp.float16)
+    return f16.astype(jnp.float32) * 16384.0
+
+
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """[..., K] codes (0..15) -> [..., K/2] uint8, low nibble = even element."""
+    codes = np.asarray(codes, np.uint8)
+    if codes.shape[-1] % 2:
+        raise ValueError(f"pack_nibbles: last dimension must be even, got {codes.shape[-1]}")
+    return (codes[..., 0::2] & 15) | ((codes[..., 1::2] & 15) << 4)
+
+
+def unpack_nibbles(packed):
+    """[..., K/2] uint8 -> [..., K] codes (numpy or jnp), low nibble = even element."""
+    xp = jnp if isinstance(packed, jax.Array) else np
+    p = packed.astype(xp.int32)
+    both = xp.stack([p & 15, p >> 4], axis=-1)
+    return both.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+# ---- FP8 ---------------------------------------------------------------------------------------
+def expand_block_scale(scale, n: int, k: int, block: int = FP8_BLOCK):
+    """[ceil(n/b), ceil(k/b)] -> [n, k] (numpy or jnp)."""
+    xp = jnp if isinstance(scale, jax.Array) else np
+    s = xp.repeat(xp.repeat(scale, block, axis=0), block, axis=1)
+    return s[:n, :k]
+
+
+def quantize_fp8_block(w: np.ndarray, block: int = FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """[N, K] float -> (E4M3 [N, K], f32 scale [ceil(N/b), ceil(K/b)]) with w ~ q * scale."""
+    w = np.asarray(w, np.float32)
+    n, k = w.shape
+    nb, kb = block_grid(n, k, block)
+    pad = np.zeros((nb * block, kb * block), np.float32)
+    pad[:n, :k] = np.abs(w)
+    amax = pad.reshape(nb, block, kb, block).max(axis=(1, 3))
+    scale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
+    q = np.clip(w / expand_block_scale(scale, n, k, block), -E4M3_MAX, E4M3_MAX).astype(E4M3)
+    return q, scale
+
+
+def quantize_fp8_tensor(w: np.ndarray) -> tuple[np.ndarray, np.float32]:
+    """[N, K] float -> (E4M3 [N, K], f32 scalar scale), ModelOpt FP8 per-tensor."""
+    w = np.asarray(w, np.float32)
+    amax = float(np.abs(w).max()) if w.size else 0.0
+    scale = np.float32(amax / E4M3_MAX if amax > 0 else 1.0)
+    return np.clip(w / scale, -E4M3_MAX, E4M3_MAX).astype(E4M3), scale
+
+
+def quantize_fp8_rows(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[N, K] float -> (E4M3 [N, K], f32 scale per row [N]); the pre-dequantized prefill copy."""
+    w = np.asarray(w, np.float32)
+    amax = np.abs(w).max(axis=1)
+    scale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
+    return np.clip(w / scale[:, None], -E4M3_MAX, E4M3_MAX).astype(E4M3), scale
+
+
+def dequantize_fp8_block(q, scale):
+    n, k = q.shape
+    xp = jnp if isinstance(q, jax.Array) else np
+    return q.astype(xp.float32) * expand_block_scale(scale, n, k)
+
+
+# ---- NVFP4 -------------------------------------------------------------------------------------
+def nvfp4_global_scale(amax: float) -> np.float32:
+    """ModelOpt's weight_scale_2: amax / (6 * 448), so the largest block scale lands on 448."""
+    return np.float32(amax / (E2M1_MAX * E4M3_MAX) if amax > 0 else 1.0)
+
+
+def quantize_nvfp4(w: np.ndarray, global_scale: float | None = None
+                   ) -> tuple[np.ndarray, np.ndarray, np.float32]:
+    """[N, K] float (K % 16 == 0) -> (packed uint8 [N, K/2], E4M3 scale [N, K/16], f32 global)."""
+    w = np.asarray(w, np.float32)
+    n, k = w.shape
+    if k % NVFP4_GROUP:
+        raise ValueError(f"quantize_nvfp4: K={k} is not a multiple of {NVFP4_GROUP}")
+    g = nvfp4_global_scale(float(np.abs(w).max()) if w.size else 0.0) if global_scale is None \
+        else np.float32(global_scale)
+    groups = w.reshape(n, k // NVFP4_GROUP, NVFP4_GROUP)
+    block_scale = (np.abs(groups).max(axis=-1) / E2M1_MAX / g)
+    scale = np.clip(block_scale, -E4M3_MAX, E4M3_MAX).astype(E4M3)
+    denom = scale.astype(np.float32)[..., None] * g
+    with np.errstate(divide="ignore", invalid="ignore"):
+        scaled = np.where(denom > 0, groups / denom, 0.0)
+    codes = e2m1_encode(scaled).reshape(n, k)
+    return pack_nibbles(codes), scale, g
+
+
+def dequantize_nvfp4(packed, scale, global_scale):
+    """(packed [N, K/2], E4M3 scale [N, K/16], global) -> f32 [N, K] (numpy or jnp)."""
+    xp = jnp if isinstance(packed, jax.Array) else np
+    vals = e2m1_decode(unpack_nibbles(packed))
+    n, k = vals.shape
+    s = scale.astype(xp.float32)
+    w = vals.reshape(n, k // NVFP4_GROUP, NVFP4_GROUP) * s[..., None]
+    return w.reshape(n, k) * xp.asarray(global_scale, xp.float32)
+
+
+def nvfp4_fake_quant(x: jax.Array, global_scale: jax.Array) -> jax.Array:
+    """Quantize-dequantize activations [M, K] to NVFP4 (per 16 along K); global_scale [M] or scalar.
+
+    Returns x's dtype. Each product e2m1 * E4M3 is exact in bfloat16; the global scale is applied
+    in float32 before the one rounding.
+    """
+    m, k = x.shape
+    g = jnp.broadcast_to(jnp.asarray(global_scale, jnp.float32).reshape(-1, 1, 1), (m, 1, 1))
+    groups = x.astype(jnp.float32).reshape(m, k // NVFP4_GROUP, NVFP4_GROUP)
+    block = jnp.max(jnp.abs(groups), axis=-1, keepdims=True) / E2M1_MAX / g
+    s = jnp.clip(block, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    denom = s * g
+    scaled = jnp.where(denom > 0, groups / jnp.where(denom > 0, denom, 1.0), 0.0)
+    q = e2m1_decode(e2m1_encode_jnp(scaled)) * s * g
+    return q.reshape(m, k).astype(x.dtype)
+
+
+def nvfp4_activation_global(x: jax.Array, input_scale: jax.Array | None) -> jax.Array:
+    """Global scale of W4A4 activations: the checkpoint's static input_scale, else per row amax/(6*448).
+
+    Per row (not per tensor) so a row's result never depends on the other rows of the batch.
+    """
+    if input_scale is not None:
+        return jnp.asarray(input_scale, jnp.float32).reshape(())
+    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1)
+    return jnp.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), 1.0)
+
+
+# ---- activation quantization for the FP8 matrix-unit kernels ------------------------------------
+def quantize_rows_fp8_blocks(x: jax.Array, block: int = FP8_BLOCK) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] -> (E4M3 [M, K], f32 scale [M, ceil(K/block)]): one scale per row per 128 columns."""
+    m, k = x.shape
+    kb = math.ceil(k / block)
+    xf = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, kb * block - k)))
+    amax = jnp.max(jnp.abs(xf.reshape(m, kb, block)), axis=-1)
+    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+    q = (xf.reshape(m, kb, block) / scale[..., None]).reshape(m, kb * block)[:, :k]
+    return jnp.clip(q, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn), scale
+
+
+def quantize_rows_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] -> (E4M3 [M, K], f32 scale [M]): one scale per row (token)."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=1)
+    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+    return jnp.clip(xf / scale[:, None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn), scale

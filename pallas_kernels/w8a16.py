@@ -1,0 +1,229 @@
+"""W8A16 projections: bf16 activations x FP8 E4M3 weights [N, K] with f32 scales per 128x128 block.
+
+    y = x @ (w * scale[n // 128, k // 128])^T          (float32 accumulation)
+
+Kernels (registry names):
+  w8a16_gemv            decode: rows tiled by 16, each weight tile read once; split-K when N alone
+                        gives too few programs to fill the GPU.
+  w8a16_gemm            prefill: E4M3 tiles widened to bf16 in the kernel, bf16 matrix units.
+  w8a16_gemm_pipelined  prefill on the FP8 matrix units: activations are quantized per row per
+                        128 columns to E4M3 first (pallas_kernels.fp8_gemm), so the result is that of
+                        the quantized activations (its reference does the same quantization).
+Tile configs depend on (N, K) only, never on M, so a row's result does not depend on the batch.
+Shared tile helpers of the quantized kernels live here too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from metrale_jax.errors import ShapeError
+from metrale_jax.weights.quant_formats import FP8_BLOCK, block_grid, expand_block_scale
+from pallas_kernels import registry
+from pallas_kernels.triton_util import compiler_params, dot, dot_dtype, next_pow2
+
+H200_SMS = 132
+
+
+# ---- shared helpers --------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class QuantBlocks:
+    """Tile config of a quantized projection kernel (powers of two; block_k counts weight elements)."""
+
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    swap: bool = False      # compute out^T = W x^T: the weight tile is the matrix units' A operand
+
+
+def matmul_f32(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x [M, K] @ w[N, K]^T in float32 (IEEE, no TF32); a single row is computed as the first of two,
+    so XLA:CPU's GEMV path (another summation order) never makes a row depend on the batch size."""
+    M = x.shape[0]
+    xp = jnp.concatenate([x, x], axis=0) if M == 1 else x
+    y = jax.lax.dot_general(xp.astype(jnp.float32), w.astype(jnp.float32), (((1,), (1,)), ((), ())),
+                            precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+    return y[:M]
+
+
+def check_activations(kernel: str, x, K: int) -> None:
+    if getattr(x, "ndim", 0) != 2 or x.shape[1] != K:
+        raise ShapeError(f"{kernel}: x expected shape [M, {K}], got {list(getattr(x, 'shape', ()))}")
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise ShapeError(f"{kernel}: x expected a floating dtype, got {x.dtype}")
+
+
+def check_array(kernel: str, name: str, a, dtype, shape) -> None:
+    if tuple(a.shape) != tuple(shape) or jnp.dtype(a.dtype) != jnp.dtype(dtype):
+        raise ShapeError(f"{kernel}: {name} expected {jnp.dtype(dtype).name}{list(shape)}, "
+                         f"got {jnp.dtype(a.dtype).name}{list(a.shape)}")
+
+
+def gemv_split_k(n_programs: int, k_steps: int, target: int = 2 * H200_SMS) -> int:
+    """Largest power-of-two split of the K loop that keeps >= 4 steps per split and does not
+    overshoot `target` programs (two per SM keeps a load in flight while the other computes)."""
+    split = 1
+    while n_programs * split * 2 <= target and k_steps % (split * 2) == 0 and k_steps // (split * 2) >= 4:
+        split *= 2
+    return split
+
+
+def fit_blocks(blk: QuantBlocks, M: int, K: int, k_unit: int = 1) -> QuantBlocks:
+    """Shrink block_m to the rows present (>= 16, the smallest matrix-unit tile) and block_k to K."""
+    bm = min(blk.block_m, next_pow2(M, 16))
+    bk = min(blk.block_k, next_pow2(K, 16 * k_unit))
+    return dataclasses.replace(blk, block_m=bm, block_k=bk)
+
+
+def grid_ids(num_m: int):
+    """(n-block, m-block) of this program: m varies fastest so programs in flight share weight tiles."""
+    pid = pl.program_id(0)
+    return pid // num_m, pid % num_m
+
+
+def finish_split(out: jax.Array, split: int, M: int, out_dtype) -> jax.Array:
+    """Sum the split-K partials [split, Mp, N] (fixed order: deterministic) and cut the padding rows."""
+    y = out.sum(axis=0) if split > 1 else out[0] if out.ndim == 3 else out
+    return y[:M].astype(out_dtype)
+
+
+# ---- reference -----------------------------------------------------------------------------------------
+def w8a16_reference(x: jax.Array, w: jax.Array, scale: jax.Array, *, out_dtype=None) -> jax.Array:
+    """Dequantize then matmul.  x [M, K], w E4M3 [N, K], scale f32 [ceil(N/128), ceil(K/128)] -> [M, N]."""
+    N, K = w.shape
+    wd = w.astype(jnp.float32) * expand_block_scale(scale, N, K)
+    return matmul_f32(x, wd).astype(out_dtype or x.dtype)
+
+
+def _check_w8a16(kernel, x, w, scale):
+    if w.ndim != 2 or jnp.dtype(w.dtype) != jnp.dtype(jnp.float8_e4m3fn):
+        raise ShapeError(f"{kernel}: w expected float8_e4m3fn [N, K], got {jnp.dtype(w.dtype).name}{list(w.shape)}")
+    N, K = w.shape
+    check_activations(kernel, x, K)
+    check_array(kernel, "scale", scale, jnp.float32, block_grid(N, K))
+
+
+# ---- Pallas kernel -------------------------------------------------------------------------------------
+def _w8a16_kernel(x_ref, w_ref, s_ref, o_ref, *, M, N, K, bm, bn, bk, k_split, num_m, cdt, swap):
+    """One [bm, bn] output tile over one K split: widen E4M3 -> bf16 (exact), matrix units, scale per block."""
+    pid_n, pid_m = grid_ids(num_m)
+    split = pl.program_id(1)
+    n0, m0 = pid_n * bn, pid_m * bm
+    n_mask = (n0 + jnp.arange(bn)) < N
+    m_mask = (m0 + jnp.arange(bm)) < M
+    s_row = n0 // FP8_BLOCK                       # bn divides 128: the tile sits in one block row
+    k_first = split * k_split
+    ragged_k = K % bk != 0
+
+    def body(i, acc):
+        k0 = k_first + i * bk
+        if ragged_k:
+            k_mask = (k0 + jnp.arange(bk)) < K
+            xm, wm = m_mask[:, None] & k_mask[None, :], n_mask[:, None] & k_mask[None, :]
+        else:
+            xm, wm = m_mask[:, None], n_mask[:, None]
+        x = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(k0, bk)], mask=xm, other=0.0).astype(cdt)
+        w = plgpu.load(w_ref.at[pl.ds(n0, bn), pl.ds(k0, bk)], mask=wm, other=0.0).astype(cdt)
+        part = dot(w, x, trans_b=True) if swap else dot(x, w, trans_b=True)     # [bn, bm] / [bm, bn] f32
+        return acc + part * s_ref[s_row, k0 // FP8_BLOCK]
+
+    acc = jax.lax.fori_loop(0, k_split // bk, body, jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
+    store_tile(o_ref, split, acc, m0, n0, m_mask, n_mask, swap)
+
+
+def store_tile(o_ref, split, acc, m0, n0, m_mask, n_mask, swap):
+    """Write a [bm, bn] tile (or its transpose [bn, bm] when swap) of o_ref[split]."""
+    bm, bn = m_mask.shape[0], n_mask.shape[0]
+    split = jnp.asarray(split, jnp.int32)
+    if swap:
+        rows, cols = m0 + jnp.arange(bm), n0 + jnp.arange(bn)
+        plgpu.store(o_ref.at[split, rows[None, :], cols[:, None]], acc.astype(o_ref.dtype),
+                    mask=n_mask[:, None] & m_mask[None, :])
+    else:
+        plgpu.store(o_ref.at[split, pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype),
+                    mask=m_mask[:, None] & n_mask[None, :])
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "blocks", "interpret", "name"))
+def _w8a16_call(x, w, scale, *, out_dtype, blocks: QuantBlocks, interpret: bool, name: str):
+    M, K = x.shape
+    N = w.shape[0]
+    bm, bn, bk, split = blocks.block_m, blocks.block_n, blocks.block_k, blocks.split_k
+    if FP8_BLOCK % bn or FP8_BLOCK % bk:
+        raise ShapeError(f"{name}: block_n={bn} and block_k={bk} must divide the 128-wide scale blocks")
+    num_m, num_n = pl.cdiv(M, bm), pl.cdiv(N, bn)
+    if pl.cdiv(K, bk) % split:
+        raise ShapeError(f"{name}: split_k={split} does not divide the {pl.cdiv(K, bk)} K steps of {bk}")
+    k_split = pl.cdiv(K, bk) // split * bk
+    out_t = jnp.float32 if split > 1 else out_dtype
+    kernel = functools.partial(_w8a16_kernel, M=M, N=N, K=K, bm=bm, bn=bn, bk=bk, k_split=k_split, num_m=num_m,
+                               cdt=dot_dtype(x.dtype), swap=blocks.swap)
+    out = pl.pallas_call(
+        kernel, out_shape=jax.ShapeDtypeStruct((split, M, N), out_t), grid=(num_m * num_n, split),
+        compiler_params=compiler_params(blocks.num_warps, blocks.num_stages), interpret=interpret, name=name,
+    )(x, w, scale)
+    return finish_split(out, split, M, out_dtype)
+
+
+# Defaults from the H200 sweep of 2026-11-30 (benchmarks/notes/quant.md): the weight tile as the B operand
+# (swap=False) and 32-row tiles unless N is too small to fill the GPU without splitting K.
+GEMV_SWAP = False
+
+
+def gemv_block_n(N: int) -> int:
+    return 32 if pl.cdiv(N, 32) >= 2 * H200_SMS else 64
+
+
+def w8a16_gemv_blocks(N: int, K: int) -> QuantBlocks:
+    bn, bk = gemv_block_n(N), 128
+    split = gemv_split_k(pl.cdiv(N, bn), pl.cdiv(K, bk))
+    return QuantBlocks(block_m=16, block_n=bn, block_k=bk, split_k=split, num_warps=4, num_stages=4, swap=GEMV_SWAP)
+
+
+def w8a16_gemm_blocks(N: int, K: int) -> QuantBlocks:
+    return QuantBlocks(block_m=64, block_n=128, block_k=64, split_k=1, num_warps=4, num_stages=4)
+
+
+def w8a16_gemv_pallas(x, w, scale, *, out_dtype=None, interpret: bool = False, blocks: QuantBlocks | None = None):
+    """Decode GEMV (any M, rows tiled by 16); same call and result as `w8a16_reference`."""
+    _check_w8a16("w8a16_gemv", x, w, scale)
+    blk = fit_blocks(blocks or w8a16_gemv_blocks(*w.shape), x.shape[0], w.shape[1])
+    return _w8a16_call(x, w, scale, out_dtype=jnp.dtype(out_dtype or x.dtype), blocks=blk,
+                       interpret=interpret, name="w8a16_gemv")
+
+
+def w8a16_gemm_pallas(x, w, scale, *, out_dtype=None, interpret: bool = False, blocks: QuantBlocks | None = None):
+    """Prefill GEMM on the bf16 matrix units; same call and result as `w8a16_reference`."""
+    _check_w8a16("w8a16_gemm", x, w, scale)
+    blk = fit_blocks(blocks or w8a16_gemm_blocks(*w.shape), x.shape[0], w.shape[1])
+    return _w8a16_call(x, w, scale, out_dtype=jnp.dtype(out_dtype or x.dtype), blocks=blk,
+                       interpret=interpret, name="w8a16_gemm")
+
+
+# ---- FP8 matrix-unit GEMM (activations quantized per row per 128 columns) ------------------------------
+def w8a16_pipelined_reference(x, w, scale, *, out_dtype=None):
+    """Quantize x per row per 128 columns to E4M3, dequantize both operands, matmul in float32."""
+    from pallas_kernels.fp8_gemm import quantized_activations_block
+    _check_w8a16("w8a16_gemm_pipelined", x, w, scale)
+    return w8a16_reference(quantized_activations_block(x), w, scale, out_dtype=out_dtype or x.dtype)
+
+
+def w8a16_gemm_pipelined_pallas(x, w, scale, *, out_dtype=None, interpret: bool = False,
+                                blocks: QuantBlocks | None = None):
+    from pallas_kernels.fp8_gemm import fp8_block_gemm
+    _check_w8a16("w8a16_gemm_pipelined", x, w, scale)
+    return fp8_block_gemm(x, w, scale, out_dtype=out_dtype, interpret=interpret, blocks=blocks)
+
+
+registry.register("w8a16_gemv", reference=w8a16_reference, pallas=w8a16_gemv_pallas)
+registry.register("w8a16_gemm", reference=w8a16_reference, pallas=w8a16_gemm_pallas)
+registry.register("w8a16_gemm_pipelined", reference=w8a16_pipelined_reference, pallas=w8a16_gemm_pipelined_pallas)

@@ -1,0 +1,151 @@
+"""The Pallas SSD scan against the jnp chunked reference (and once against the float64 recurrence)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from metrale_jax.errors import ShapeError
+from pallas_kernels import registry, ssd
+from pallas_kernels.ssd import SsdBlocks, ssd_scan_pallas
+from tests.numpy_refs import rel_err, ssm_recurrence
+
+reference = jax.jit(ssd.ssd_scan_reference, static_argnames=(
+    "chunk_size", "dt_softplus", "dt_limit", "return_chunk_states", "precision"))
+
+
+def _inputs(rng, T, S, H=4, P=8, G=2, N=16, dtype=np.float32):
+    a = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+    return dict(
+        x=a(T, H, P), dt=jnp.asarray(rng.uniform(-4.0, 1.0, (T, H)), dtype),
+        A=jnp.asarray(-np.exp(rng.uniform(-1.0, 1.5, H)), jnp.float32), B=a(T, G, N), C=a(T, G, N),
+        D=jnp.asarray(rng.standard_normal(H), jnp.float32), dt_bias=jnp.asarray(rng.uniform(-1, 1, H), jnp.float32),
+        initial_states=jnp.asarray(rng.standard_normal((S, H, P, N)), jnp.float32))
+
+
+def _cu(lens):
+    return jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+
+
+def _call(fn, inp, **kw):
+    i = dict(inp)
+    return fn(i.pop("x"), i.pop("dt"), i.pop("A"), i.pop("B"), i.pop("C"), **i, **kw)
+
+
+def _compare(out, ref, tol, chunks=False):
+    y = np.asarray(out.y, np.float32)
+    assert out.y.dtype == ref.y.dtype and out.final_states.dtype == jnp.float32
+    assert np.all(np.isfinite(y)), "y has unwritten (NaN) or non-finite rows"
+    assert rel_err(y, ref.y) <= tol
+    assert rel_err(out.final_states, ref.final_states) <= tol
+    if chunks:
+        v = np.asarray(ref.chunk_states.valid)
+        np.testing.assert_array_equal(np.asarray(out.chunk_states.valid), v)
+        np.testing.assert_array_equal(np.asarray(out.chunk_states.seq)[v], np.asarray(ref.chunk_states.seq)[v])
+        np.testing.assert_array_equal(np.asarray(out.chunk_states.end_pos), np.asarray(ref.chunk_states.end_pos))
+        assert rel_err(out.chunk_states.states[v], ref.chunk_states.states[v]) <= tol
+        assert np.all(np.asarray(out.chunk_states.states)[~v] == 0)   # written, not left as poison
+
+
+@pytest.mark.parametrize("chunk,blocks,P", [
+    (16, None, 8),                                                  # P padded to a 16-wide block; one segment
+    (24, SsdBlocks(block_p=16, segment_tokens=48, cb_precomputed=False), 32),  # chunk not a power of 2; 2 P-blocks
+    (48, SsdBlocks(block_q=16, block_p=16, segment_tokens=32), 16),  # 3 steps a chunk; segments cut chunks
+    (32, SsdBlocks(block_q=16, segment_tokens=48, cb_precomputed=True, fast_exp=True), 16),  # C B^T launch
+])
+def test_varlen_matches_reference(rng, interpret, chunk, blocks, P):
+    lens = [5, 0, 70, 33, 1]
+    T = sum(lens) + 3                                               # trailing pad rows must come out zero
+    inp = _inputs(rng, T, len(lens), P=P)
+    kw = dict(chunk_size=chunk, cu_seqlens=_cu(lens), return_chunk_states=True)
+    out = _call(functools.partial(ssd_scan_pallas, interpret=interpret, blocks=blocks), inp, **kw)
+    _compare(out, _call(reference, inp, **kw), 1e-4, chunks=True)
+    assert np.all(np.asarray(out.y)[sum(lens):] == 0)
+
+
+def test_single_sequence_matches_float64_recurrence(rng, interpret):
+    T = 77
+    inp = _inputs(rng, T, 1, N=12)                                  # N padded to a 16-wide block
+    out = _call(functools.partial(ssd_scan_pallas, interpret=interpret), inp, chunk_size=32)
+    i = {k: np.asarray(v) for k, v in inp.items()}
+    y, h = ssm_recurrence(i["x"], i["dt"], i["A"], i["B"], i["C"], i["D"], i["dt_bias"], h0=i["initial_states"][0])
+    assert rel_err(out.y, y) <= 1e-5 and rel_err(out.final_states[0], h) <= 1e-5
+
+
+def test_optional_arguments_and_dt_limit(rng, interpret):
+    """No D, no dt_bias, no initial state, no softplus, a dt clamp: each flag path of the kernel."""
+    T = 40
+    inp = _inputs(rng, T, 1)
+    for k in ("D", "dt_bias", "initial_states"):
+        inp.pop(k)
+    inp["dt"] = jnp.abs(inp["dt"])
+    kw = dict(chunk_size=16, dt_softplus=False, dt_limit=(0.05, 0.5))
+    out = _call(functools.partial(ssd_scan_pallas, interpret=interpret), inp, **kw)
+    _compare(out, _call(reference, inp, **kw), 1e-4)
+
+
+def test_bf16_inputs(rng, interpret):
+    lens = [50, 19]
+    inp = _inputs(rng, sum(lens), 2, H=4, P=16, G=1, N=32, dtype=jnp.bfloat16)
+    kw = dict(chunk_size=16, cu_seqlens=_cu(lens))
+    out = _call(functools.partial(ssd_scan_pallas, interpret=interpret), inp, **kw)
+    assert out.y.dtype == jnp.bfloat16
+    _compare(out, _call(reference, inp, **kw), 1e-2)
+
+
+def test_registered_and_resolves():
+    assert registry.resolve("ssd_scan", "interpret").impl == "interpret"
+    assert registry.resolve("ssd_scan", "auto", platform="gpu").impl == "pallas"
+    assert registry.resolve("ssd_scan", "auto", platform="cpu").impl == "reference"
+
+
+def test_bad_shapes_raise(rng, interpret):
+    inp = _inputs(rng, 10, 1)
+    fn = functools.partial(ssd_scan_pallas, interpret=interpret, chunk_size=16)
+    with pytest.raises(ShapeError, match="dt"):
+        _call(fn, {**inp, "dt": inp["dt"][:5]})
+    with pytest.raises(ShapeError, match="C"):
+        _call(fn, {**inp, "C": inp["C"][:, :1]})
+    with pytest.raises(ShapeError, match="initial_states"):
+        _call(fn, {**inp, "initial_states": inp["initial_states"][:, :2]})
+
+
+# ---- GPU: the model's shapes, and offsets past 2**31 elements ------------------------------------------------
+NEMOTRON = dict(H=128, P=64, G=8, N=128)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,tol,blocks", [
+    (jnp.bfloat16, 1e-2, None), (jnp.float32, 1e-4, None),
+    (jnp.bfloat16, 1e-2, SsdBlocks(segment_tokens=256, cb_precomputed=False, fast_exp=False)),
+    (jnp.bfloat16, 1e-2, SsdBlocks(block_q=128, segment_tokens=0)),
+])
+def test_nemotron_shapes_ragged(rng, dtype, tol, blocks):
+    lens = [700, 1, 129, 0, 300]
+    inp = _inputs(rng, sum(lens) + 5, len(lens), dtype=dtype, **NEMOTRON)
+    kw = dict(chunk_size=128, cu_seqlens=_cu(lens), return_chunk_states=True)
+    _compare(_call(functools.partial(ssd_scan_pallas, blocks=blocks), inp, **kw), _call(reference, inp, **kw), tol,
+             chunks=True)
+
+
+@pytest.mark.gpu
+def test_offsets_past_4gib(rng):
+    """x and y over 4 GiB: the second sequence lies past element 2**31 and must match its own scan."""
+    H, P, G, N = NEMOTRON["H"], NEMOTRON["P"], NEMOTRON["G"], NEMOTRON["N"]
+    tail = 300
+    T = (1 << 31) // (H * P) + 2 * tail
+    kx, kb, kc, kd = jax.random.split(jax.random.key(int(rng.integers(2**31))), 4)
+    x = jax.random.normal(kx, (T, H, P), jnp.bfloat16)
+    B = jax.random.normal(kb, (T, G, N), jnp.bfloat16)
+    C = jax.random.normal(kc, (T, G, N), jnp.bfloat16)
+    dt = jax.random.uniform(kd, (T, H), jnp.bfloat16, -4.0, 1.0)
+    A = jnp.asarray(-np.exp(rng.uniform(-1.0, 1.5, H)), jnp.float32)
+    h0 = jnp.asarray(rng.standard_normal((2, H, P, N)), jnp.float32)
+    cu = jnp.asarray([0, T - tail, T], jnp.int32)
+    out = ssd_scan_pallas(x, dt, A, B, C, chunk_size=128, initial_states=h0, cu_seqlens=cu)
+    ref = reference(x[T - tail:], dt[T - tail:], A, B[T - tail:], C[T - tail:], chunk_size=128,
+                    initial_states=h0[1:])
+    assert rel_err(out.y[T - tail:], ref.y) <= 1e-2
+    assert rel_err(out.final_states[1], ref.final_states[0]) <= 1e-2

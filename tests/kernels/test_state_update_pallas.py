@@ -1,0 +1,107 @@
+"""The Pallas decode state update against the jnp reference: gathered/scattered pool rows, the rest untouched."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from metrale_jax.errors import ShapeError
+from pallas_kernels import registry
+from pallas_kernels.state_update import (UpdateBlocks, state_update_multi_pallas, state_update_multi_reference,
+                                         state_update_pallas, state_update_reference)
+from tests.numpy_refs import rel_err
+
+R, H, P, G, N = 9, 4, 8, 2, 16
+PAD = R - 1
+
+
+def _args(rng, lead, state_dtype=jnp.float32, dtype=jnp.float32, N=N):
+    a = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
+    state = jnp.asarray(rng.standard_normal((R, H, P, N)), state_dtype)
+    return state, dict(x=a(*lead, H, P), dt=jnp.asarray(rng.uniform(-3.0, 1.0, (*lead, H)), dtype),
+                       A=jnp.asarray(-np.exp(rng.uniform(-1.0, 1.5, H)), jnp.float32), B=a(*lead, G, N),
+                       C=a(*lead, G, N)), dict(D=jnp.asarray(rng.standard_normal(H), jnp.float32),
+                                               dt_bias=jnp.asarray(rng.uniform(-1, 1, H), jnp.float32))
+
+
+def _untouched(new, old, rows):
+    keep = np.setdiff1d(np.arange(R), np.append(np.asarray(rows), PAD))
+    np.testing.assert_array_equal(np.asarray(new)[keep], np.asarray(old)[keep])   # bitwise
+
+
+@pytest.mark.parametrize("state_dtype,dtype,tol", [(jnp.float32, jnp.float32, 1e-4),
+                                                   (jnp.float32, jnp.bfloat16, 1e-2),
+                                                   (jnp.bfloat16, jnp.bfloat16, 1e-2)])
+def test_one_token(rng, interpret, state_dtype, dtype, tol):
+    rows = jnp.asarray([4, PAD, 1, PAD, 6], jnp.int32)          # two padded rows share the padding row
+    state, a, kw = _args(rng, (5,), state_dtype, dtype)
+    y_ref, s_ref = state_update_reference(state, rows, **a, **kw)
+    y, s = state_update_pallas(state, rows, **a, **kw, interpret=interpret)
+    assert y.dtype == dtype and s.dtype == state_dtype and s.shape == state.shape
+    assert np.all(np.isfinite(np.asarray(y, np.float32)))        # interpret mode starts y as NaN
+    live = np.asarray([0, 2, 4])
+    assert rel_err(np.asarray(y, np.float32)[live], np.asarray(y_ref, np.float32)[live]) <= tol
+    assert rel_err(np.asarray(s, np.float32)[[4, 1, 6]], np.asarray(s_ref, np.float32)[[4, 1, 6]]) <= tol
+    _untouched(s, state, rows)
+
+
+@pytest.mark.parametrize("blocks", [None, UpdateBlocks(block_p=4, num_warps=2)])
+def test_k_tokens(rng, interpret, blocks):
+    rows = jnp.asarray([7, 0, 3], jnp.int32)
+    state, a, kw = _args(rng, (3, 4), N=12)                      # N padded to 16 in the kernel
+    state = state[..., :12]
+    ref = state_update_multi_reference(state, rows, **a, **kw)
+    out = state_update_multi_pallas(state, rows, **a, **kw, interpret=interpret, blocks=blocks)
+    for o, r in zip(out, ref):
+        assert o.shape == r.shape and np.all(np.isfinite(np.asarray(o)))
+        assert rel_err(o, r) <= 1e-4
+    _untouched(out[2], state, rows)
+    # the last per-token state is the state written back
+    np.testing.assert_array_equal(np.asarray(out[1])[:, -1], np.asarray(out[2])[np.asarray(rows)])
+
+
+def test_no_optional_arguments(rng, interpret):
+    rows = jnp.asarray([2, 5], jnp.int32)
+    state, a, _ = _args(rng, (2,))
+    kw = dict(dt_softplus=False, dt_limit=(0.01, 0.3))
+    a["dt"] = jnp.abs(a["dt"])
+    y_ref, s_ref = state_update_reference(state, rows, **a, **kw)
+    y, s = state_update_pallas(state, rows, **a, **kw, interpret=interpret)
+    assert rel_err(y, y_ref) <= 1e-4 and rel_err(s, s_ref) <= 1e-4
+
+
+def test_registered():
+    for name in ("state_update", "state_update_multi"):
+        assert registry.resolve(name, "interpret").impl == "interpret"
+        assert registry.resolve(name, "auto", platform="gpu").impl == "pallas"
+
+
+def test_bad_shapes_raise(rng, interpret):
+    rows = jnp.asarray([1, 2], jnp.int32)
+    state, a, kw = _args(rng, (2,))
+    with pytest.raises(ShapeError, match="x"):
+        state_update_pallas(state, rows, **{**a, "x": a["x"][:, :, :3]}, interpret=interpret)
+    with pytest.raises(ShapeError, match="rows"):
+        state_update_pallas(state, rows[:1], **a, interpret=interpret)
+    _, m, _ = _args(rng, (2, 3))
+    with pytest.raises(ShapeError, match="dt"):
+        state_update_multi_pallas(state, rows, **{**m, "dt": m["dt"][:, :2]}, interpret=interpret)
+
+
+@pytest.mark.gpu
+def test_donated_pool_is_updated_in_place(rng):
+    """Under jit with the pool donated, the output pool is the input's buffer: no copy of the pool."""
+    state, a, kw = _args(rng, (3,))
+    state = jnp.tile(state, (64, 1, 1, 1))                        # 576 rows: a copy would be visible
+    rows = jnp.asarray([5, 300, 17], jnp.int32)
+    before = np.asarray(state)
+    ptr = state.unsafe_buffer_pointer()
+    step = jax.jit(functools.partial(state_update_pallas, **kw), donate_argnums=0)
+    y, new = step(state, rows, **a)
+    assert new.unsafe_buffer_pointer() == ptr
+    y_ref, s_ref = state_update_reference(jnp.asarray(before), rows, **a, **kw)
+    assert rel_err(new, s_ref) <= 1e-4 and rel_err(y, y_ref) <= 1e-4
+    keep = np.setdiff1d(np.arange(before.shape[0]), np.asarray(rows))
+    np.testing.assert_array_equal(np.asarray(new)[keep], before[keep])

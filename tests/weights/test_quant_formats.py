@@ -1,0 +1,88 @@
+"""Number formats: E2M1 codes, nibble packing, FP8 / NVFP4 quantizers and their error bounds."""
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from metrale_jax.weights import quant_formats as qf
+
+
+def test_e2m1_decode_every_code_numpy_and_jnp():
+    codes = np.arange(16, dtype=np.uint8)
+    want = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    np.testing.assert_array_equal(qf.e2m1_decode(codes), want)
+    np.testing.assert_array_equal(np.asarray(qf.e2m1_decode(jnp.asarray(codes))), want)
+    assert np.signbit(qf.e2m1_decode(codes)[8])
+
+
+def test_e2m1_encode_rounds_to_nearest_ties_to_even(rng):
+    x = rng.uniform(-7, 7, 4000).astype(np.float32)
+    codes = qf.e2m1_encode(x)
+    got = qf.E2M1_VALUES[codes]
+    grid = qf.E2M1_VALUES[:8]
+    nearest = np.min(np.abs(np.abs(x)[:, None] - grid[None, :]), axis=1)
+    assert np.all(np.abs(np.abs(got) - np.minimum(np.abs(x), 6)) <= nearest + 1e-7)
+    assert np.all((np.sign(got) == np.sign(x)) | (got == 0))
+    ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, 9.0], np.float32)
+    np.testing.assert_array_equal(qf.E2M1_VALUES[qf.e2m1_encode(ties)], [0, 1, 1, 2, 2, 4, 4, -1, 6])
+    np.testing.assert_array_equal(np.asarray(qf.e2m1_encode_jnp(jnp.asarray(ties))), qf.e2m1_encode(ties))
+
+
+def test_pack_unpack_low_nibble_is_even(rng):
+    codes = rng.integers(0, 16, (3, 10)).astype(np.uint8)
+    packed = qf.pack_nibbles(codes)
+    assert packed.shape == (3, 5)
+    np.testing.assert_array_equal(packed[:, 0] & 15, codes[:, 0])
+    np.testing.assert_array_equal(packed[:, 0] >> 4, codes[:, 1])
+    np.testing.assert_array_equal(qf.unpack_nibbles(packed), codes)
+    np.testing.assert_array_equal(np.asarray(qf.unpack_nibbles(jnp.asarray(packed))), codes)
+
+
+def test_fp8_block_quantization(rng):
+    w = rng.standard_normal((200, 300)).astype(np.float32) * rng.uniform(0.01, 10, (200, 1)).astype(np.float32)
+    q, s = qf.quantize_fp8_block(w)
+    assert q.dtype == ml_dtypes.float8_e4m3fn and s.shape == (2, 3) and s.dtype == np.float32
+    wd = qf.dequantize_fp8_block(q, s)
+    blk = np.abs(w) / qf.expand_block_scale(s, 200, 300)
+    assert blk.max() <= 448 * (1 + 1e-6)
+    # E4M3 keeps 3 mantissa bits: relative error <= 2^-4 for normal numbers
+    big = np.abs(w) > 2 ** -6 * qf.expand_block_scale(s, 200, 300)
+    assert np.all(np.abs(wd - w)[big] <= np.abs(w)[big] * 2 ** -4 + 1e-12)
+
+
+def test_nvfp4_quantization_error_and_scales(rng):
+    w = rng.standard_normal((64, 256)).astype(np.float32)
+    packed, scale, g = qf.quantize_nvfp4(w)
+    assert packed.shape == (64, 128) and scale.shape == (64, 16) and scale.dtype == ml_dtypes.float8_e4m3fn
+    np.testing.assert_allclose(g, np.abs(w).max() / (6 * 448), rtol=1e-6)
+    wd = qf.dequantize_nvfp4(packed, scale, g)
+    rel = np.linalg.norm(wd - w) / np.linalg.norm(w)
+    assert 0.02 < rel < 0.15                       # NVFP4 on Gaussian weights: ~9%
+    # the largest element of each group lands within one E4M3 step of 6 * scale
+    gmax = np.abs(w.reshape(64, 16, 16)).max(-1)
+    np.testing.assert_allclose(scale.astype(np.float32) * g * 6, gmax, rtol=2 ** -3)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        qf.quantize_nvfp4(w[:, :40])
+
+
+def test_nvfp4_fake_quant_matches_weight_quantizer(rng):
+    """Activation fake-quant (jnp) and the weight quantizer (numpy) agree when given the same global."""
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    for m in range(4):
+        p, s, g = qf.quantize_nvfp4(x[m:m + 1])
+        want = qf.dequantize_nvfp4(p, s, g)
+        got = qf.nvfp4_fake_quant(jnp.asarray(x[m:m + 1]), jnp.float32(g))
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-6, atol=0)
+    per_row = qf.nvfp4_activation_global(jnp.asarray(x), None)
+    np.testing.assert_allclose(np.asarray(per_row), np.abs(x).max(1) / (6 * 448), rtol=1e-6)
+
+
+def test_fp8_activation_quantizers(rng):
+    x = jnp.asarray(rng.standard_normal((3, 300)), jnp.bfloat16)
+    q, s = qf.quantize_rows_fp8_blocks(x)
+    assert q.shape == (3, 300) and s.shape == (3, 3)
+    back = np.asarray(q, np.float32) * np.repeat(np.asarray(s), 128, 1)[:, :300]
+    assert np.linalg.norm(back - np.asarray(x, np.float32)) / np.linalg.norm(np.asarray(x, np.float32)) < 0.04
+    q, s = qf.quantize_rows_fp8(x)
+    np.testing.assert_allclose(np.abs(np.asarray(q, np.float32)).max(1), 448)

@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One device call: the Mamba-2 kernel tests compiled on the GPU, then the benchmark sweep.
+# Logs and the benchmark JSON go to $OUT (the device tool's folder) or ./gpu_out.
+#   tools/gpu_check_mamba.sh [TEST_TIMEOUT_S] [BENCH_DEADLINE_S] [extra bench args...]
+set -o pipefail
+OUT=${OUT:-gpu_out}
+mkdir -p "$OUT"
+TEST_TIMEOUT=${1:-120}
+BENCH_DEADLINE=${2:-150}
+shift 2 2>/dev/null
+export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+# jax-linear-attention (a baseline) travels as a pure-python wheel under .whl/
+if ls .whl/jax_linear_attention-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+    .whl/jax_linear_attention-*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.used --format=csv 2>&1 | tee "$OUT/env.txt"
+python3 -c 'import jax, triton; print("jax", jax.__version__, "triton", triton.__version__, jax.devices())' 2>&1 | tee -a "$OUT/env.txt"
+
+TESTS="tests/kernels/test_ssd_pallas.py tests/kernels/test_state_update_pallas.py tests/kernels/test_conv1d_pallas.py
+       tests/kernels/test_norms_pallas.py tests/kernels/test_mamba_layer_kernels.py"
+METRALE_TEST_GPU=1 timeout "$TEST_TIMEOUT" python3 -m pytest -q -p no:cacheprovider -m 'not slow' -rfEs \
+  --durations=10 $TESTS 2>&1 | tee "$OUT/tests.log"
+echo "tests exit: $?" | tee -a "$OUT/tests.log"
+
+timeout $((BENCH_DEADLINE + 30)) python3 benchmarks/bench_mamba.py --out "$OUT" --deadline "$BENCH_DEADLINE" "$@" \
+  2>&1 | tee "$OUT/bench.log"
+echo "bench exit: $?"
