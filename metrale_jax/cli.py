@@ -4,6 +4,7 @@
   metrale-jax generate --model DIR --prompt TEXT      continue a prompt with any checkpoint
   metrale-jax score --model DIR --data FILE.jsonl     per-example log-prob / perplexity
   metrale-jax info --model DIR                        layers, sizes and weight formats (headers only)
+  metrale-jax quantize --model DIR --format F --out DIR   write an fp8-block / fp8 / nvfp4 checkpoint
 
 Bad paths or arguments end with one line on stderr and exit code 2.
 """
@@ -449,7 +450,22 @@ def checkpoint_summary(directory: Path) -> dict:
             "layer_kinds": {names[k]: kinds[k] for k in "M*-E" if kinds[k]}, "params": params,
             "tensors": len(infos), "bytes": sum(bytes_by_dtype.values()),
             "bytes_by_dtype": dict(sorted(bytes_by_dtype.items())), "weight_formats": dict(sorted(formats.items())),
-            "tokenizer": tokenizer, "config": highlights}
+            "quantization": _quantization(directory), "tokenizer": tokenizer, "config": highlights}
+
+
+def _quantization(directory: Path) -> dict:
+    """What the loader will make of the checkpoint's quantization config: method, exclusions and the file it
+    comes from, or the loader's complaint (info reports it rather than failing)."""
+    from metrale_jax.errors import CheckpointError
+    from metrale_jax.weights.quant_config import read_quant_config
+
+    try:
+        q = read_quant_config(directory)
+    except CheckpointError as e:
+        return {"method": "unsupported", "problem": _one_line(e)}
+    if q.method == "none":
+        return {"method": "none"}
+    return {"method": q.method, "exclude": list(q.exclude), "source": Path(q.source.split(":")[0]).name}
 
 
 def cmd_info(args) -> int:
@@ -467,9 +483,35 @@ def cmd_info(args) -> int:
     print(f"params:   {s['params']:,}  in {s['tensors']} tensors, {mib(s['bytes'])}")
     print("bytes:    " + ", ".join(f"{d} {mib(n)}" for d, n in s["bytes_by_dtype"].items()))
     print("formats:  " + ", ".join(f"{n} {f}" for f, n in s["weight_formats"].items()))
+    q = s["quantization"]
+    if q["method"] == "unsupported":
+        print(f"quantization: not loadable: {q['problem']}")
+    elif q["method"] != "none":
+        print(f"quantization: {q['method']} (from {q['source']}; excluded: {', '.join(q['exclude']) or 'none'})")
     print(f"tokenizer: {s['tokenizer'] or 'none'}")
     for k, v in s["config"].items():
         print(f"  {k}: {v}")
+    return 0
+
+
+# ---- quantize ---------------------------------------------------------------------------------
+def cmd_quantize(args) -> int:
+    from metrale_jax.weights.quantize import quantize_checkpoint
+
+    src = _model_dir(args.model)
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {args.out}: exists and is not a directory")
+    if out.exists() and out.resolve() == src.resolve():
+        raise UsageError(f"--out {args.out}: is the --model directory; write the quantized checkpoint elsewhere")
+    if out.is_dir() and any(out.iterdir()):
+        raise UsageError(f"--out {args.out}: not empty; give a new or empty directory")
+    t0 = time.perf_counter()
+    summary = quantize_checkpoint(src, out, args.format, exclude=args.exclude or ())
+    excluded = ", ".join(summary["exclude_modules"]) or "none"
+    print(f"{src} -> {out}: {summary['quantized_modules']} linear modules in {args.format} "
+          f"({summary['method']}), excluded: {excluded}; {len(summary['files'])} file(s), "
+          f"{time.perf_counter() - t0:.1f} s")
     return 0
 
 
@@ -516,6 +558,16 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(info)
     info.add_argument("--json", action="store_true")
     info.set_defaults(func=cmd_info)
+
+    quant = sub.add_parser("quantize", help="write a quantized copy of a dense checkpoint (fp8-block, fp8, nvfp4)")
+    model_args(quant, "the dense checkpoint folder")
+    quant.add_argument("--format", required=True, choices=("fp8-block", "fp8", "nvfp4"),
+                       help="fp8-block: E4M3 + f32 scale per 128x128 block; fp8: ModelOpt per-tensor FP8; "
+                            "nvfp4: ModelOpt NVFP4 (E2M1 + E4M3 scale per 16 + global scale)")
+    quant.add_argument("--out", required=True, metavar="DIR", help="a new or empty folder for the checkpoint")
+    quant.add_argument("--exclude", nargs="+", action="extend", metavar="PATTERN",
+                       help="modules to keep dense (fnmatch patterns over module names; lm_head always is)")
+    quant.set_defaults(func=cmd_quantize)
     return parser
 
 

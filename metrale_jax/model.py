@@ -46,8 +46,13 @@ from metrale_jax.state.kv_pool import KvPool
 from metrale_jax.state.ssm_pool import SsmPool
 from metrale_jax.tokenizer import load_tokenizer
 from metrale_jax.weights.checkpoint import (
-    MAX_SHARD_BYTES, expected_tensors, layer_tensors, layer_weights, missing_tensors, read_checkpoint, unsupported,
+    EXPERTS_PATTERN, MAX_SHARD_BYTES, QUANTIZED_SUFFIXES, checkpoint_quantization, checkpoint_tensors,
+    expected_tensors, is_quantized, layer_tensors, layer_weights, missing_tensors, read_checkpoint, unsupported,
     write_checkpoint)
+from metrale_jax.weights.containers import (DenseWeight, Fp8Weight, Nvfp4Weight, W4a4Weight, WeightQuantFormat,
+                                            fp8_prefill_copy, fp8_to_block_scaled, quantize_nvfp4_weight)
+from metrale_jax.weights.quant_config import QuantConfig
+from metrale_jax.weights.quant_formats import NVFP4_GROUP
 from pallas_kernels import registry
 
 LAYER_CLASSES = {"M": NemotronMamba2Layer, "*": NemotronAttentionLayer, "-": NemotronMLPLayer,
@@ -72,9 +77,23 @@ class NemotronH(nnx.Module):
 
     def __init__(self, config: ModelConfig, tensors: Mapping[str, object], *, dtype=jnp.bfloat16,
                  levers: ModelLevers | None = None, tokenizer=None, notes: Sequence[str] = (), mesh=None,
-                 shard_of: sharding.DeviceShare | None = None):
-        """mesh: split the model over the mesh's devices (tensors are placed on their shards unless they
-        come as sharding.ShardedTensors). shard_of: build one device's view instead (sharding.py does)."""
+                 shard_of: sharding.DeviceShare | None = None, quant_config: QuantConfig | None = None):
+        """tensors: HF names -> arrays; a linear module's weight may instead be a container (DenseWeight,
+        Fp8Weight, Nvfp4Weight, W4a4Weight), installed in the arms `_mamba_layer` / Projection.set_weight give it.
+        quant_config: the quantization those containers came in (what save_pretrained writes); default: inferred
+        from the containers. mesh: split the model over the mesh's devices (dense weights only; tensors are
+        placed on their shards unless they come as sharding.ShardedTensors). shard_of: build one device's view
+        instead (sharding.py does)."""
+        quantized = sorted(n for n, v in tensors.items() if is_quantized(v))
+        scales = sorted(n for n in tensors if n.rsplit(".", 1)[-1] in QUANTIZED_SUFFIXES)
+        if (quantized or scales) and (mesh is not None or shard_of is not None):
+            shown = ", ".join((quantized + scales)[:3]) + (" ..." if len(quantized + scales) > 3 else "")
+            raise ConfigError("mesh", f"quantized weights ({shown}) cannot be split over a mesh: tensor parallelism "
+                                      "splits dense weights only")
+        if scales:
+            raise CheckpointError([f"{n}: a scale in the checkpoint layout; give the module's container (Fp8Weight, "
+                                   f"Nvfp4Weight) under its .weight name, as from_pretrained does" for n in scales])
+        self.quant_config = quant_config if quant_config is not None else _infer_quant_config(tensors, quantized)
         self.config = config
         self.tp = None if mesh is None else sharding.tensor_parallel(mesh)   # steps run through shard_map
         self.vocab_axis = shard_of.axis if shard_of is not None and shard_of.vocab else None   # a view's lm_head
@@ -96,7 +115,10 @@ class NemotronH(nnx.Module):
         for i, kind in enumerate(config.hybrid_override_pattern):
             norm, weights = layer_weights(config, i, t)
             kw = {"expert_shards": shard_of.size} if shard_of is not None and kind == "E" else {}
-            layer = LAYER_CLASSES[kind](norm, weights, config, i, levers=self.levers, **kw)
+            if kind == "M":
+                layer = _mamba_layer(norm, weights, config, i, self.levers)
+            else:
+                layer = LAYER_CLASSES[kind](norm, weights, config, i, levers=self.levers, **kw)
             if shard_of is not None:
                 layer.tp_axis = shard_of.axis
             layers.append(layer)
@@ -107,7 +129,7 @@ class NemotronH(nnx.Module):
         else:
             self.lm_head = nnx.data(Projection("lm_head", config.vocab_size, config.hidden_size,
                                                kernels=self.levers.kernels))
-            self.lm_head.set_dense(t["lm_head.weight"])
+            self.lm_head.set_weight(t["lm_head.weight"])
         if self.tp is not None:
             sharding.check_placement(self)
 
@@ -116,11 +138,15 @@ class NemotronH(nnx.Module):
     def from_pretrained(cls, directory: str | os.PathLike, dtype=jnp.bfloat16, levers: ModelLevers | None = None,
                         *, progress: bool | None = None, mesh=None) -> NemotronH:
         """Load config.json + model.safetensors (or a sharded index) and the tokenizer if one is there.
-        mesh: split the model over its devices, each tensor read from the memory map straight to its shards."""
+        A quantized checkpoint (ModelOpt FP8 / NVFP4, block FP8) keeps its linear weights quantized in the
+        arms `_mamba_layer` and Projection.set_weight choose (levers.native_fp8_ssm for the Mamba ones).
+        mesh: split the model over its devices, each tensor read from the memory map straight to its shards
+        (dense checkpoints only: a quantized one with a mesh is a ConfigError)."""
         config = ModelConfig.from_hf(directory)
-        tensors, notes = read_checkpoint(directory, config, dtype, progress=progress, mesh=mesh)
+        qcfg = checkpoint_quantization(directory)
+        tensors, notes = read_checkpoint(directory, config, dtype, progress=progress, mesh=mesh, qcfg=qcfg)
         return cls(config, tensors, dtype=dtype, levers=levers, tokenizer=load_tokenizer(directory, config),
-                   notes=notes, mesh=mesh)
+                   notes=notes, mesh=mesh, quant_config=qcfg)
 
     @classmethod
     def from_config(cls, config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, levers: ModelLevers | None = None,
@@ -135,22 +161,37 @@ class NemotronH(nnx.Module):
         return cls(config, tensors, dtype=dtype, levers=levers, tokenizer=tokenizer, mesh=mesh)
 
     def state_dict(self) -> dict[str, np.ndarray]:
-        """Every weight under its HF name in the HF layout (host numpy arrays)."""
+        """Every weight under its HF name in the HF layout (host numpy arrays); a quantized linear module as
+        its checkpoint tensors (weight + scales, in `checkpoint_quant_config()`'s layout)."""
         c = self.config
         out: dict[str, object] = {"backbone.embeddings.weight": self.embeddings[...]}
         for i, layer in enumerate(self.layers):
             out.update(layer_tensors(c, i, layer.input_norm[...], _layer_weights(layer)))
         out["backbone.norm_f.weight"] = self.norm_f[...]
         if self.lm_head is not None:
-            out["lm_head.weight"] = self.lm_head.dense_weight().weight
+            out["lm_head.weight"] = self.lm_head.base_weight()
         if self.tp is not None:                          # undo the device-major row order
-            return {n: sharding.checkpoint_order(n, v, c, self.tp) for n, v in out.items()}
-        return {n: np.asarray(v) for n, v in out.items()}
+            return {n: sharding.checkpoint_order(n, v.weight if isinstance(v, DenseWeight) else v, c, self.tp)
+                    for n, v in out.items()}
+        return checkpoint_tensors(out, self.checkpoint_quant_config())
+
+    def checkpoint_quant_config(self) -> QuantConfig:
+        """The quantization save_pretrained writes: the one the model was loaded in, with the routed experts
+        (dequantized at load) listed as excluded."""
+        q = self.quant_config
+        if q is None:
+            raise ConfigError("quant_config", "the model's linear weights mix quantization formats; a checkpoint "
+                                              "holds one (build the model with quant_config=...)")
+        if q.method != "none" and "E" in self.config.hybrid_override_pattern and not \
+                q.is_excluded("backbone.layers.0.mixer.experts.0.up_proj"):
+            q = dataclasses.replace(q, exclude=(*q.exclude, EXPERTS_PATTERN))
+        return q
 
     def save_pretrained(self, directory: str | os.PathLike, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
-        """config.json + model.safetensors (sharded with an index above max_shard_bytes) + the tokenizer."""
+        """config.json + model.safetensors (sharded with an index above max_shard_bytes) + the tokenizer; a
+        quantized model writes its quantized tensors and quantization config (loads back to the same weights)."""
         files = write_checkpoint(directory, self.config, self.state_dict(), torch_dtype=self.dtype.name,
-                                 max_shard_bytes=max_shard_bytes)
+                                 max_shard_bytes=max_shard_bytes, qcfg=self.checkpoint_quant_config())
         if self.tokenizer is not None and hasattr(self.tokenizer, "save"):
             self.tokenizer.save(directory)
         return files
@@ -409,7 +450,8 @@ def decode_step(model: NemotronH, cache: ModelCache, slots, tokens):
         else:
             h = layer(h, phase="decode")
     logits = _logits(model, _rmsnorm(model, h), "decode")
-    return logits, ModelCache(ssm, kv, cache.seq_lens.at[slots].set(pos + 1))
+    seq_lens = cache.seq_lens.at[slots].set(pos + 1).at[cache.padding_slot].set(0)   # padding never grows
+    return logits, ModelCache(ssm, kv, seq_lens)
 
 
 def score_step(model: NemotronH, ids, lengths):
@@ -486,10 +528,63 @@ def _layer_weights(layer):
     return layer.moe_weights()
 
 
-def _cast(config: ModelConfig, tensors: Mapping[str, object], dtype) -> dict[str, jax.Array]:
-    """Every tensor in the model dtype, except those the table keeps in float32 (no copy when it already is)."""
+def _cast(config: ModelConfig, tensors: Mapping[str, object], dtype) -> dict[str, object]:
+    """Every tensor in the model dtype, except those the table keeps in float32 (no copy when it already is);
+    quantized containers stay as they are, a DenseWeight is cast like an array."""
     f32 = {n for n, s in expected_tensors(config).items() if s.keep_f32}
-    return {n: jnp.asarray(v).astype(jnp.float32 if n in f32 else dtype) for n, v in tensors.items()}
+    out: dict[str, object] = {}
+    for n, v in tensors.items():
+        if is_quantized(v):
+            out[n] = v
+        else:
+            arr = v.weight if isinstance(v, DenseWeight) else v
+            out[n] = jnp.asarray(arr).astype(jnp.float32 if n in f32 else dtype)
+    return out
+
+
+def _infer_quant_config(tensors: Mapping[str, object], quantized: Sequence[str]) -> QuantConfig | None:
+    """The QuantConfig of containers given without one: 'none' for dense weights, the one format they share,
+    or None when they mix formats (such a model runs, but cannot be saved)."""
+    methods = {_method_of(tensors[n]) for n in quantized}
+    if len(methods) > 1:
+        return None
+    return QuantConfig(methods.pop() if methods else "none")
+
+
+def _method_of(w) -> str:
+    if isinstance(w, (Nvfp4Weight, W4a4Weight)):
+        return "nvfp4"
+    return "fp8" if w.format is WeightQuantFormat.FP8_PER_TENSOR else "fp8_block"
+
+
+def _mamba_layer(norm, w, config: ModelConfig, i: int, levers: ModelLevers) -> NemotronMamba2Layer:
+    """A Mamba-2 layer with the arms its projections' formats call for (each projection on its own):
+      dense           BF16 native.
+      NVFP4           the default w4a16 arm (decode) + its transposed copy (prefill: w4a16_gemm_t).
+      FP8 (block, or per-tensor expanded to the block grid), by levers.native_fp8_ssm:
+        full          native FP8 for decode and prefill (w8a16_gemv / w8a16_gemm_pipelined).
+        decode        native FP8 for decode only + a pre-dequantized FP8 E4M3 prefill copy (fp8_gemm_t).
+        off           requantized to NVFP4 (the double quantization FP8 -> NVFP4 that native FP8 avoids) and
+                      then served as NVFP4 (decode w4a16_gemv, prefill w4a16_gemm_t)."""
+    mode = levers.native_fp8_ssm
+    names = ("in_proj", "out_proj")
+    projs = {k: getattr(w, k) for k in names}
+    fp8 = {k: fp8_to_block_scaled(v) for k, v in projs.items() if isinstance(v, Fp8Weight)}
+    projs.update(fp8)
+    if mode == "off":
+        for k, v in fp8.items():
+            if v.shape[1] % NVFP4_GROUP:
+                raise ConfigError("native_fp8_ssm", f"'off' requantizes backbone.layers.{i}.mixer.{k} to NVFP4, "
+                                                    f"but its K = {v.shape[1]} is not a multiple of {NVFP4_GROUP}; "
+                                                    "use 'decode' or 'full'")
+            projs[k] = quantize_nvfp4_weight(v)
+    layer = NemotronMamba2Layer(norm, dataclasses.replace(w, **projs), config, i, levers=levers)
+    if fp8 and mode == "decode":
+        layer.set_fp8_prefill_weights(*(fp8_prefill_copy(fp8[k]) if k in fp8 else None for k in names))
+    nvfp4 = {k: v for k, v in projs.items() if isinstance(v, Nvfp4Weight)}
+    if nvfp4:
+        layer.set_prefill_weights(*(nvfp4[k].transposed() if k in nvfp4 else None for k in names))
+    return layer
 
 
 def _vector(name: str, value, n: int) -> np.ndarray:

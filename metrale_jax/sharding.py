@@ -410,3 +410,38 @@ def collective_counts(hlo_text: str) -> dict[str, int]:
     """How many of each cross-device collective a compiled module's HLO text holds (async pairs once)."""
     found = _HLO_OP.findall(hlo_text)
     return {op: found.count(op) for op in COLLECTIVES}
+
+
+# ---- the serving runtime's state on a mesh (runtime/steps.py, runtime/engine.py) ---------------
+def slot_specs(config: ModelConfig, tp: TensorParallel):
+    """Partition specs of one slot's state (a SlotState and a KvSlotState, as snapshots and captures hold
+    it): the cache specs without the slot axis."""
+    from metrale_jax.state.kv_pool import KvSlotState
+    from metrale_jax.state.ssm_pool import SlotState
+
+    c = cache_specs(config, tp)
+    drop = lambda s: P(s[0], *s[2:])
+    return SlotState(drop(c.ssm.conv_state), drop(c.ssm.ssm_state)), KvSlotState(drop(c.kv.k), drop(c.kv.v))
+
+
+def state_specs(tree, config: ModelConfig, tp: TensorParallel):
+    """Partition specs for a pytree of runtime values: a ModelCache / SsmPool / KvPool by the cache specs,
+    a SlotState / KvSlotState by `slot_specs`, any other array replicated (None stays None)."""
+    from metrale_jax.state.kv_pool import KvSlotState
+    from metrale_jax.state.ssm_pool import SlotState
+
+    cache = cache_specs(config, tp)
+    ssm_slot, kv_slot = slot_specs(config, tp)
+    by_type = {ModelCache: cache, type(cache.ssm): cache.ssm, type(cache.kv): cache.kv, SlotState: ssm_slot,
+               KvSlotState: kv_slot}
+    return jax.tree.map(lambda x: by_type.get(type(x), P()), tree, is_leaf=lambda x: type(x) in by_type)
+
+
+def run_sharded_state(fn, tp: TensorParallel, config: ModelConfig, *args, **kwargs):
+    """fn(*args, **kwargs) on every device's share of the runtime state through shard_map, for functions
+    without a model that act on each slot's values alone (zero a slot, copy a snapshot out or in): the
+    arguments and results take their `state_specs`, so they stay split as they came and need no collective."""
+    out_specs = state_specs(jax.eval_shape(functools.partial(fn, **kwargs), *args), config, tp)
+    fn = jax.shard_map(functools.partial(fn, **kwargs), mesh=tp.mesh, in_specs=state_specs(args, config, tp),
+                       out_specs=out_specs, check_vma=False)
+    return fn(*args)

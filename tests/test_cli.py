@@ -193,3 +193,36 @@ def test_console_script_exit_code_and_no_traceback(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 2
     assert p.stderr == f"metrale-jax: error: --model {tmp_path / 'nope'}: no such directory\n"
+
+
+def test_quantize_writes_a_checkpoint_info_reads_and_bad_input_is_one_line(capsys, tmp_path):
+    out = tmp_path / "q"
+    rc, text, err = run(capsys, "quantize", "--format", "nvfp4", "--out", str(out), "--exclude", "*.q_proj",
+                        "--exclude", "*.k_proj", "*.v_proj")
+    assert rc == 0, err
+    from metrale_jax.weights.safetensors_io import SafetensorsFile
+    f = SafetensorsFile(out / "model.safetensors")
+    tensors = {n: f.get(n) for n in f.keys()}
+    packed = sorted(n for n, t in tensors.items() if n.endswith(".weight") and t.dtype == np.uint8)
+    assert f"{len(packed)} linear modules in nvfp4" in text and len(packed) == 19      # 22 linear, 3 excluded
+    assert not any(p in n for n in packed for p in ("q_proj", "k_proj", "v_proj", "lm_head"))
+    assert tensors["backbone.layers.1.mixer.q_proj.weight"].dtype == ml_dtypes.bfloat16
+    assert (out / "byte_tokenizer.json").is_file()
+    rc, text, err = run(capsys, "info", "--model", str(out), "--json")
+    assert rc == 0, err
+    s = json.loads(text)
+    assert s["weight_formats"]["nvfp4"] == len(packed)
+    assert s["quantization"] == {"method": "nvfp4", "exclude": ["lm_head", "*.q_proj", "*.k_proj", "*.v_proj"],
+                                 "source": "hf_quant_config.json"}
+    rc, text, err = run(capsys, "info", "--model", str(out))
+    assert rc == 0 and "quantization: nvfp4 (from hf_quant_config.json; excluded: lm_head, *.q_proj" in text
+    for argv, message in [
+        (["--format", "int4", "--out", str(tmp_path / "x")], "argument --format: invalid choice: 'int4'"),
+        (["--out", str(tmp_path / "x")], "the following arguments are required: --format"),
+        (["--format", "fp8", "--out", str(out)], f"--out {out}: not empty"),
+        (["--format", "fp8", "--out", str(tmp_path / "y"), "--model", str(out)], "already quantized"),
+        (["--format", "fp8", "--out", str(out), "--model", str(out)], "is the --model directory"),
+    ]:
+        rc, text, err = run(capsys, "quantize", *argv)
+        assert rc == 2 and err.startswith("metrale-jax: error: ") and err.count("\n") == 1, err
+        assert message in err and text == "", err

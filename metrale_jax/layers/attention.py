@@ -22,7 +22,6 @@ from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import check_array, check_slots
 from metrale_jax.layers.projection import Projection
 from metrale_jax.state.kv_pool import KvPool
-from metrale_jax.weights.containers import DenseWeight
 from pallas_kernels import registry
 
 _NEG = float(jnp.finfo(jnp.float32).min)
@@ -92,13 +91,15 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
         self.k_bias = optional_param(f"{name}.mixer.k_proj.bias", attn.k_bias, (KVH * hd,))
         self.v_bias = optional_param(f"{name}.mixer.v_proj.bias", attn.v_bias, (KVH * hd,))
         self.o_bias = optional_param(f"{name}.mixer.o_proj.bias", attn.o_bias, (D,))
-        projs = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
-        if not all(isinstance(p, DenseWeight) for p in projs):
-            raise WeightFormatError(f"{name}.mixer.q/k/v/o_proj: only dense weights are supported so far, got "
-                                    + " / ".join(type(p).__name__ for p in projs))
-        self.set_bf16_weights(*projs)
+        self.set_weights(attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj)
 
     # ---- weights -------------------------------------------------------------------------
+    def set_weights(self, q_proj, k_proj, v_proj, o_proj) -> None:
+        """Install each container in the arm its type names (Projection.set_weight: dense -> BF16 native,
+        FP8 -> native FP8 with a per-tensor scale expanded to the block grid, NVFP4 -> w4a16)."""
+        for proj, w in zip(self._projections(), (q_proj, k_proj, v_proj, o_proj)):
+            proj.set_weight(w)
+
     def set_bf16_weights(self, q_proj, k_proj, v_proj, o_proj) -> None:
         for proj, w in zip(self._projections(), (q_proj, k_proj, v_proj, o_proj)):
             proj.set_dense(w)
@@ -111,7 +112,7 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
 
     def attention_weights(self) -> NemotronAttentionWeights:
         return NemotronAttentionWeights(
-            *(p.dense_weight() for p in self._projections()), q_bias=value_of(self.q_bias),
+            *(p.base_weight() for p in self._projections()), q_bias=value_of(self.q_bias),
             k_bias=value_of(self.k_bias), v_bias=value_of(self.v_bias), o_bias=value_of(self.o_bias))
 
     def active_arm(self, phase: str, tokens: int) -> dict[str, str]:

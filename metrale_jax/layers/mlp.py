@@ -19,7 +19,6 @@ from metrale_jax.layers.blocks import linear, optional_param, param, plus_bias, 
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import check_array
 from metrale_jax.layers.projection import Projection
-from metrale_jax.weights.containers import DenseWeight
 from pallas_kernels import registry
 
 
@@ -45,21 +44,18 @@ class Relu2MLP(nnx.Module):
     def __init__(self, name: str, hidden_size: int, intermediate_size: int, weights: NemotronMlpWeights, *,
                  bias: bool, kernels: str | None = None):
         self.name = name
-        if not all(isinstance(w, DenseWeight) for w in (weights.up_proj, weights.down_proj)):
-            raise WeightFormatError(f"{name}.up_proj/down_proj: only dense weights are supported so far, got "
-                                    f"{type(weights.up_proj).__name__} / {type(weights.down_proj).__name__}")
         given = (weights.up_bias is not None, weights.down_bias is not None)
         if given != (bias, bias):
             raise WeightFormatError(f"{name}: biases given {given} (up, down), but mlp_bias is {bias}")
         self.up_proj = Projection(f"{name}.up_proj", intermediate_size, hidden_size, kernels=kernels)
         self.down_proj = Projection(f"{name}.down_proj", hidden_size, intermediate_size, kernels=kernels)
-        self.up_proj.set_dense(weights.up_proj)
-        self.down_proj.set_dense(weights.down_proj)
+        self.up_proj.set_weight(weights.up_proj)          # each container in the arm its type names
+        self.down_proj.set_weight(weights.down_proj)
         self.up_bias = optional_param(f"{name}.up_proj.bias", weights.up_bias, (intermediate_size,))
         self.down_bias = optional_param(f"{name}.down_proj.bias", weights.down_bias, (hidden_size,))
 
     def weights(self) -> NemotronMlpWeights:
-        return NemotronMlpWeights(self.up_proj.dense_weight(), self.down_proj.dense_weight(),
+        return NemotronMlpWeights(self.up_proj.base_weight(), self.down_proj.base_weight(),
                                   up_bias=value_of(self.up_bias), down_bias=value_of(self.down_bias))
 
     def bf16_native_ready(self) -> bool:

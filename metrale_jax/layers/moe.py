@@ -26,7 +26,6 @@ from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import check_array
 from metrale_jax.layers.mlp import NemotronMlpWeights, Relu2MLP, relu2
 from metrale_jax.layers.projection import Projection
-from metrale_jax.weights.containers import DenseWeight
 from pallas_kernels import registry
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -143,13 +142,13 @@ class NemotronMoELayer(LayerCapabilities, nnx.Module):
             self.fc1_latent_proj = nnx.data(None)
             self.fc2_latent_proj = nnx.data(None)
         else:
-            if not all(isinstance(p, DenseWeight) for p in latent):
-                raise WeightFormatError(f"{name}.mixer.fc1/fc2_latent_proj: dense weights required (moe_latent_size "
-                                        f"is {c.moe_latent_size}), got {[type(p).__name__ for p in latent]}")
+            if any(p is None for p in latent):
+                raise WeightFormatError(f"{name}.mixer.fc1/fc2_latent_proj: missing, but moe_latent_size is "
+                                        f"{c.moe_latent_size}")
             self.fc1_latent_proj = nnx.data(Projection(f"{name}.mixer.fc1_latent_proj", Din, D, kernels=self.kernels))
             self.fc2_latent_proj = nnx.data(Projection(f"{name}.mixer.fc2_latent_proj", D, Din, kernels=self.kernels))
-            self.fc1_latent_proj.set_dense(moe.fc1_latent_proj)
-            self.fc2_latent_proj.set_dense(moe.fc2_latent_proj)
+            self.fc1_latent_proj.set_weight(moe.fc1_latent_proj)     # each container in the arm its type names
+            self.fc2_latent_proj.set_weight(moe.fc2_latent_proj)
         biases = (moe.fc1_latent_bias, moe.fc2_latent_bias)
         want_bias = c.mlp_bias and c.moe_latent_size is not None
         if any((b is not None) != want_bias for b in biases):
@@ -159,12 +158,12 @@ class NemotronMoELayer(LayerCapabilities, nnx.Module):
         self.fc2_latent_bias = optional_param(f"{name}.mixer.fc2_latent_proj.bias", moe.fc2_latent_bias, (D,))
 
     def moe_weights(self) -> NemotronMoeWeights:
-        dense = lambda p: None if p is None else p.dense_weight()
+        own = lambda p: None if p is None else p.base_weight()
         return NemotronMoeWeights(
             gate=self.gate[...], e_score_correction_bias=self.e_score_correction_bias[...],
             experts_up=self.experts_up[...], experts_down=self.experts_down[...],
             shared=None if self.shared_experts is None else self.shared_experts.weights(),
-            fc1_latent_proj=dense(self.fc1_latent_proj), fc2_latent_proj=dense(self.fc2_latent_proj),
+            fc1_latent_proj=own(self.fc1_latent_proj), fc2_latent_proj=own(self.fc2_latent_proj),
             fc1_latent_bias=value_of(self.fc1_latent_bias), fc2_latent_bias=value_of(self.fc2_latent_bias))
 
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:

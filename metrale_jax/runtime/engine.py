@@ -10,6 +10,9 @@ donated (runtime/executables.py); inputs are padded with the padding slot to the
 decode / verify eagerly, a multi-sequence or batched-verify veto runs them one sequence at a time, a
 layer whose graphs go stale on a new sequence drops that slot's executables at admission, and a model
 without the in-pass replay-tail capture takes prefix snapshots by ending a prefill chunk at the cut.
+A model split over a mesh (tensor / expert parallel, sharding.py) is served the same way: its steps run
+through shard_map, the cache and prefix snapshots stay split over the devices, host inputs go in
+replicated, and the logits come out split over the vocabulary (sampling reduces over it).
 """
 
 from __future__ import annotations
@@ -22,7 +25,9 @@ from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
+from jax.sharding import PartitionSpec as P
 
+from metrale_jax import sharding
 from metrale_jax.errors import ConfigError, ShapeError
 from metrale_jax.model import Generation
 from metrale_jax.runtime import steps
@@ -61,15 +66,6 @@ class Request:
     t_done: float | None = None
 
 
-def _dev(x, dtype=np.int32):
-    return jax.device_put(np.asarray(x, dtype))
-
-
-def _devs(*arrays):
-    """Several host arrays onto the device in one batched transfer."""
-    return jax.device_put(tuple(np.asarray(a) for a in arrays))
-
-
 def _groups(items: list, size: int):
     return [items[i:i + size] for i in range(0, len(items), size)]
 
@@ -80,6 +76,26 @@ def _powers(lo: int, hi: int) -> tuple[int, ...]:
         out.append(b)
         b *= 2
     return tuple(out) + (hi,)
+
+
+def _on_mesh(model, mesh):
+    """The model to serve: `model`, or with a mesh and an unsharded model, a copy split over the mesh."""
+    tp = getattr(model, "tp", None)
+    if tp is not None and not isinstance(tp, sharding.TensorParallel):
+        raise ConfigError("model", f"a mesh-sharded model carries a sharding.TensorParallel as .tp, got "
+                                   f"{type(tp).__name__}")
+    if mesh is None:
+        return model
+    want = sharding.tensor_parallel(mesh)
+    if tp is None:                        # through the host: load big checkpoints with from_pretrained(mesh=)
+        return type(model)(model.config, model.state_dict(), dtype=model.dtype, levers=model.levers,
+                           tokenizer=model.tokenizer, notes=model.load_notes, mesh=mesh)
+    if tp != want:
+        raise ConfigError("mesh", f"the model is split over {tp.size} device(s) {tp.mesh.device_ids.tolist()} "
+                                  f"(axis {tp.axis!r}), not over the mesh given ({want.size} device(s) "
+                                  f"{want.mesh.device_ids.tolist()}, axis {want.axis!r}); pass the model's own "
+                                  "mesh or none")
+    return model
 
 
 class Engine:
@@ -97,6 +113,9 @@ class Engine:
     eos_ids: stop tokens (default: the model's). executables / decode_executables: registries to share
     between engines on the same model and cache shapes (the decode one becomes an eager one when a layer
     vetoes graphs).
+    mesh: serve the model tensor / expert parallel over this mesh (sharding.make_mesh). Default: the model's
+    own mesh when it was built with one (from_pretrained / from_config(..., mesh=...)), else one device. An
+    unsharded model given a mesh is split over it through the host (engine.model is the split copy).
     """
 
     def __init__(self, model, *, max_slots: int = 8, max_len: int = 2048, prefill_token_budget: int | None = None,
@@ -105,11 +124,12 @@ class Engine:
                  min_token_bucket: int = 16, prefix_cache_bytes: int = 0, prefix_block: int | None = None,
                  capture_rows: int = 1, speculative: SpeculativeConfig | None = None, drafter=None, eos_ids=None,
                  executables: Executables | None = None, decode_executables: Executables | None = None,
-                 compiler_options=None):
-        if getattr(model, "tp", None) is not None:
-            raise ConfigError("model", "the engine's step functions (runtime/steps.py) do not run a mesh-sharded "
-                                       "model yet; build the model without a mesh")
-        self.model = model
+                 compiler_options=None, mesh=None):
+        self.model = model = _on_mesh(model, mesh)
+        self.tp = getattr(model, "tp", None)
+        # host inputs go in replicated over the mesh (their sharding is part of an executable's key)
+        self._replicated = None if self.tp is None else self.tp.sharding(P())
+        self._logits_sharding = None if self.tp is None else self.tp.sharding(sharding.logits_spec(model, 2))
         # the weights as one flat list: a Module's own pytree flatten costs milliseconds per step at 50 blocks
         self._params, self._treedef = jax.tree_util.tree_flatten(model)
         self.caps = caps = model.capabilities
@@ -183,6 +203,21 @@ class Engine:
         if not b or b[0] < 1:
             raise ConfigError(name, f"expected positive sizes, got {given}")
         return b
+
+    def _dev(self, x, dtype=np.int32):
+        """A host array onto the device (replicated over the model's mesh)."""
+        return jax.device_put(np.asarray(x, dtype), self._replicated)
+
+    def _devs(self, *arrays):
+        """Several host arrays onto the device(s) in one batched transfer."""
+        return jax.device_put(tuple(np.asarray(a) for a in arrays), self._replicated)
+
+    def _state_op(self, entry: str, fn: Callable, *args, **kw):
+        """A slot helper of runtime/steps.py (no model) through the executables; on a mesh, run on every
+        device's share of the state (sharding.run_sharded_state) so that the cache and snapshots stay split."""
+        if self.tp is not None:
+            fn = functools.partial(sharding.run_sharded_state, fn, self.tp, self.model.config)
+        return self.exe.run(entry, fn, *args, **kw)
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, prompt, max_new_tokens: int = 16, *, temperature: float = 0.0, top_p: float = 1.0,
@@ -283,7 +318,8 @@ class Engine:
                 self.counters["dropped_executables"] += self.exe.drop_slot(slot)
                 if self.decode_exe is not self.exe:
                     self.counters["dropped_executables"] += self.decode_exe.drop_slot(slot)
-            self.cache = self.exe.run("zero_slot", steps.zero_slot, self.cache, _dev(slot), donate_argnums=(0,))
+            self.cache = self._state_op("zero_slot", steps.zero_slot, self.cache, self._dev(slot),
+                                        donate_argnums=(0,))
             r.slot = slot
             self.running[slot] = r
             if self.prefix_cache is not None and not r.score:
@@ -293,17 +329,17 @@ class Engine:
                     r.done = r.prefix_hit = hit.length
 
     def _restore(self, slot: int, hit) -> None:
-        self.cache = self.exe.run("restore_ssm", steps.restore_ssm, self.cache, _dev(slot), hit.ssm,
-                                  _dev(hit.length), donate_argnums=(0,))
+        self.cache = self._state_op("restore_ssm", steps.restore_ssm, self.cache, self._dev(slot), hit.ssm,
+                                    self._dev(hit.length), donate_argnums=(0,))
         if self.cache.kv.num_layers:
             for j, blk in enumerate(hit.kv_blocks):
-                self.cache = self.exe.run("kv_block_put", steps.kv_block_put, self.cache, _dev(slot),
-                                          _dev(j * self.prefix_cache.block), blk, donate_argnums=(0,))
+                self.cache = self._state_op("kv_block_put", steps.kv_block_put, self.cache, self._dev(slot),
+                                            self._dev(j * self.prefix_cache.block), blk, donate_argnums=(0,))
 
     def _kv_block(self, slot: int, j: int) -> KvSlotState:
         block = self.prefix_cache.block
-        return self.exe.run("kv_block_get", functools.partial(steps.kv_block_get, block=block), self.cache,
-                            _dev(slot), _dev(j * block), static=block)
+        return self._state_op("kv_block_get", functools.partial(steps.kv_block_get, block=block), self.cache,
+                              self._dev(slot), self._dev(j * block), static=block)
 
     # ---- emitting and finishing ------------------------------------------------------------------
     def _emit(self, r: Request, tokens) -> None:
@@ -339,7 +375,7 @@ class Engine:
         sampling = any(r.temperature > 0 for r in reqs)
         params = self._row_params(reqs, B)
         out = self.exe.run("sample", functools.partial(sample_tokens, sampling=sampling), logits,
-                           *_devs(*params), static=sampling)
+                           *self._devs(*params), static=sampling)
         return np.asarray(out)[:len(reqs)]
 
     @staticmethod
@@ -358,7 +394,7 @@ class Engine:
             slots = [r.slot for r in group] + [self.pad] * (B - len(group))
             tokens = [r.pending for r in group] + [0] * (B - len(group))
             logits, self.cache = self.call("decode", steps.decode_step, self.cache,
-                                           *_devs(np.array(slots, np.int32), np.array(tokens, np.int32)),
+                                           *self._devs(np.array(slots, np.int32), np.array(tokens, np.int32)),
                                            decode=True, donate_argnums=(1,), slots=slots[:len(group)])
             self.counters["decode_rows"] += len(group)
             for r, t in zip(group, self._sample(logits, group, B)):
@@ -382,7 +418,7 @@ class Engine:
                 num_draft[i] = len(d)
             slots = [r.slot for r in group] + [self.pad] * (n - len(group))
             sampling = any(r.temperature > 0 for r in group)
-            inputs = _devs(np.array(slots, np.int32), tokens, num_draft, *self._row_params(group, n))
+            inputs = self._devs(np.array(slots, np.int32), tokens, num_draft, *self._row_params(group, n))
             out, accepted, self.cache = self.call(
                 "verify", functools.partial(steps.verify_step, sampling=sampling), self.cache, *inputs,
                 decode=True, donate_argnums=(1,), slots=slots[:len(group)], static=sampling)
@@ -431,7 +467,7 @@ class Engine:
         for b, (r, n) in enumerate(rows):
             ids[b, :n] = r.prompt[r.done:r.done + n]
             lengths[b], slots[b] = n, r.slot
-        args = [self.cache, _dev(slots), _dev(ids), _dev(lengths), None, None, None]
+        args = [self.cache, self._dev(slots), self._dev(ids), self._dev(lengths), None, None, None]
         entry = "prefill"
         in_pass = bool(captures) and self.replay_tail
         if in_pass:
@@ -439,14 +475,14 @@ class Engine:
             capture_rows = np.zeros(self.capture_rows, np.int32)
             for c, (b, r, m) in enumerate(captures):
                 cuts[b], capture_rows[c] = m - r.done, b
-            args[4:6] = _dev(cuts), _dev(capture_rows)
+            args[4:6] = self._dev(cuts), self._dev(capture_rows)
             entry = "prefill_capture"
         if scoring:
             targets = np.zeros((B, T), np.int32)
             for b, (r, n) in enumerate(rows):
                 nxt = r.prompt[r.done + 1:r.done + n + 1]
                 targets[b, :len(nxt)] = nxt
-            args[6] = _dev(targets)
+            args[6] = self._dev(targets)
             entry += "_score"
         out = self.call(entry, steps.prefill_step, *args, donate_argnums=(1,), slots=slots[:len(rows)])
         self.cache = out.cache
@@ -474,7 +510,7 @@ class Engine:
                 self._emit(r, [toks[b]])
 
     def _slot_state(self, slot: int) -> SlotState:
-        return self.exe.run("slot_ssm_state", steps.slot_ssm_state, self.cache, _dev(slot))
+        return self._state_op("slot_ssm_state", steps.slot_ssm_state, self.cache, self._dev(slot))
 
     # ---- warm-up -------------------------------------------------------------------------------
     def warmup(self, *, sampling: bool = False, score: bool = False) -> int:
@@ -484,46 +520,48 @@ class Engine:
         pad = self.pad
         mb = max(self.capture_rows, 1)
         for B in self.prefill_buckets:
-            slots = _dev(np.full(B, pad))
+            slots = self._dev(np.full(B, pad))
             for T in self.token_buckets:
-                ids, lengths = _dev(np.zeros((B, T))), _dev(np.zeros(B))
+                ids, lengths = self._dev(np.zeros((B, T))), self._dev(np.zeros(B))
                 variants = [("prefill", None, None, None)]
                 if self.prefix_cache is not None and self.replay_tail:
-                    variants.append(("prefill_capture", _dev(np.zeros(B)), _dev(np.zeros(mb)), None))
+                    variants.append(("prefill_capture", self._dev(np.zeros(B)), self._dev(np.zeros(mb)), None))
                 if score:
-                    variants.append(("prefill_score", None, None, _dev(np.zeros((B, T)))))
+                    variants.append(("prefill_score", None, None, self._dev(np.zeros((B, T)))))
                 for entry, cuts, rows, targets in variants:
                     out = self.call(entry, steps.prefill_step, self.cache, slots, ids, lengths, cuts, rows, targets,
                                     donate_argnums=(1,))
                     self.cache = out.cache
         V = self.model.config.vocab_size
         for B in sorted(set(self.prefill_buckets) | set(self.decode_buckets) | set(self.verify_buckets)):
+            logits = jax.device_put(np.zeros((B, V), np.float32), self._logits_sharding)
             for s in ([False, True] if sampling else [False]):
-                self.exe.run("sample", functools.partial(sample_tokens, sampling=s), _dev(np.zeros((B, V)),
-                             np.float32), _dev(np.zeros(B), np.float32), _dev(np.ones(B), np.float32),
-                             _dev(np.zeros(B)), _dev(np.zeros(B)), static=s)
+                self.exe.run("sample", functools.partial(sample_tokens, sampling=s), logits,
+                             self._dev(np.zeros(B), np.float32), self._dev(np.ones(B), np.float32),
+                             self._dev(np.zeros(B)), self._dev(np.zeros(B)), static=s)
         if self.decode_exe.graphs:
             for B in self.decode_buckets:
-                _, self.cache = self.call("decode", steps.decode_step, self.cache, _dev(np.full(B, pad)),
-                                          _dev(np.zeros(B)), decode=True, donate_argnums=(1,))
+                _, self.cache = self.call("decode", steps.decode_step, self.cache, self._dev(np.full(B, pad)),
+                                          self._dev(np.zeros(B)), decode=True, donate_argnums=(1,))
             if self.speculative is not None:
                 k = self.speculative.num_draft + 1
                 for n in self.verify_buckets:
                     for s in ([False, True] if sampling else [False]):
-                        z = _dev(np.zeros(n))
+                        z = self._dev(np.zeros(n))
                         *_, self.cache = self.call(
                             "verify", functools.partial(steps.verify_step, sampling=s), self.cache,
-                            _dev(np.full(n, pad)), _dev(np.zeros((n, k))), z, _dev(np.zeros(n), np.float32),
-                            _dev(np.ones(n), np.float32), z, z, decode=True, donate_argnums=(1,), static=s)
-        self.cache = self.exe.run("zero_slot", steps.zero_slot, self.cache, _dev(pad), donate_argnums=(0,))
+                            self._dev(np.full(n, pad)), self._dev(np.zeros((n, k))), z,
+                            self._dev(np.zeros(n), np.float32), self._dev(np.ones(n), np.float32), z, z, decode=True,
+                            donate_argnums=(1,), static=s)
+        self.cache = self._state_op("zero_slot", steps.zero_slot, self.cache, self._dev(pad), donate_argnums=(0,))
         if self.prefix_cache is not None:
-            state = self.exe.run("slot_ssm_state", steps.slot_ssm_state, self.cache, _dev(pad))
-            self.cache = self.exe.run("restore_ssm", steps.restore_ssm, self.cache, _dev(pad), state, _dev(0),
-                                      donate_argnums=(0,))
+            state = self._state_op("slot_ssm_state", steps.slot_ssm_state, self.cache, self._dev(pad))
+            self.cache = self._state_op("restore_ssm", steps.restore_ssm, self.cache, self._dev(pad), state,
+                                        self._dev(0), donate_argnums=(0,))
             if self.cache.kv.num_layers:
                 blk = self._kv_block(pad, 0)
-                self.cache = self.exe.run("kv_block_put", steps.kv_block_put, self.cache, _dev(pad), _dev(0), blk,
-                                          donate_argnums=(0,))
+                self.cache = self._state_op("kv_block_put", steps.kv_block_put, self.cache, self._dev(pad),
+                                            self._dev(0), blk, donate_argnums=(0,))
         return self.compiles - before
 
     # ---- batch jobs ----------------------------------------------------------------------------

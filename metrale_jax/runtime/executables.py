@@ -12,6 +12,7 @@ import collections
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 
 import jax
+from jax.sharding import NamedSharding
 
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
@@ -34,9 +35,21 @@ def pick_bucket(n: int, buckets: Sequence[int], what: str = "size") -> int:
     raise ValueError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
 
 
+def _placement(x) -> Hashable:
+    """An array's sharding as a key: a NamedSharding by mesh and spec without trailing Nones, since a compiled
+    step returns P(None, 'tp') for an input placed as P(None, 'tp', None) (the same layout)."""
+    s = getattr(x, "sharding", None)
+    if not isinstance(s, NamedSharding):
+        return s
+    spec = tuple(s.spec)
+    while spec and spec[-1] is None:
+        spec = spec[:-1]
+    return "named", s.mesh, spec, s.memory_kind
+
+
 def _signature(args: Sequence) -> tuple:
     leaves, tree = jax.tree_util.tree_flatten(args)
-    return tree, tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)) if hasattr(x, "shape")
+    return tree, tuple((tuple(x.shape), str(x.dtype), _placement(x)) if hasattr(x, "shape")
                        else ("python", type(x).__name__) for x in leaves)
 
 
@@ -99,6 +112,10 @@ class Executables:
         for other in self._by_slot.values():
             other.difference_update(keys)
         return len(keys)
+
+    def compiled(self, entry: str) -> list[jax.stages.Compiled]:
+        """The executables compiled for `entry` (e.g. to read their HLO)."""
+        return [exe for key, exe in self._cache.items() if key[0] == entry]
 
     @property
     def size(self) -> int:

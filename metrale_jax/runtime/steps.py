@@ -7,6 +7,11 @@ cache; the KV rows before the cut stay in the pool), a multi-token verify throug
 write-on-accept (the state after the last accepted token is committed, nothing is re-run), and the
 slot helpers (zero, restore a snapshot, copy KV blocks out and in). The padding slot absorbs padded
 rows; each step leaves its seq_len at 0.
+On a mesh-sharded model (model.tp) a step runs through shard_map on the model's device view
+(sharding.run_sharded), the way model.py's steps do: logits come out split over the vocabulary like
+lm_head, the cache and captured states keep their head / channel split, verify gathers the vocabulary
+before acceptance. The slot helpers take no model; the engine runs them through
+sharding.run_sharded_state.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
+from metrale_jax import sharding
 from metrale_jax.layers.attention import NemotronAttentionLayer
 from metrale_jax.layers.mamba2 import NemotronMamba2Layer, SsmPrefillBuffers
-from metrale_jax.model import _logits, _rmsnorm, _token_logprobs
+from metrale_jax.model import _logits, _rmsnorm, _token_logprobs, decode_step  # noqa: F401  (a runtime step)
 from metrale_jax.runtime.speculative import accept_drafts
 from metrale_jax.state.cache import ModelCache
 from metrale_jax.state.kv_pool import KvPool, KvSlotState
@@ -126,6 +133,14 @@ def prefill_step(model, cache: ModelCache, slots, ids, lengths, cuts=None, captu
     cuts [B] / capture_rows [R] (both or neither): replay-tail capture; row b is split after cuts[b] of its
     tokens (cuts[b] = lengths[b]: no split) and the state at the cut of rows capture_rows comes back.
     targets [B, T]: also return log p(targets[b, t]) at every row position (scoring)."""
+    if model.tp is not None:
+        state_spec = sharding.slot_specs(model.config, model.tp)[0]
+        out_specs = PrefillOut(
+            logits=sharding.logits_spec(model, 2), cache=sharding.cache_specs(model.config, model.tp),
+            captured=None if cuts is None else (state_spec,) * capture_rows.shape[0],
+            target_logprobs=None if targets is None else P())        # reduced over the vocabulary in the view
+        return sharding.run_sharded(prefill_step, model, cache, slots, ids, lengths, cuts, capture_rows, targets,
+                                    out_specs=out_specs)
     B, T = ids.shape
     pad = cache.padding_slot
     starts = cache.seq_lens[slots]
@@ -140,23 +155,6 @@ def prefill_step(model, cache: ModelCache, slots, ids, lengths, cuts=None, captu
     return PrefillOut(logits=logits, cache=ModelCache(ssm, kv, seq_lens), captured=states, target_logprobs=lp)
 
 
-def decode_step(model, cache: ModelCache, slots, tokens) -> tuple[jax.Array, ModelCache]:
-    """One token per sequence (tokens [B]) at each slot's cached length: (logits [B, V] f32, cache)."""
-    pad = cache.padding_slot
-    pos = cache.seq_lens[slots]
-    ssm, kv = cache.ssm, cache.kv
-    h = model.embeddings[...][tokens]                                       # [B, D]
-    for layer in model.layers:
-        if isinstance(layer, NemotronMamba2Layer):
-            h, ssm = layer.decode_multi_seq(ssm, slots, h)
-        elif isinstance(layer, NemotronAttentionLayer):
-            h, kv = layer.decode_multi_seq(kv, slots, h, pos)
-        else:
-            h = layer(h, phase="decode")
-    logits = _logits(model, _rmsnorm(model, h), "decode")
-    return logits, ModelCache(ssm, kv, cache.seq_lens.at[slots].set(pos + 1).at[pad].set(0))
-
-
 def verify_step(model, cache: ModelCache, slots, tokens, num_draft, temperature, top_p, seeds, counters, *,
                 sampling: bool):
     """Speculative verify with write-on-accept for n sequences in one sweep.
@@ -166,7 +164,12 @@ def verify_step(model, cache: ModelCache, slots, tokens, num_draft, temperature,
     attention writes the k rows' keys/values). After acceptance (speculative.accept_drafts) each Mamba
     layer commits the state after the last kept row and seq_len advances by accepted + 1; keys/values
     past it are masked by seq_len and overwritten later. Returns (out [n, k], accepted [n], cache): the
-    sequence emits out[i, :accepted[i] + 1]."""
+    sequence emits out[i, :accepted[i] + 1]. On a mesh every device runs the same acceptance on the whole
+    vocabulary's logits (gathered), so out / accepted agree everywhere and each commits its own heads."""
+    if model.tp is not None:
+        out_specs = (P(), P(), sharding.cache_specs(model.config, model.tp))
+        return sharding.run_sharded(verify_step, model, cache, slots, tokens, num_draft, temperature, top_p, seeds,
+                                    counters, out_specs=out_specs, sampling=sampling)
     n, k = tokens.shape
     pad = cache.padding_slot
     pos = cache.seq_lens[slots]
@@ -181,7 +184,10 @@ def verify_step(model, cache: ModelCache, slots, tokens, num_draft, temperature,
             h, kv = layer.decode_verify_multi(kv, slots, h, pos, k)
         else:
             h = layer(h, phase="decode")
-    logits = _logits(model, _rmsnorm(model, h), "decode").reshape(n, k, -1)
+    logits = _logits(model, _rmsnorm(model, h), "decode")                   # [n*k, V]
+    if model.vocab_axis is not None:                 # a device view holds V / tp vocabulary columns
+        logits = jax.lax.all_gather(logits, model.vocab_axis, axis=1, tiled=True)
+    logits = logits.reshape(n, k, -1)
     out, accepted = accept_drafts(logits, tokens, num_draft, temperature, top_p, seeds, counters,
                                   sampling=sampling)
     rows = jnp.arange(n)

@@ -1,15 +1,23 @@
-"""HF-layout checkpoints: the tensor-name table of each block kind, the dense loader and the saver.
+"""HF-layout checkpoints: the tensor-name table of each block kind, the loader and the saver.
 
 Loading checks every tensor's name, shape and dtype from the safetensors headers first and raises
 one CheckpointError listing every problem (with the expected shape) before any data is read; then
 it reads tensor by tensor from the memory-mapped files (a progress bar on a terminal) and casts
 to the model dtype, except the tensors kept in float32 (A_log, D, dt_bias, router weight and
-e_score_correction_bias). MTP tensors (mtp.*) are skipped with a note. Quantized checkpoints are
-refused here: they go through the quantized loader.
+e_score_correction_bias). MTP tensors (mtp.*) are skipped with a note.
+
+Quantized checkpoints (hf_quant_config.json or config.json "quantization_config": ModelOpt FP8 /
+NVFP4, block FP8; see weights/quant_config.py) come out with a container per linear module instead
+of an array: Fp8Weight (a ModelOpt per-tensor scale expanded exactly to the 128x128 block grid),
+Nvfp4Weight, or the array itself where the module is stored dense (excluded). The linear tensors'
+formats, dtypes and scale shapes are checked as they are read (every problem collected, one
+CheckpointError before any model exists). Routed experts are stacked [E, ...] arrays with no
+quantized arm yet: quantized ones are dequantized to the model dtype at load, with a note.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import logging
@@ -23,12 +31,14 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from metrale_jax.config import ModelConfig
-from metrale_jax.errors import CheckpointError
+from metrale_jax.errors import CheckpointError, ConfigError
 from metrale_jax.layers.attention import NemotronAttentionWeights
 from metrale_jax.layers.mamba2 import NemotronSsmWeights
 from metrale_jax.layers.mlp import NemotronMlpWeights
 from metrale_jax.layers.moe import NemotronMoeWeights
-from metrale_jax.weights.containers import DenseWeight
+from metrale_jax.weights.containers import DenseWeight, Fp8Weight, Nvfp4Weight, W4a4Weight, WeightQuantFormat
+from metrale_jax.weights.quant_config import QuantConfig, load_linear, quant_config_from_dicts, read_quant_config
+from metrale_jax.weights.quantize import LINEAR_MODULES
 from metrale_jax.weights.safetensors_io import CheckpointReader, SafetensorsFile, save_safetensors
 
 log = logging.getLogger(__name__)
@@ -36,10 +46,14 @@ log = logging.getLogger(__name__)
 FLOAT_DTYPES = ("F32", "BF16", "F16")
 QUANTIZED_DTYPES = ("F8_E4M3", "F8_E5M2", "U8", "I8")
 QUANTIZED_SUFFIXES = ("weight_scale", "weight_scale_2", "weight_scale_inv", "input_scale")
-QUANTIZED_MESSAGE = ("quantized checkpoints are loaded through the quantized loader, which is not wired into "
-                     "NemotronH.from_pretrained yet")
+QUANTIZED_MESSAGE = ("no quantization config says how to read them (hf_quant_config.json, or config.json "
+                     "quantization_config): the quantized loader needs one")
+SUPPORTED_MESSAGE = "the quantized loader reads ModelOpt FP8 / NVFP4 and 128x128 block FP8 checkpoints"
+# routed experts in the saved quantization config: they are stored dense (dequantized at load)
+EXPERTS_PATTERN = "backbone.layers.*.mixer.experts.*"
 MAX_SHARD_BYTES = 2 * 1024 ** 3
 _IGNORED = re.compile(r"^mtp\.")
+_KV_SCALE = re.compile(r"\.[kv]_scale$")          # ModelOpt FP8 KV-cache scales: the KV pool is not quantized
 # A routed expert's weight; the loader stacks a layer's experts into one [E, ...] array under
 # "<mixer>.experts.up_proj" / ".experts.down_proj" (HF's in-memory fused names).
 _EXPERT = re.compile(r"^(?P<mixer>backbone\.layers\.\d+\.mixer\.)experts\.(?P<e>\d+)\.(?P<proj>up|down)_proj\.weight$")
@@ -160,7 +174,7 @@ def layer_weights(config: ModelConfig, i: int, tensors: Mapping[str, object]):
     p = f"backbone.layers.{i}.mixer."
     get = lambda s: tensors[p + s]
     opt = lambda s: tensors.get(p + s)
-    dense = lambda s: DenseWeight(get(s))
+    dense = lambda s: as_linear(get(s))
     kind = config.hybrid_override_pattern[i]
     if kind == "M":
         w = NemotronSsmWeights(
@@ -190,8 +204,30 @@ def layer_weights(config: ModelConfig, i: int, tensors: Mapping[str, object]):
 
 
 def _mlp_weights(tensors, p: str) -> NemotronMlpWeights:
-    return NemotronMlpWeights(DenseWeight(tensors[p + "up_proj.weight"]), DenseWeight(tensors[p + "down_proj.weight"]),
+    return NemotronMlpWeights(as_linear(tensors[p + "up_proj.weight"]), as_linear(tensors[p + "down_proj.weight"]),
                               up_bias=tensors.get(p + "up_proj.bias"), down_bias=tensors.get(p + "down_proj.bias"))
+
+
+def as_linear(value):
+    """A linear module's weight as a container: quantized containers and DenseWeight pass, arrays are wrapped."""
+    return value if is_container(value) else DenseWeight(value)
+
+
+def is_container(value) -> bool:
+    return isinstance(value, (DenseWeight, Fp8Weight, Nvfp4Weight, W4a4Weight))
+
+
+def is_quantized(value) -> bool:
+    return is_container(value) and not isinstance(value, DenseWeight)
+
+
+def linear_module(name: str) -> str | None:
+    """The module of a linear layer's weight ("...mixer.q_proj.weight" -> "...mixer.q_proj"; lm_head
+    included, the router and norms not), else None."""
+    if not name.endswith(".weight"):
+        return None
+    module = name[:-len(".weight")]
+    return module if module == "lm_head" or module.rsplit(".", 1)[-1] in LINEAR_MODULES else None
 
 
 def layer_tensors(config: ModelConfig, i: int, input_norm, weights) -> dict[str, object]:
@@ -236,23 +272,31 @@ def _put_mlp(put, prefix: str, w: NemotronMlpWeights) -> None:
 
 
 # ---- loading ---------------------------------------------------------------------------------
-def check_checkpoint(reader, config: ModelConfig) -> tuple[list[str], list[str]]:
-    """(problems, notes) from the headers alone: missing, unexpected, mis-shaped or mis-typed tensors."""
-    if config.quantization_config is not None:
-        method = dict(config.quantization_config).get("quant_method", "?")
-        raise CheckpointError(f"config.json has a quantization_config (quant_method={method!r}): {QUANTIZED_MESSAGE}")
+def check_checkpoint(reader, config: ModelConfig, qcfg: QuantConfig | None = None) -> tuple[list[str], list[str]]:
+    """(problems, notes) from the headers alone: missing, unexpected, mis-shaped or mis-typed tensors. With a
+    quantization (qcfg, default: the config's quantization_config), a linear module's weight may be stored
+    quantized with its scale tensors beside it; load_linear checks those as it reads them."""
+    if qcfg is None:
+        qcfg = quantization_of(config)
+    quantized_ckpt = qcfg.method != "none"
     problems = unsupported(config)
     notes: list[str] = []
     expected = expected_tensors(config)
     present = set(reader.keys())
-    quantized = sorted(n for n in present if n.rsplit(".", 1)[-1] in QUANTIZED_SUFFIXES
-                       or (n in expected and reader.info(n)[0] in QUANTIZED_DTYPES))
-    if quantized:
-        shown = ", ".join(quantized[:8]) + (f" and {len(quantized) - 8} more" if len(quantized) > 8 else "")
-        raise CheckpointError(f"quantized tensors ({shown}): {QUANTIZED_MESSAGE}")
+    if not quantized_ckpt:
+        quantized = sorted(n for n in present if n.rsplit(".", 1)[-1] in QUANTIZED_SUFFIXES
+                           or (n in expected and reader.info(n)[0] in QUANTIZED_DTYPES))
+        if quantized:
+            shown = ", ".join(quantized[:8]) + (f" and {len(quantized) - 8} more" if len(quantized) > 8 else "")
+            raise CheckpointError(f"quantized tensors ({shown}), but {QUANTIZED_MESSAGE}")
+    scales: set[str] = set()
     for name, spec in expected.items():
         if name not in present:
             problems.append(f"{name}: missing (expected shape {list(spec.shape)})")
+            continue
+        module = linear_module(name) if quantized_ckpt else None
+        if module is not None:
+            scales.update(f"{module}.{s}" for s in QUANTIZED_SUFFIXES)
             continue
         dtype, shape = reader.info(name)
         if not spec.accepts(shape):
@@ -263,14 +307,35 @@ def check_checkpoint(reader, config: ModelConfig) -> tuple[list[str], list[str]]
     ignored = sorted(n for n in present - set(expected) if _IGNORED.match(n))
     if ignored:
         notes.append(f"ignored {len(ignored)} multi-token-prediction tensors (mtp.*): MTP heads are not used")
+    kv_scales = sorted(n for n in present - set(expected) if quantized_ckpt and _KV_SCALE.search(n))
+    if kv_scales:
+        notes.append(f"ignored {len(kv_scales)} KV-cache scales (k_scale / v_scale): the KV pool is not quantized")
+        ignored += kv_scales
     if config.tie_word_embeddings and "lm_head.weight" in present:
         notes.append("ignored lm_head.weight: tie_word_embeddings is true, so lm_head uses the embeddings")
-        ignored.append("lm_head.weight")
-    for name in sorted(present - set(expected) - set(ignored)):
+        ignored += [n for n in present if n == "lm_head.weight" or n.startswith("lm_head.")]
+    for name in sorted(present - set(expected) - set(ignored) - scales):
         dtype, shape = reader.info(name)
         problems.append(f"{name}: unexpected tensor ({dtype} {list(shape)}); the config {_describe(config)} "
                         f"has no such weight")
     return problems, notes
+
+
+def quantization_of(config: ModelConfig) -> QuantConfig:
+    """The QuantConfig that config.json's quantization_config describes (method 'none' without one)."""
+    return _supported(lambda: quant_config_from_dicts(None, {"quantization_config": config.quantization_config}))
+
+
+def checkpoint_quantization(directory: str | os.PathLike) -> QuantConfig:
+    """The quantization of the checkpoint in `directory` (hf_quant_config.json, else config.json)."""
+    return _supported(lambda: read_quant_config(directory))
+
+
+def _supported(read) -> QuantConfig:
+    try:
+        return read()
+    except CheckpointError as e:
+        raise CheckpointError([*e.problems[:-1], f"{e.problems[-1]} ({SUPPORTED_MESSAGE})"]) from None
 
 
 def _describe(config: ModelConfig) -> str:
@@ -296,17 +361,25 @@ def open_checkpoint(directory: str | os.PathLike):
 
 
 def read_checkpoint(directory: str | os.PathLike, config: ModelConfig, dtype=jnp.bfloat16, *,
-                    progress: bool | None = None, mesh=None) -> tuple[dict[str, object], list[str]]:
-    """All tensors of a dense HF checkpoint, validated, cast and in HF names: (tensors, notes).
-    mesh: each tensor goes from the memory map straight to its shards (a sharding.ShardedTensors)."""
+                    progress: bool | None = None, mesh=None,
+                    qcfg: QuantConfig | None = None) -> tuple[dict[str, object], list[str]]:
+    """All tensors of an HF checkpoint, validated, cast and in HF names: (tensors, notes). A quantized
+    checkpoint (qcfg, default: read from the directory) gives a container per quantized linear module.
+    mesh: each tensor goes from the memory map straight to its shards (a sharding.ShardedTensors); dense only."""
+    qcfg = checkpoint_quantization(directory) if qcfg is None else qcfg
+    quantized_ckpt = qcfg.method != "none"
+    if quantized_ckpt and mesh is not None:
+        raise ConfigError("mesh", f"{directory} is quantized ({qcfg.method}); tensor parallelism splits dense "
+                                  "weights only, so quantized checkpoints load on one device (no mesh)")
     reader = open_checkpoint(directory)
     try:
-        problems, notes = check_checkpoint(reader, config)
+        problems, notes = check_checkpoint(reader, config, qcfg)
         if problems:
             raise CheckpointError(problems)
         expected = expected_tensors(config)
         tensors: dict[str, object] = {}
         stacks: dict[str, np.ndarray] = {}           # a layer's experts, filled on the host, sent at once
+        dequantized_experts: collections.Counter = collections.Counter()
         E = config.n_routed_experts
         bar = tqdm(expected.items(), total=len(expected), desc="loading weights", unit="tensor",
                    disable=None if progress is None else not progress, leave=False)
@@ -315,18 +388,47 @@ def read_checkpoint(directory: str | os.PathLike, config: ModelConfig, dtype=jnp
             tensors = sharding.shard_tensors(config, ((name, reader.get(name)) for name, _ in bar),
                                              sharding.tensor_parallel(mesh), dtype)
         for name, spec in (bar if mesh is None else ()):
-            arr = reader.get(name)                    # a read-only view into the memory map
             target = jnp.float32 if spec.keep_f32 else dtype
             m = _EXPERT.match(name)
+            module = linear_module(name) if quantized_ckpt else None
+            if module is None:
+                arr = reader.get(name)                # a read-only view into the memory map
+            else:
+                try:
+                    w = load_linear(reader, module, spec.shape, qcfg, fp8_to_block=True, dtype=target)
+                except CheckpointError as e:
+                    problems.extend(e.problems)
+                    continue
+                if isinstance(w, DenseWeight) and m is None:
+                    tensors[name] = w.weight          # already in `target`
+                    continue
+                if isinstance(w, DenseWeight):
+                    arr = w.weight
+                elif m is not None:                   # stacked experts have no quantized arm yet
+                    dequantized_experts[_format_name(w)] += 1
+                    arr = w.dequantize(jnp.float32)
+                elif isinstance(w, Fp8Weight) and w.format is not WeightQuantFormat.FP8_BLOCK_SCALED:
+                    problems.append(f"{module}.weight_scale: a per-row FP8 scale [N]; the FP8 arms take one "
+                                    f"scale per tensor or per 128x128 block")
+                    continue
+                else:
+                    tensors[name] = w
+                    continue
             if m is None:
                 tensors[name] = jnp.array(arr, dtype=target, copy=True)
                 continue
             key = f"{m['mixer']}experts.{m['proj']}_proj"
             if key not in stacks:
                 stacks[key] = np.empty((E, *spec.shape), np.dtype(target))
-            stacks[key][int(m["e"])] = arr
+            stacks[key][int(m["e"])] = np.asarray(arr)
             if int(m["e"]) == E - 1:
                 tensors[key] = jnp.asarray(stacks.pop(key))
+        if problems:
+            raise CheckpointError(problems)
+        if dequantized_experts:
+            kinds = ", ".join(f"{n} {f}" for f, n in sorted(dequantized_experts.items()))
+            notes.append(f"dequantized {kinds} routed-expert weights to {jnp.dtype(dtype).name} at load: stacked "
+                         f"experts have no quantized arm yet")
         for note in notes:
             log.info("%s: %s", directory, note)
         return tensors, notes
@@ -334,27 +436,81 @@ def read_checkpoint(directory: str | os.PathLike, config: ModelConfig, dtype=jnp
         reader.close()
 
 
+def _format_name(w) -> str:
+    return "nvfp4" if isinstance(w, Nvfp4Weight) else "fp8"
+
+
 # ---- saving ----------------------------------------------------------------------------------
+def linear_tensors(module: str, w, method: str) -> dict[str, object]:
+    """The checkpoint tensors of one linear module's container in the layout of `method` (the inverse of
+    load_linear): dense -> weight; fp8_block -> weight + weight_scale_inv; fp8 -> weight + scalar weight_scale
+    (a block grid must hold one value) [+ input_scale]; nvfp4 -> weight + weight_scale + weight_scale_2
+    [+ input_scale]. A container the method cannot store raises CheckpointError naming the module."""
+    if isinstance(w, W4a4Weight):
+        w = w.weight
+    if isinstance(w, DenseWeight) or not is_container(w):
+        return {f"{module}.weight": w.weight if isinstance(w, DenseWeight) else w}
+    out: dict[str, object] = {f"{module}.weight": w.packed if isinstance(w, Nvfp4Weight) else w.weight}
+    if isinstance(w, Nvfp4Weight) and method == "nvfp4":
+        out.update({f"{module}.weight_scale": w.scale, f"{module}.weight_scale_2": jnp.reshape(w.global_scale, ())})
+    elif isinstance(w, Fp8Weight) and method == "fp8_block" and w.format is WeightQuantFormat.FP8_BLOCK_SCALED:
+        out[f"{module}.weight_scale_inv"] = w.scale
+    elif isinstance(w, Fp8Weight) and method == "fp8" and w.format is not WeightQuantFormat.FP8_PER_ROW:
+        scale = np.asarray(w.scale, np.float32)
+        if scale.size == 0 or np.any(scale != scale.flat[0]):
+            raise CheckpointError(f"{module}: FP8 block scales differ across blocks; a ModelOpt FP8 checkpoint "
+                                  f"holds one scale per tensor (save as fp8_block)")
+        out[f"{module}.weight_scale"] = scale.reshape(-1)[:1].reshape(())
+    else:
+        held = f"{type(w).__name__} ({w.format.name})"
+        hint = (" (FP8 weights requantized to NVFP4 at load with native_fp8_ssm='off' keep no FP8 numbers; load with "
+                "native_fp8_ssm='decode' or 'full' to save)" if isinstance(w, Nvfp4Weight) else "")
+        raise CheckpointError(f"{module}: holds {held} weights, which a {method!r} checkpoint cannot store{hint}")
+    if getattr(w, "input_scale", None) is not None:
+        out[f"{module}.input_scale"] = jnp.reshape(w.input_scale, ())
+    return out
+
+
+def checkpoint_tensors(tensors: Mapping[str, object], qcfg: QuantConfig) -> dict[str, np.ndarray]:
+    """HF-named tensors whose linear weights may be containers -> host arrays in the checkpoint's layout."""
+    out: dict[str, np.ndarray] = {}
+    for name, value in tensors.items():
+        module = linear_module(name)
+        parts = linear_tensors(module, value, qcfg.method) if module is not None and is_container(value) \
+            else {name: value}
+        out.update((n, np.asarray(v)) for n, v in parts.items())
+    return out
+
+
 def write_checkpoint(directory: str | os.PathLike, config: ModelConfig, tensors: Mapping[str, object], *,
-                     torch_dtype: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
+                     torch_dtype: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
+                     qcfg: QuantConfig | None = None) -> list[Path]:
     """config.json plus model.safetensors, or shards with model.safetensors.index.json when the tensors
-    exceed max_shard_bytes. Old model*.safetensors files and index in the directory are replaced."""
+    exceed max_shard_bytes. Old model*.safetensors files, index and hf_quant_config.json in the directory
+    are replaced. qcfg: the quantization the tensors are in (their scale tensors sit beside the weights);
+    it is written to config.json's quantization_config (and hf_quant_config.json for ModelOpt)."""
+    qcfg = qcfg or QuantConfig()
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     expected = expected_tensors(config)
+    scales = {f"{m}.{s}" for m in filter(None, map(linear_module, expected)) for s in QUANTIZED_SUFFIXES} \
+        if qcfg.method != "none" else set()
     missing = sorted(set(expected) - set(tensors))
-    extra = sorted(set(tensors) - set(expected))
+    extra = sorted(set(tensors) - set(expected) - scales)
     if missing or extra:
         raise CheckpointError([f"{n}: missing from the tensors to save" for n in missing]
                               + [f"{n}: not a tensor of this config" for n in extra])
-    arrays = {n: np.asarray(tensors[n]) for n in expected}
-    for old in [*d.glob("model*.safetensors"), d / "model.safetensors.index.json"]:
+    order = [*expected, *sorted(set(tensors) - set(expected))]
+    arrays = {n: np.asarray(tensors[n]) for n in order}
+    for old in [*d.glob("model*.safetensors"), d / "model.safetensors.index.json", d / "hf_quant_config.json"]:
         if old.is_file():
             old.unlink()
-    hf = config.to_hf_dict()
+    hf = dataclasses.replace(config, quantization_config=qcfg.quantization_config()).to_hf_dict()
     if torch_dtype is not None:
         hf["torch_dtype"] = torch_dtype
     (d / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    if qcfg.hf_quant_config() is not None:
+        (d / "hf_quant_config.json").write_text(json.dumps(qcfg.hf_quant_config(), indent=2) + "\n")
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, arr in arrays.items():
