@@ -367,6 +367,21 @@ def _logits(model: NemotronH, x: jax.Array, phase: str = "prefill") -> jax.Array
     return model.lm_head(x, phase=phase, out_dtype=jnp.float32)
 
 
+def pack_rows(lengths: jax.Array, T: int):
+    """Index maps between right-padded rows [B, T] and the packed (varlen) order the Mamba layers take.
+    Returns (valid [B, T], cu_seqlens [B+1], src [B*T]: packed row -> flat padded row,
+    dst [B, T]: padded row -> packed row)."""
+    B = lengths.shape[0]
+    t = jnp.arange(T, dtype=jnp.int32)
+    valid = t[None, :] < lengths[:, None]
+    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths).astype(jnp.int32)])
+    p = jnp.arange(B * T, dtype=jnp.int32)
+    seq = jnp.clip(jnp.searchsorted(cu, p, side="right").astype(jnp.int32) - 1, 0, B - 1)
+    src = jnp.where(p < cu[B], seq * T + p - cu[seq], 0)
+    dst = jnp.clip(cu[:B, None] + t[None, :], 0, B * T - 1)
+    return valid, cu, src, dst
+
+
 def _stack_prefill(model: NemotronH, ssm: SsmPool, kv: KvPool, slots, ids, lengths, starts):
     """Run every block over right-padded rows ids [B, T].  starts None: new sequences; else [B] positions.
     Returns (final-normed hidden [B, T, D], ssm, kv)."""
@@ -377,13 +392,7 @@ def _stack_prefill(model: NemotronH, ssm: SsmPool, kv: KvPool, slots, ids, lengt
     B, T = ids.shape
     h = model.embeddings[...][ids]                                          # [B, T, D]
     D = h.shape[-1]
-    t = jnp.arange(T, dtype=jnp.int32)
-    valid = t[None, :] < lengths[:, None]                                   # [B, T]
-    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths).astype(jnp.int32)])
-    p = jnp.arange(B * T, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu, p, side="right").astype(jnp.int32) - 1, 0, B - 1)
-    src = jnp.where(p < cu[B], seq * T + p - cu[seq], 0)                    # packed row -> padded row
-    dst = jnp.clip(cu[:B, None] + t[None, :], 0, B * T - 1)                 # padded row -> packed row
+    valid, cu, src, dst = pack_rows(lengths, T)
     mamba_starts = 0 if starts is None else starts
     for layer in model.layers:
         if isinstance(layer, NemotronMamba2Layer):

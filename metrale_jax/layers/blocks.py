@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from metrale_jax.errors import ShapeError
 from metrale_jax.layers.projection import Projection
 from metrale_jax.weights.containers import DenseWeight, as_dense
 
@@ -43,3 +44,18 @@ def optional_param(name: str, value, shape: tuple[int, ...]):
 def value_of(p):
     """The array of an optional Param, or None."""
     return None if p is None else p[...]
+
+
+class StatelessRows:
+    """Entry points of a block whose rows are independent (MLP, MoE): decoding and a replay-tail split are
+    the plain call, and there is no state to capture."""
+
+    def decode_multi_seq(self, hidden: jax.Array) -> jax.Array:
+        """One token for each of N sequences.  hidden [N, D]."""
+        return self(hidden, phase="decode")
+
+    def prefill_replay_tail(self, hidden: jax.Array, cut: int):
+        """The rows are the same however the prefill is split: (hidden out, no captured state)."""
+        if not 0 <= cut <= hidden.shape[0]:
+            raise ShapeError(f"cut: must lie in [0, {hidden.shape[0]}], got {cut}")
+        return self(hidden), None

@@ -31,7 +31,7 @@ from pallas_kernels import registry
 class NemotronSsmWeights:
     """The Mamba-2 mixer's weights as the checkpoint holds them (seed: NemotronSsmWeights)."""
 
-    in_proj: Any                     # [I + conv_dim + H, D] (DenseWeight; quantized containers later)
+    in_proj: Any                     # [I + conv_dim + H, D]: DenseWeight, Nvfp4Weight, W4a4Weight or Fp8Weight
     out_proj: Any                    # [D, I]
     conv1d_weight: jax.Array         # [conv_dim, K]
     conv1d_bias: jax.Array | None    # [conv_dim]

@@ -14,8 +14,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
-from metrale_jax.errors import ConfigError, ShapeError, WeightFormatError
-from metrale_jax.layers.blocks import linear, optional_param, param, plus_bias, value_of
+from metrale_jax.errors import ConfigError, WeightFormatError
+from metrale_jax.layers.blocks import StatelessRows, linear, optional_param, param, plus_bias, value_of
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import check_array
 from metrale_jax.layers.projection import Projection
@@ -79,7 +79,7 @@ class Relu2MLP(nnx.Module):
         return relu2(u).astype(x.dtype)
 
 
-class NemotronMLPLayer(LayerCapabilities, nnx.Module):
+class NemotronMLPLayer(StatelessRows, LayerCapabilities, nnx.Module):
     """A Nemotron-H MLP block (pattern character -)."""
 
     supports_replay_tail_split = True
@@ -115,13 +115,3 @@ class NemotronMLPLayer(LayerCapabilities, nnx.Module):
             y = jax.lax.psum(self.mlp.partial_sum(x, phase=phase), self.tp_axis)
             return hidden + plus_bias(y, self.mlp.down_bias).astype(hidden.dtype)
         return hidden + self.mlp(x, phase=phase)
-
-    def decode_multi_seq(self, hidden: jax.Array) -> jax.Array:
-        """One token for each of N sequences.  hidden [N, D]."""
-        return self(hidden, phase="decode")
-
-    def prefill_replay_tail(self, hidden: jax.Array, cut: int):
-        """Stateless: the rows are the same however the prefill is split; nothing to capture."""
-        if not 0 <= cut <= hidden.shape[0]:
-            raise ShapeError(f"cut: must lie in [0, {hidden.shape[0]}], got {cut}")
-        return self(hidden), None

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
-from metrale_jax.errors import ConfigError, ShapeError, WeightFormatError
-from metrale_jax.layers.blocks import linear, optional_param, param, plus_bias, value_of
+from metrale_jax.errors import ConfigError, WeightFormatError
+from metrale_jax.layers.blocks import StatelessRows, linear, optional_param, param, plus_bias, value_of
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import check_array
 from metrale_jax.layers.mlp import NemotronMlpWeights, Relu2MLP, relu2
@@ -93,7 +93,7 @@ def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, up: jax
     return jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), o, precision=HIGHEST)
 
 
-class NemotronMoELayer(LayerCapabilities, nnx.Module):
+class NemotronMoELayer(StatelessRows, LayerCapabilities, nnx.Module):
     """A Nemotron-H MoE block (pattern character E)."""
 
     supports_replay_tail_split = True
@@ -213,13 +213,3 @@ class NemotronMoELayer(LayerCapabilities, nnx.Module):
         check_array("hidden", hidden, (None, self.config.hidden_size), floating=True)
         x = registry.get("rmsnorm", self.kernels)(hidden, self.input_norm[...], eps=self.config.layer_norm_epsilon)
         return hidden + self.mixer(x, phase=phase)
-
-    def decode_multi_seq(self, hidden: jax.Array) -> jax.Array:
-        """One token for each of N sequences.  hidden [N, D]."""
-        return self(hidden, phase="decode")
-
-    def prefill_replay_tail(self, hidden: jax.Array, cut: int):
-        """Stateless: the rows are the same however the prefill is split; nothing to capture."""
-        if not 0 <= cut <= hidden.shape[0]:
-            raise ShapeError(f"cut: must lie in [0, {hidden.shape[0]}], got {cut}")
-        return self(hidden), None

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 from metrale_jax import sharding
 from metrale_jax.layers.attention import NemotronAttentionLayer
 from metrale_jax.layers.mamba2 import NemotronMamba2Layer, SsmPrefillBuffers
-from metrale_jax.model import _logits, _rmsnorm, _token_logprobs, decode_step  # noqa: F401  (a runtime step)
+from metrale_jax.model import _logits, _rmsnorm, _token_logprobs, decode_step, pack_rows  # noqa: F401
 from metrale_jax.runtime.speculative import accept_drafts
 from metrale_jax.state.cache import ModelCache
 from metrale_jax.state.kv_pool import KvPool, KvSlotState
@@ -85,13 +85,7 @@ def _stack(model, ssm: SsmPool, kv: KvPool, slots, ids, lengths, starts, cuts, p
     B, T = ids.shape
     h = model.embeddings[...][ids]                                          # [B, T, D]
     D = h.shape[-1]
-    t = jnp.arange(T, dtype=jnp.int32)
-    valid = t[None, :] < lengths[:, None]                                   # [B, T]
-    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths).astype(jnp.int32)])
-    p = jnp.arange(B * T, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu, p, side="right").astype(jnp.int32) - 1, 0, B - 1)
-    src = jnp.where(p < cu[B], seq * T + p - cu[seq], 0)                    # packed row -> padded row
-    dst = jnp.clip(cu[:B, None] + t[None, :], 0, B * T - 1)                 # padded row -> packed row
+    valid, cu, src, dst = pack_rows(lengths, T)
     captured = []
     for layer in model.layers:
         if isinstance(layer, NemotronMamba2Layer):
