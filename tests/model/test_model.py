@@ -6,18 +6,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from metrale_jax.config import ModelConfig, ModelLevers
+from metrale_jax.config import ModelLevers
+from tests.tiny_models import ALL_KINDS
 from metrale_jax.errors import ConfigError, ShapeError, SlotError
 from metrale_jax.layers.capabilities import combine_capabilities
 from metrale_jax.model import _IMPLS, _JITTED, TRACE_COUNTS, NemotronH, _sample
 from tests import numpy_refs_model as ref
 from tests.numpy_refs import rel_err
 
-CFG = ModelConfig.from_hf(dict(
-    vocab_size=96, hidden_size=32, hybrid_override_pattern="M*E-", mamba_num_heads=4, mamba_head_dim=8,
-    ssm_state_size=8, n_groups=2, chunk_size=8, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-    intermediate_size=48, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-    moe_shared_expert_intermediate_size=24, n_group=4, topk_group=2, moe_latent_size=16, routed_scaling_factor=2.5))
+CFG = ALL_KINDS
 V = CFG.vocab_size
 TOL = 1e-4
 
