@@ -356,7 +356,7 @@ def _coerce(name: str, field: dataclasses.Field, value: Any) -> Any:
 
 # ---- levers ------------------------------------------------------------------------------
 _FP8_SSM_MODES = ("off", "decode", "full")
-_KERNEL_MODES = ("auto", "pallas", "interpret", "reference")
+_KERNEL_MODES = ("auto", "pallas", "triton", "mosaic", "interpret", "reference")  # = registry.MODES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,9 +1,14 @@
 """Kernel registry: one name, a jnp reference and (optionally) a Pallas kernel; resolved per backend.
 
+A name may carry two Pallas arms: the Triton one (`pallas`, portable) and a Mosaic GPU one (`mosaic`,
+Hopper wgmma/TMA). `gpu_default` says which one `auto` and `pallas` pick on the GPU; the benchmark decides.
+
 Modes (ModelLevers.kernels / METRALE_KERNELS):
-  auto       GPU: the Pallas kernel where one is registered, else the reference. CPU: the reference.
-  pallas     the Pallas kernel only; a name without one does not resolve.
-  interpret  the Pallas kernel in interpret mode (CPU tests), else the reference.
+  auto       GPU: the default Pallas arm where one is registered, else the reference. CPU: the reference.
+  pallas     the default Pallas arm only; a name without one does not resolve.
+  triton     the Triton arm only.
+  mosaic     the Mosaic GPU arm only.
+  interpret  the Triton arm in interpret mode (CPU tests), else the reference.
   reference  the jnp reference.
 """
 
@@ -19,20 +24,26 @@ import jax
 
 from metrale_jax.errors import KernelUnavailableError
 
-MODES = ("auto", "pallas", "interpret", "reference")
+MODES = ("auto", "pallas", "triton", "mosaic", "interpret", "reference")
+GPU_ARMS = ("triton", "mosaic")
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelSpec:
     name: str
     reference: Callable | None
-    pallas: Callable | None = None      # takes interpret: bool as a keyword
-    platforms: tuple[str, ...] = ("gpu",)  # where the compiled Pallas kernel runs
+    pallas: Callable | None = None      # Triton arm; takes interpret: bool as a keyword
+    platforms: tuple[str, ...] = ("gpu",)  # where the compiled Pallas kernels run
+    mosaic: Callable | None = None      # Mosaic GPU arm; takes interpret: bool as a keyword
+    gpu_default: str = "triton"         # the arm `auto` / `pallas` pick: "triton" or "mosaic"
+
+    def arm(self, which: str) -> Callable | None:
+        return self.mosaic if which == "mosaic" else self.pallas
 
 
 @dataclasses.dataclass(frozen=True)
 class Resolution:
-    """What a name resolved to: impl is 'pallas', 'interpret' or 'reference'."""
+    """What a name resolved to: impl is 'pallas' (Triton), 'mosaic', 'interpret' or 'reference'."""
 
     name: str
     impl: str
@@ -44,13 +55,19 @@ _DISABLED: set[str] = set()
 
 
 def register(name: str, *, reference: Callable | None = None, pallas: Callable | None = None,
+             mosaic: Callable | None = None, gpu_default: str | None = None,
              platforms: tuple[str, ...] = ("gpu",)) -> None:
-    """Add or extend a kernel entry (reference and Pallas halves may register separately)."""
+    """Add or extend a kernel entry (reference, Triton and Mosaic arms may register separately)."""
     old = _KERNELS.get(name)
     if old is not None:
         reference = reference or old.reference
         pallas = pallas or old.pallas
-    _KERNELS[name] = KernelSpec(name, reference, pallas, platforms)
+        mosaic = mosaic or old.mosaic
+        gpu_default = gpu_default or old.gpu_default
+    gpu_default = gpu_default or "triton"
+    if gpu_default not in GPU_ARMS:
+        raise KernelUnavailableError(f"kernel {name!r}: gpu_default must be one of {GPU_ARMS}, got {gpu_default!r}")
+    _KERNELS[name] = KernelSpec(name, reference, pallas, platforms, mosaic, gpu_default)
 
 
 def names() -> list[str]:
@@ -76,16 +93,21 @@ def resolve(name: str, mode: str | None = None, platform: str | None = None) -> 
         raise KernelUnavailableError(f"no kernel named {name!r} is registered (known: {names()})")
     if name in _DISABLED:
         raise KernelUnavailableError(f"kernel {name!r} is disabled on this backend")
-    runs_here = spec.pallas is not None and platform in spec.platforms
-    if mode == "pallas":
-        if not runs_here:
+    on_gpu = platform in spec.platforms
+    if mode in ("auto", "pallas"):
+        arm = spec.gpu_default if spec.arm(spec.gpu_default) is not None else "mosaic" if spec.pallas is None else "triton"
+    else:
+        arm = mode
+    if mode in ("pallas", "triton", "mosaic"):
+        if not on_gpu or spec.arm(arm) is None:
             raise KernelUnavailableError(
-                f"kernel {name!r} has no Pallas implementation for platform {platform!r} (mode 'pallas')")
-        return Resolution(name, "pallas", functools.partial(spec.pallas, interpret=False))
+                f"kernel {name!r} has no {arm if mode != 'pallas' else 'Pallas'} implementation for platform "
+                f"{platform!r} (mode {mode!r})")
+        return Resolution(name, "mosaic" if arm == "mosaic" else "pallas", functools.partial(spec.arm(arm), interpret=False))
     if mode == "interpret" and spec.pallas is not None:
         return Resolution(name, "interpret", functools.partial(spec.pallas, interpret=True))
-    if mode == "auto" and runs_here:
-        return Resolution(name, "pallas", functools.partial(spec.pallas, interpret=False))
+    if mode == "auto" and on_gpu and spec.arm(arm) is not None:
+        return Resolution(name, "mosaic" if arm == "mosaic" else "pallas", functools.partial(spec.arm(arm), interpret=False))
     if spec.reference is None:
         raise KernelUnavailableError(f"kernel {name!r} has no reference and no Pallas kernel for {platform!r}")
     return Resolution(name, "reference", spec.reference)

@@ -1,0 +1,71 @@
+"""Kernel registry: the two Pallas arms (Triton, Mosaic GPU), gpu_default, and the errors of each mode."""
+
+import pytest
+
+from metrale_jax.errors import KernelUnavailableError
+from pallas_kernels import registry
+
+
+def _ref(x):
+    return ("reference", x)
+
+
+def _triton(x, *, interpret):
+    return ("triton", interpret, x)
+
+
+def _mosaic(x, *, interpret):
+    return ("mosaic", interpret, x)
+
+
+@pytest.fixture
+def names():
+    made = []
+
+    def make(suffix, **arms):
+        name = f"_test_registry_{suffix}"
+        registry.register(name, **arms)
+        made.append(name)
+        return name
+
+    yield make
+    for n in made:
+        registry._KERNELS.pop(n, None)
+
+
+def test_two_arms_follow_gpu_default(names):
+    tri = names("tri", reference=_ref, pallas=_triton, mosaic=_mosaic)
+    mos = names("mos", reference=_ref, pallas=_triton, mosaic=_mosaic, gpu_default="mosaic")
+    assert registry.resolve(tri, "auto", platform="gpu").fn(1) == ("triton", False, 1)
+    assert registry.resolve(mos, "auto", platform="gpu").fn(2) == ("mosaic", False, 2)
+    assert registry.resolve(mos, "pallas", platform="gpu").impl == "mosaic"
+    assert registry.resolve(mos, "triton", platform="gpu").fn(3) == ("triton", False, 3)
+    assert registry.resolve(tri, "mosaic", platform="gpu").impl == "mosaic"
+    # interpret runs the Triton arm; the CPU's auto is the reference whatever the arms
+    assert registry.resolve(mos, "interpret", platform="cpu").fn(4) == ("triton", True, 4)
+    assert registry.resolve(mos, "auto", platform="cpu").fn(5) == ("reference", 5)
+
+
+def test_missing_arm_raises_naming_it(names):
+    only_tri = names("only_tri", reference=_ref, pallas=_triton)
+    only_mos = names("only_mos", reference=_ref, mosaic=_mosaic)
+    with pytest.raises(KernelUnavailableError, match="no mosaic implementation"):
+        registry.resolve(only_tri, "mosaic", platform="gpu")
+    with pytest.raises(KernelUnavailableError, match="no triton implementation"):
+        registry.resolve(only_mos, "triton", platform="gpu")
+    with pytest.raises(KernelUnavailableError, match="no Pallas implementation.*'cpu'"):
+        registry.resolve(only_mos, "pallas", platform="cpu")
+    # a Mosaic-only name still serves auto on the GPU, and falls back to the reference in interpret mode
+    assert registry.resolve(only_mos, "auto", platform="gpu").impl == "mosaic"
+    assert registry.resolve(only_mos, "interpret", platform="cpu").impl == "reference"
+
+
+def test_extending_keeps_arms_and_checks_default(names):
+    n = names("ext", reference=_ref, pallas=_triton)
+    registry.register(n, mosaic=_mosaic, gpu_default="mosaic")
+    spec = registry._KERNELS[n]
+    assert (spec.reference, spec.pallas, spec.mosaic, spec.gpu_default) == (_ref, _triton, _mosaic, "mosaic")
+    with pytest.raises(KernelUnavailableError, match="gpu_default must be one of"):
+        registry.register(n, gpu_default="cuda")
+    with pytest.raises(KernelUnavailableError, match="kernel mode must be one of"):
+        registry.resolve(n, "fast")
