@@ -12,10 +12,12 @@ Sections (each against a floor or baseline measured in the same run):
 - spec: speculative decoding (n-gram prompt lookup, 3 drafts) on vs off on a repetitive prompt set, greedy:
   tokens/s, draft acceptance, and whether the outputs are identical. With random weights the acceptance
   comes from the model's own loops, not from language.
+- spec_builtin: the same comparison on the built-in trained model (held-out KJV passages repeated), where
+  the drafts are accepted for the reason speculation exists: the model copies.
 Times: wall clock around block_until_ready; median of repeats; compiles happen in warm-up, never timed.
 
-    PYTHONPATH=. python benchmarks/bench_runtime.py [--out DIR] [--sections decode,prefill,ttft,spec]
-        [--deadline SECONDS]
+    PYTHONPATH=. python benchmarks/bench_runtime.py [--out DIR] [--sections decode,prefill,ttft,spec,spec_builtin]
+        [--deadline SECONDS] [--weights bf16|fp8-block]
     CPU dry run (tiny config with every block kind, small sizes):
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_runtime.py --tiny --out /tmp/rt
 writes DIR/runtime_<date>.json (DIR default benchmarks/results).
@@ -43,7 +45,10 @@ from metrale_jax.model import NemotronH
 from metrale_jax.runtime import Engine, Executables, SpeculativeConfig, steps
 from metrale_jax.runtime.prefix_cache import tree_nbytes
 from metrale_jax.runtime.sampling import sample_tokens
+from metrale_jax.weights import quant_formats, quantize
+from pallas_kernels import registry
 from metrale_jax.weights.checkpoint import expected_tensors
+from metrale_jax.weights.containers import Fp8Weight
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_8B = os.path.join(ROOT, "tests", "fixtures", "configs", "nemotron_h_8b.json")
@@ -65,8 +70,10 @@ def log(*a):
 
 
 # ---- model and baselines ----------------------------------------------------------------------------
-def random_model(config: ModelConfig, dtype, seed: int = 0) -> NemotronH:
-    """Random weights drawn on the device, scaled like model.random_tensors (a host draw of 8B is too slow)."""
+def random_model(config: ModelConfig, dtype, seed: int = 0, weights: str = "bf16") -> NemotronH:
+    """Random weights drawn on the device, scaled like model.random_tensors (a host draw of 8B is too slow).
+    weights="fp8-block": the linear layers `metrale-jax quantize --format fp8-block` would quantize become
+    block-scaled FP8 containers (quantized on the device), as a block-FP8 checkpoint loads."""
     key = jax.random.key(seed)
     depth = config.num_hidden_layers ** -0.5
     tensors = {}
@@ -93,7 +100,14 @@ def random_model(config: ModelConfig, dtype, seed: int = 0) -> NemotronH:
             v = z * spec.shape[-1] ** -0.5 * (depth if out_map else 1.0)
         tensors[name] = v.astype(jnp.float32 if spec.keep_f32 else dtype)
         del z
-    return NemotronH(config, tensors, dtype=dtype)
+    if weights == "bf16":
+        return NemotronH(config, tensors, dtype=dtype)
+    entries = [(n, "BF16" if a.dtype == jnp.bfloat16 else "F32", tuple(a.shape)) for n, a in tensors.items()]
+    qcfg, todo = quantize.plan(entries, weights)
+    for module in todo:
+        q, scale = quant_formats.quantize_fp8_block(tensors[module + ".weight"])
+        tensors[module + ".weight"] = Fp8Weight(q, scale)
+    return NemotronH(config, tensors, dtype=dtype, quant_config=qcfg)
 
 
 def block(x):
@@ -109,13 +123,21 @@ def median_time(fn, reps: int = 5) -> float:
     return statistics.median(times)
 
 
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by an elementwise pass over a large array (the bytes-floor baseline)."""
+def copy_bandwidth(calls: int = 20) -> float:
+    """Bytes read + written per second by an elementwise pass over a large array (the bytes-floor baseline);
+    `calls` passes are queued back to back so the host's dispatch and sync stay out of the rate."""
     n = (1 << 28) if jax.default_backend() == "gpu" else (1 << 22)
-    x = jnp.ones((n,), jnp.float32)
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.float32)
     f = jax.jit(lambda a: a * 1.0001 + 1.0)
     block(f(x))
-    return 2 * x.nbytes / median_time(lambda: f(x))
+
+    def chained():
+        y = x
+        for _ in range(calls):
+            y = f(y)
+        return y
+
+    return 2 * x.nbytes * calls / median_time(chained)
 
 
 def matmul_rate(dtype) -> float:
@@ -272,37 +294,66 @@ def bucket_of(n: int) -> int:
     return b
 
 
-def bench_spec(model, sz, exe, out):
-    """Greedy generation from repetitive prompts (a random segment x 4), speculation off vs on."""
-    new, batches = sz["spec_new"], sz["spec_batches"]
-    V = model.config.vocab_size
-    rng = np.random.default_rng(3)
-    seg = sz["prompt"] // 2
-    prompt_len = 4 * seg
-    common = dict(max_slots=max(batches), max_len=prompt_len + new + 8, batch_buckets=batches,
-                  prefill_batch_buckets=(max(batches),), token_buckets=(prompt_len,),
-                  prefill_token_budget=prompt_len * max(batches), executables=exe, eos_ids=[])
+def spec_compare(model, prompts_by_batch: dict, new: int, exe, num_draft: int = 3) -> dict:
+    """Greedy generation with speculation off vs on, per batch: tokens/s (the second of two runs, so
+    nothing one-off is timed), acceptance of that run's drafts, and whether the outputs are identical."""
+    batches = sorted(prompts_by_batch)
+    plen = max(len(p) for ps in prompts_by_batch.values() for p in ps)
+    common = dict(max_slots=max(batches), max_len=plen + new + num_draft + 8, batch_buckets=batches,
+                  prefill_batch_buckets=(max(batches),), token_buckets=(bucket_of(plen),),
+                  prefill_token_budget=bucket_of(plen) * max(batches), executables=exe, eos_ids=[])
     plain = Engine(model, **common)
-    spec = Engine(model, speculative=SpeculativeConfig(num_draft=3), **common)
+    spec = Engine(model, speculative=SpeculativeConfig(num_draft=num_draft), **common)
     log(f"spec: warm-up compiles {plain.warmup() + spec.warmup()}")
     res = {}
     for B in batches:
-        prompts = [rng.integers(0, V, seg).tolist() * 4 for _ in range(B)]
-        row = {}
+        prompts, row = prompts_by_batch[B], {}
         for name, eng in (("off", plain), ("on", spec)):
-            t = time.perf_counter()
-            gens = eng.generate(prompts, new)
-            dt = time.perf_counter() - t
-            row[name] = (sum(len(g.tokens) for g in gens) / dt, [g.tokens for g in gens])
+            for _ in range(2):
+                c0 = dict(eng.counters)
+                t = time.perf_counter()
+                gens = eng.generate(prompts, new)
+                dt = time.perf_counter() - t
+            drafted = eng.counters.get("drafted_tokens", 0) - c0.get("drafted_tokens", 0)
+            accepted = eng.counters.get("accepted_tokens", 0) - c0.get("accepted_tokens", 0)
+            row[name] = (sum(len(g.tokens) for g in gens) / dt, [g.tokens for g in gens], drafted, accepted)
         same = sum(a == b for a, b in zip(row["off"][1], row["on"][1]))
+        _, _, drafted, accepted = row["on"]
         res[B] = {"off_tokens_per_s": row["off"][0], "on_tokens_per_s": row["on"][0],
-                  "speedup": row["on"][0] / row["off"][0], "identical_outputs": f"{same}/{B}"}
+                  "speedup": row["on"][0] / row["off"][0], "identical_outputs": f"{same}/{B}",
+                  "drafted": drafted, "accepted": accepted, "acceptance": accepted / max(drafted, 1)}
         log(f"spec B={B}: {res[B]['speedup']:.2f}x ({row['off'][0]:,.0f} -> {row['on'][0]:,.0f} tok/s), "
-            f"identical outputs {same}/{B}")
-    c = spec.counters
-    out["spec"] = {"num_draft": 3, "prompt": f"{seg} random tokens x 4", "new_tokens": new, "by_batch": res,
-                   "drafted": c["drafted_tokens"], "accepted": c["accepted_tokens"],
-                   "acceptance": c["accepted_tokens"] / max(c["drafted_tokens"], 1)}
+            f"acceptance {res[B]['acceptance']:.0%}, identical outputs {same}/{B}")
+    return {"num_draft": num_draft, "new_tokens": new, "by_batch": res}
+
+
+def bench_spec(model, sz, exe, out):
+    """Speculation off vs on for this model, on repetitive prompts (a random segment x 4)."""
+    V, seg = model.config.vocab_size, sz["prompt"] // 2
+    rng = np.random.default_rng(3)
+    prompts = {B: [rng.integers(0, V, seg).tolist() * 4 for _ in range(B)] for B in sz["spec_batches"]}
+    out["spec"] = {"prompt": f"{seg} random tokens x 4", **spec_compare(model, prompts, sz["spec_new"], exe)}
+
+
+def bench_spec_builtin(sz, out):
+    """Speculation off vs on for the built-in trained model (real acceptance; a small, launch-bound model):
+    held-out KJV verses, each prompt one passage twice, so a model that copies continues the passage."""
+    from metrale_jax.builtin import load_builtin
+
+    model = load_builtin()
+    text = open(os.path.join(ROOT, "data", "kjv", "heldout.txt"), "rb").read()
+    rng = np.random.default_rng(4)
+    seg = sz["prompt"] * 2
+
+    def prompt():
+        at = int(rng.integers(0, len(text) - seg))
+        passage = text[at:at + seg].decode("utf-8", "ignore")
+        return model.tokenizer.encode(passage) + model.tokenizer.encode(passage, add_bos=False)
+
+    prompts = {B: [prompt() for _ in range(B)] for B in sz["spec_batches"]}
+    out["spec_builtin"] = {"model": "built-in tiny (metrale_jax/assets/tiny)", "dtype": str(model.dtype),
+                           "prompt": f"{seg} bytes of held-out KJV x 2",
+                           **spec_compare(model, prompts, sz["spec_new"], Executables())}
 
 
 # ---- main -------------------------------------------------------------------------------------------
@@ -311,8 +362,10 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--tiny", action="store_true", help="tiny config and sizes (a CPU dry run)")
     ap.add_argument("--config", default=CONFIG_8B, help="HF config.json (default: Nemotron-H-8B shapes)")
-    ap.add_argument("--sections", default="decode,prefill,ttft,spec")
+    ap.add_argument("--sections", default="decode,prefill,ttft,spec,spec_builtin")
     ap.add_argument("--deadline", type=float, default=float("inf"), help="skip sections that start after this")
+    ap.add_argument("--weights", default="bf16", choices=("bf16", "fp8-block"),
+                    help="linear weights: BF16, or block-scaled FP8 (the FP8 arms)")
     args = ap.parse_args()
     sz = SIZES["tiny" if args.tiny else "full"]
     config = ModelConfig.from_hf(TINY if args.tiny else args.config)
@@ -324,9 +377,13 @@ def main():
                                                        "n_groups", "chunk_size", "num_attention_heads",
                                                        "num_key_value_heads", "head_dim", "intermediate_size",
                                                        "vocab_size")},
-           "dtype": "bfloat16", "ssm_state_dtype": str(config.mamba_ssm_cache_dtype), "sizes": sz, "errors": {}}
+           "dtype": "bfloat16", "weights": args.weights, "ssm_state_dtype": str(config.mamba_ssm_cache_dtype), "sizes": sz, "errors": {}}
     log("building the model")
-    model = random_model(config, dtype)
+    model = random_model(config, dtype, weights=args.weights)
+    first_mamba = model.layers[model.config.hybrid_override_pattern.index("M")]
+    out["arms"] = {"mamba_decode_B1": first_mamba.active_arm("decode", 1),
+                   "mamba_prefill_T2048": first_mamba.active_arm("prefill", 2048)}
+    out["kernels"] = registry.report()
     bw, flops = copy_bandwidth(), matmul_rate(dtype)
     out["baselines"] = {"copy_bytes_per_s": bw, "matmul_flops_per_s": flops, "nominal_bytes_per_s": sz["nominal_bw"],
                         "nominal_flops_per_s": sz["nominal_flops"]}
@@ -335,7 +392,8 @@ def main():
     sections = {"decode": lambda: bench_decode(model, sz, exe, bw, out),
                 "prefill": lambda: bench_prefill(model, sz, exe, bw, flops, out),
                 "ttft": lambda: bench_ttft(model, sz, exe, out),
-                "spec": lambda: bench_spec(model, sz, exe, out)}
+                "spec": lambda: bench_spec(model, sz, exe, out),
+                "spec_builtin": lambda: bench_spec_builtin(sz, out)}
     for name in args.sections.split(","):
         if time.time() - T0 > args.deadline:
             out["errors"][name] = "skipped: deadline"
@@ -348,7 +406,8 @@ def main():
     out["compiles"] = exe.stats()["compiles"]
     out["wall_s"] = time.time() - T0
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"runtime_{datetime.date.today().isoformat()}{'_tiny' if args.tiny else ''}.json")
+    path = os.path.join(args.out, f"runtime_{datetime.date.today().isoformat()}{'_tiny' if args.tiny else ''}"
+                                  f"{'' if args.weights == 'bf16' else '_' + args.weights}.json")
     with open(path, "w") as fh:
         json.dump(out, fh, indent=1, default=str)
     log(f"wrote {path}")

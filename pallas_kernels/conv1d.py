@@ -75,30 +75,55 @@ def _final_states(x: jax.Array, init: jax.Array, cu: jax.Array, K: int) -> jax.A
     return final.astype(init.dtype)
 
 
-def causal_conv1d_update_reference(x: jax.Array, conv_state: jax.Array, weight: jax.Array,
-                                   bias: jax.Array | None = None, *,
-                                   activation: str | None = "silu") -> tuple[jax.Array, jax.Array]:
-    """One decode step per row.  x [B, C], conv_state [B, C, K-1] -> (y [B, C], new conv_state)."""
+def _update_step(window: jax.Array, x: jax.Array, weight: jax.Array, bias: jax.Array | None,
+                 activation: str | None) -> tuple[jax.Array, jax.Array]:
+    """One token per row.  window [B, C, K-1] (previous inputs), x [B, C] -> (y [B, C] f32, next window)."""
     K = weight.shape[1]
-    window = jnp.concatenate([conv_state, x[:, :, None].astype(conv_state.dtype)], axis=-1)  # [B, C, K]
     acc = jnp.zeros(x.shape, jnp.float32)
     if bias is not None:
         acc = acc + bias.astype(jnp.float32)
     for k in range(K):
         src = x.astype(jnp.float32) if k == K - 1 else window[:, :, k].astype(jnp.float32)
         acc = acc + weight[:, k].astype(jnp.float32) * src
-    return _activate(acc, activation).astype(x.dtype), window[:, :, 1:]
+    nxt = jnp.concatenate([window[:, :, 1:], x[:, :, None].astype(window.dtype)], axis=-1)
+    return _activate(acc, activation), nxt
+
+
+def causal_conv1d_update_reference(pool: jax.Array, rows: jax.Array, x: jax.Array, weight: jax.Array,
+                                   bias: jax.Array | None = None, *,
+                                   activation: str | None = "silu") -> tuple[jax.Array, jax.Array]:
+    """One decode step per batch row, slot-indexed.  pool [R, C, K-1] (conv states, oldest first), rows [B],
+    x [B, C] -> (y [B, C] in x.dtype, pool with the named rows advanced; no other row touched)."""
+    y, nxt = _update_step(pool[rows], x, weight, bias, activation)
+    return y.astype(x.dtype), pool.at[rows].set(nxt)
+
+
+def causal_conv1d_update_multi_reference(pool: jax.Array, rows: jax.Array, x: jax.Array, weight: jax.Array,
+                                         bias: jax.Array | None = None, *, activation: str | None = "silu"):
+    """k consecutive tokens per batch row (speculative verify).  x [B, k, C] -> (y [B, k, C],
+    step_states [B, k, C, K-1] (the conv state after each token), pool with the rows at their last token)."""
+    def body(window, xk):
+        yk, window = _update_step(window, xk, weight, bias, activation)
+        return window, (yk, window)
+
+    last, (y, steps) = jax.lax.scan(body, pool[rows], jnp.swapaxes(x, 0, 1))
+    swap = lambda a: jnp.swapaxes(a, 0, 1)
+    return swap(y).astype(x.dtype), swap(steps), pool.at[rows].set(last)
 
 
 registry.register("causal_conv1d", reference=causal_conv1d_reference)
 registry.register("causal_conv1d_update", reference=causal_conv1d_update_reference)
+registry.register("causal_conv1d_update_multi", reference=causal_conv1d_update_multi_reference)
 
 
 # ---- Pallas (Triton backend) ---------------------------------------------------------------------------------
 # Forward: grid (channel blocks, token blocks); a token's tap at lag l reads x[t - l] when it lies in the same
 # sequence (position >= l), else entry K-1+pos-l of the sequence's initial state. Taps accumulate in f32 in the
 # reference's order. The final states (S x C x (K-1) values) are gathered by the same jnp code as the reference.
-# Update: grid (channel blocks, batch rows): window = state ++ x, y = silu(sum_k w_k window_k), state shifts by one.
+# Update: grid (channel blocks, batch rows): each program reads its row's [BC, K-1] window from the pool, runs
+# its k tokens (y = silu(sum_k w_k window_k), the window shifts by one) and writes the window back into the
+# same buffer: the pool is an input aliased to an output, so with the pool donated nothing else of it is
+# read, written or copied (no gather / scatter around the kernel). Rows naming the padding row race only there.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,60 +211,87 @@ def _conv_fwd(x, weight, bias, initial_states, cu_seqlens, *, activation, interp
     return y, _final_states(x, init, cu, K)
 
 
-def _conv_update_kernel(x_ref, state_ref, w_ref, b_ref, y_ref, new_ref, *, C, K, BC, has_bias, activation):
+def _conv_update_kernel(rows_ref, x_ref, w_ref, b_ref, pool_in_ref, y_ref, pool_ref, *steps_ref, C, K, KT, BC,
+                        has_bias, activation, multi):
+    del pool_in_ref  # aliased to pool_ref
     cb, b = pl.program_id(0), pl.program_id(1)
     f32 = jnp.float32
     ch = cb * BC + jnp.arange(BC)
     cm = ch < C
-    x = plgpu.load(x_ref.at[b, ch], mask=cm, other=0.0)
-    acc = jnp.zeros((BC,), f32)
-    if has_bias:
-        acc = acc + plgpu.load(b_ref.at[ch], mask=cm, other=0.0).astype(f32)
-    for k in range(K):
-        if k == K - 1:
-            src = x.astype(f32)
-        else:
-            win = plgpu.load(state_ref.at[b, ch, k], mask=cm, other=0.0)
-            src = win.astype(f32)
-            if k >= 1:
-                plgpu.store(new_ref.at[b, ch, k - 1], win, mask=cm)
-        acc = acc + plgpu.load(w_ref.at[ch, k], mask=cm, other=0.0).astype(f32) * src
-    if K >= 2:
-        plgpu.store(new_ref.at[b, ch, K - 2], x.astype(new_ref.dtype), mask=cm)
-    plgpu.store(y_ref.at[b, ch], _act(acc, activation).astype(y_ref.dtype), mask=cm)
+    r = rows_ref[b]
+    window = [plgpu.load(pool_ref.at[r, ch, k], mask=cm, other=0.0) for k in range(K - 1)]   # oldest first
+    w = [plgpu.load(w_ref.at[ch, k], mask=cm, other=0.0).astype(f32) for k in range(K)]
+    bias = plgpu.load(b_ref.at[ch], mask=cm, other=0.0).astype(f32) if has_bias else None
+    for t in range(KT):
+        at = (b, t) if multi else (b,)
+        x = plgpu.load(x_ref.at[(*at, ch)], mask=cm, other=0.0)
+        acc = jnp.zeros((BC,), f32) if bias is None else bias
+        for k in range(K):
+            acc = acc + w[k] * (x.astype(f32) if k == K - 1 else window[k].astype(f32))
+        plgpu.store(y_ref.at[(*at, ch)], _act(acc, activation).astype(y_ref.dtype), mask=cm)
+        window = window[1:] + [x.astype(pool_ref.dtype)] if K > 1 else window
+        if multi:
+            for k in range(K - 1):
+                plgpu.store(steps_ref[0].at[b, t, ch, k], window[k], mask=cm)
+    for k in range(K - 1):
+        plgpu.store(pool_ref.at[r, ch, k], window[k], mask=cm)
 
 
-def causal_conv1d_update_pallas(x: jax.Array, conv_state: jax.Array, weight: jax.Array,
+def _check_update(kernel, pool, rows, x, weight, bias, lead):
+    check_shape(kernel, "x", x, (*lead, None))
+    check_floating(kernel, "x", x)
+    C = x.shape[-1]
+    check_shape(kernel, "weight", weight, (C, None))
+    check_shape(kernel, "pool", pool, (None, C, weight.shape[1] - 1))
+    check_shape(kernel, "rows", rows, (x.shape[0],))
+    if bias is not None:
+        check_shape(kernel, "bias", bias, (C,))
+
+
+def causal_conv1d_update_pallas(pool: jax.Array, rows: jax.Array, x: jax.Array, weight: jax.Array,
                                 bias: jax.Array | None = None, *, activation: str | None = "silu",
                                 interpret: bool = False, blocks: ConvBlocks | None = None):
-    """The Pallas conv decode step; same call and results as `causal_conv1d_update_reference`."""
-    check_shape("causal_conv1d_update", "x", x, (None, None))
-    Bt, C = x.shape
-    K = weight.shape[1]
-    check_shape("causal_conv1d_update", "weight", weight, (C, None))
-    check_shape("causal_conv1d_update", "conv_state", conv_state, (Bt, C, K - 1))
-    if bias is not None:
-        check_shape("causal_conv1d_update", "bias", bias, (C,))
+    """The Pallas conv decode step; same call and results as `causal_conv1d_update_reference`, the pool
+    updated in place when the caller donates it."""
+    _check_update("causal_conv1d_update", pool, rows, x, weight, bias, (None,))
+    return _conv_update(pool, rows, x, weight, bias, activation=_checked(activation), interpret=interpret,
+                        blocks=blocks, multi=False)
+
+
+def causal_conv1d_update_multi_pallas(pool: jax.Array, rows: jax.Array, x: jax.Array, weight: jax.Array,
+                                      bias: jax.Array | None = None, *, activation: str | None = "silu",
+                                      interpret: bool = False, blocks: ConvBlocks | None = None):
+    """The Pallas k-token conv update; same call and results as `causal_conv1d_update_multi_reference`."""
+    _check_update("causal_conv1d_update_multi", pool, rows, x, weight, bias, (None, None))
+    y, pool, steps = _conv_update(pool, rows, x, weight, bias, activation=_checked(activation),
+                                  interpret=interpret, blocks=blocks, multi=True)
+    return y, steps, pool
+
+
+def _checked(activation):
     if activation not in ("silu", "swish", None):
         raise ValueError(f"conv1d: unsupported activation {activation!r}")
-    return _conv_update(x, conv_state, weight, bias, activation=activation, interpret=interpret, blocks=blocks)
+    return activation
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "interpret", "blocks"))
-def _conv_update(x, conv_state, weight, bias, *, activation, interpret, blocks):
-    Bt, C = x.shape
+@functools.partial(jax.jit, static_argnames=("activation", "interpret", "blocks", "multi"))
+def _conv_update(pool, rows, x, weight, bias, *, activation, interpret, blocks, multi):
+    Bt, C = x.shape[0], x.shape[-1]
     K = weight.shape[1]
+    KT = x.shape[1] if multi else 1
     blk = blocks or ConvBlocks()
     BC = min(blk.block_c * 4, next_pow2(C))
-    kernel = functools.partial(_conv_update_kernel, C=C, K=K, BC=BC, has_bias=bias is not None,
-                               activation=activation)
+    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)]
+    if multi:
+        out_shape.append(jax.ShapeDtypeStruct((Bt, KT, C, K - 1), pool.dtype))
+    kernel = functools.partial(_conv_update_kernel, C=C, K=K, KT=KT, BC=BC, has_bias=bias is not None,
+                               activation=activation, multi=multi)
     return pl.pallas_call(
-        kernel, out_shape=[jax.ShapeDtypeStruct((Bt, C), x.dtype), jax.ShapeDtypeStruct(conv_state.shape,
-                                                                                      conv_state.dtype)],
-        grid=(pl.cdiv(C, BC), Bt), compiler_params=compiler_params(blk.num_warps), interpret=interpret,
-        name="causal_conv1d_update",
-    )(x, conv_state, weight, jnp.zeros((1,), x.dtype) if bias is None else bias)
+        kernel, out_shape=out_shape, grid=(pl.cdiv(C, BC), Bt), input_output_aliases={4: 1},
+        compiler_params=compiler_params(blk.num_warps), interpret=interpret, name="causal_conv1d_update",
+    )(rows.astype(jnp.int32), x, weight, jnp.zeros((1,), x.dtype) if bias is None else bias, pool)
 
 
 registry.register("causal_conv1d", pallas=causal_conv1d_pallas)
 registry.register("causal_conv1d_update", pallas=causal_conv1d_update_pallas)
+registry.register("causal_conv1d_update_multi", pallas=causal_conv1d_update_multi_pallas)

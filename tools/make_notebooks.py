@@ -384,13 +384,13 @@ KERNELS = [
                  B=normal(3, 4, G, N), C=normal(3, 4, G, N), D=D, dt_bias=dt_bias)
     check("state_update_multi", *both("state_update_multi", pool, rows, **steps), ("y", "states", "pool"))
 
-    # causal conv1d + silu over packed sequences from their conv states, and its one-token update
+    # causal conv1d + silu over packed sequences from their conv states, and its one-token update on pool rows
     C = 40
     w, bias = normal(C, K), normal(C)
     check("causal_conv1d", *both("causal_conv1d", normal(T, C), w, bias, initial_states=normal(S, C, K - 1),
                                  cu_seqlens=cu), ("y", "final_state"))
-    check("causal_conv1d_update", *both("causal_conv1d_update", normal(3, C), normal(3, C, K - 1), w, bias),
-          ("y", "state"))
+    check("causal_conv1d_update", *both("causal_conv1d_update", normal(6, C, K - 1), rows, normal(3, C), w, bias),
+          ("y", "pool"))
 
     # RMSNorm and the gated group RMSNorm (rmsnorm_group(y * silu(z)) * w)
     check("rmsnorm", *both("rmsnorm", normal(7, 48), normal(48), eps=1e-5), ("y",))

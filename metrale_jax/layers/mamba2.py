@@ -251,13 +251,12 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
             return out[:1], pool
         z, xbc, dt = self._split_in(self._project_in(hidden, "decode"))
         w, b = self._conv()
-        l, S = self.pool_layer, pool.num_slots
-        xbc, conv_new = self._kernel("causal_conv1d_update")(xbc, pool.conv_state[l, slots], w, b)
+        rows = self.pool_layer * pool.num_slots + slots
+        conv, ssm = _flat(pool.conv_state), _flat(pool.ssm_state)
+        xbc, conv = self._kernel("causal_conv1d_update")(conv, rows, xbc, w, b)
         x, B, C = self._split_xbc(xbc)
-        flat = pool.ssm_state.reshape(-1, *pool.ssm_state.shape[2:])
-        y, flat = self._kernel("state_update")(flat, l * S + slots, x, dt, B=B, C=C, **self._ssm_args())
-        pool = SsmPool(pool.conv_state.at[l, slots].set(conv_new.astype(pool.conv_state.dtype)),
-                       flat.reshape(pool.ssm_state.shape))
+        y, ssm = self._kernel("state_update")(ssm, rows, x, dt, B=B, C=C, **self._ssm_args())
+        pool = SsmPool(conv.reshape(pool.conv_state.shape), ssm.reshape(pool.ssm_state.shape))
         return self._project_out(y, z, hidden, "decode"), pool
 
     def decode_verify_multi(self, pool: SsmPool, slots: jax.Array, hidden: jax.Array,
@@ -275,23 +274,15 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
             return out[:k], pool, jax.tree.map(lambda a: a[:1], steps)
         z, xbc, dt = self._split_in(self._project_in(hidden, "decode"))
         w, b = self._conv()
-        l, S = self.pool_layer, pool.num_slots
-        update = self._kernel("causal_conv1d_update")
-
-        def conv_step(state, xk):
-            yk, state = update(xk, state, w, b)
-            return state, (yk, state)
-
-        conv_last, (xbc_steps, conv_steps) = jax.lax.scan(
-            conv_step, pool.conv_state[l, slots], jnp.swapaxes(xbc.reshape(n, k, -1), 0, 1))
-        x, B, C = self._split_xbc(jnp.swapaxes(xbc_steps, 0, 1))                  # [n, k, ...]
-        flat = pool.ssm_state.reshape(-1, *pool.ssm_state.shape[2:])
-        y, ssm_steps, flat = self._kernel("state_update_multi")(
-            flat, l * S + slots, x, dt.reshape(n, k, -1), B=B, C=C, **self._ssm_args())
-        pool = SsmPool(pool.conv_state.at[l, slots].set(conv_last.astype(pool.conv_state.dtype)),
-                       flat.reshape(pool.ssm_state.shape))
+        rows = self.pool_layer * pool.num_slots + slots
+        conv, ssm = _flat(pool.conv_state), _flat(pool.ssm_state)
+        xbc, conv_steps, conv = self._kernel("causal_conv1d_update_multi")(conv, rows, xbc.reshape(n, k, -1), w, b)
+        x, B, C = self._split_xbc(xbc)                                            # [n, k, ...]
+        y, ssm_steps, ssm = self._kernel("state_update_multi")(
+            ssm, rows, x, dt.reshape(n, k, -1), B=B, C=C, **self._ssm_args())
+        pool = SsmPool(conv.reshape(pool.conv_state.shape), ssm.reshape(pool.ssm_state.shape))
         out = self._project_out(y.reshape(n * k, *y.shape[2:]), z, hidden, "decode")
-        return out, pool, StepStates(conv=jnp.swapaxes(conv_steps, 0, 1), ssm=ssm_steps)
+        return out, pool, StepStates(conv=conv_steps, ssm=ssm_steps)
 
     def decode_batched(self, pool: SsmPool, slot, hidden: jax.Array) -> tuple[jax.Array, SsmPool, StepStates]:
         """K consecutive tokens of one sequence.  hidden [K, D] -> ([K, D], pool, per-token states)."""
@@ -398,6 +389,11 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
 
 
 # ---- helpers -----------------------------------------------------------------------------
+def _flat(pool_array: jax.Array) -> jax.Array:
+    """[layers, slots, ...] -> [layers * slots, ...]: the row-indexed form the decode kernels update in place."""
+    return pool_array.reshape(-1, *pool_array.shape[2:])
+
+
 def _pad_one(pool: SsmPool, slots: jax.Array, hidden: jax.Array):
     """A lone sequence padded with a second one in the padding slot: XLA compiles a batch of one
     with its batch axis simplified away, which can change rounding; two rows keep every row's bits

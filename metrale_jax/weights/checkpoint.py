@@ -170,7 +170,9 @@ def unsupported(config: ModelConfig) -> list[str]:
 # ---- tensors <-> layer weights ---------------------------------------------------------------
 def layer_weights(config: ModelConfig, i: int, tensors: Mapping[str, object]):
     """(input norm, mixer weights dataclass) of block i from HF-named tensors (a layer's routed experts
-    either one by one or stacked under "<mixer>.experts.up_proj" / "<mixer>.experts.down_proj")."""
+    either one by one or stacked under "<mixer>.experts.up_proj" / "<mixer>.experts.down_proj"; a routed
+    expert given as a quantized container is dequantized, as the loader does: stacked experts have no
+    quantized arm)."""
     p = f"backbone.layers.{i}.mixer."
     get = lambda s: tensors[p + s]
     opt = lambda s: tensors.get(p + s)
@@ -192,7 +194,7 @@ def layer_weights(config: ModelConfig, i: int, tensors: Mapping[str, object]):
     else:
         E = config.n_routed_experts
         stacked = lambda proj: (get(f"experts.{proj}") if p + f"experts.{proj}" in tensors else
-                                jnp.stack([get(f"experts.{e}.{proj}.weight") for e in range(E)]))
+                                jnp.stack([_dense_expert(get(f"experts.{e}.{proj}.weight")) for e in range(E)]))
         w = NemotronMoeWeights(
             gate=get("gate.weight"), e_score_correction_bias=get("gate.e_score_correction_bias"),
             experts_up=stacked("up_proj"), experts_down=stacked("down_proj"),
@@ -215,6 +217,10 @@ def as_linear(value):
 
 def is_container(value) -> bool:
     return isinstance(value, (DenseWeight, Fp8Weight, Nvfp4Weight, W4a4Weight))
+
+
+def _dense_expert(value):
+    return value.dequantize(jnp.float32) if is_quantized(value) else value
 
 
 def is_quantized(value) -> bool:

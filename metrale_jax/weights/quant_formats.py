@@ -95,16 +95,17 @@ def expand_block_scale(scale, n: int, k: int, block: int = FP8_BLOCK):
     return s[:n, :k]
 
 
-def quantize_fp8_block(w: np.ndarray, block: int = FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
-    """[N, K] float -> (E4M3 [N, K], f32 scale [ceil(N/b), ceil(K/b)]) with w ~ q * scale."""
-    w = np.asarray(w, np.float32)
+def quantize_fp8_block(w, block: int = FP8_BLOCK):
+    """[N, K] float -> (E4M3 [N, K], f32 scale [ceil(N/b), ceil(K/b)]) with w ~ q * scale.
+    numpy in, numpy out; a jax array is quantized on its device (the benchmarks' 8B random weights)."""
+    xp = jnp if isinstance(w, jax.Array) else np
+    w = xp.asarray(w, xp.float32)
     n, k = w.shape
     nb, kb = block_grid(n, k, block)
-    pad = np.zeros((nb * block, kb * block), np.float32)
-    pad[:n, :k] = np.abs(w)
+    pad = xp.pad(xp.abs(w), ((0, nb * block - n), (0, kb * block - k)))
     amax = pad.reshape(nb, block, kb, block).max(axis=(1, 3))
-    scale = np.where(amax > 0, amax / E4M3_MAX, 1.0).astype(np.float32)
-    q = np.clip(w / expand_block_scale(scale, n, k, block), -E4M3_MAX, E4M3_MAX).astype(E4M3)
+    scale = xp.where(amax > 0, amax / E4M3_MAX, 1.0).astype(xp.float32)
+    q = xp.clip(w / expand_block_scale(scale, n, k, block), -E4M3_MAX, E4M3_MAX).astype(E4M3)
     return q, scale
 
 

@@ -7,6 +7,7 @@ import pytest
 from metrale_jax.errors import ShapeError
 from pallas_kernels import registry
 from pallas_kernels.conv1d import (ConvBlocks, causal_conv1d_pallas, causal_conv1d_reference,
+                                   causal_conv1d_update_multi_pallas, causal_conv1d_update_multi_reference,
                                    causal_conv1d_update_pallas, causal_conv1d_update_reference)
 from tests.numpy_refs import causal_conv, rel_err
 
@@ -53,25 +54,61 @@ def test_single_sequence_default_blocks(rng, interpret):
 
 
 @pytest.mark.parametrize("state_dtype", [jnp.float32, jnp.bfloat16])
-def test_update(rng, interpret, state_dtype):
-    Bt, C, K = 3, 40, 4
-    x = jnp.asarray(rng.standard_normal((Bt, C)), jnp.float32)
-    st = jnp.asarray(rng.standard_normal((Bt, C, K - 1)), state_dtype)
+def test_update_in_place_on_pool_rows(rng, interpret, state_dtype):
+    R, C, K = 7, 40, 4
+    rows = jnp.asarray([5, 0, 3], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((3, C)), jnp.float32)
+    pool = jnp.asarray(rng.standard_normal((R, C, K - 1)), state_dtype)
     w, b = jnp.asarray(rng.standard_normal((C, K)), jnp.float32), jnp.asarray(rng.standard_normal(C), jnp.float32)
-    y, new = causal_conv1d_update_pallas(x, st, w, b, interpret=interpret, blocks=SMALL)
-    y_ref, new_ref = causal_conv1d_update_reference(x, st, w, b)
+    y, new = causal_conv1d_update_pallas(pool, rows, x, w, b, interpret=interpret, blocks=SMALL)
+    y_ref, new_ref = causal_conv1d_update_reference(pool, rows, x, w, b)
     assert np.all(np.isfinite(np.asarray(y))) and new.dtype == state_dtype
     assert rel_err(y, y_ref) <= 1e-6
     np.testing.assert_array_equal(np.asarray(new, np.float32), np.asarray(new_ref, np.float32))
+    untouched = [r for r in range(R) if r not in (5, 0, 3)]
+    np.testing.assert_array_equal(np.asarray(new, np.float32)[untouched], np.asarray(pool, np.float32)[untouched])
+    for i, r in enumerate((5, 0, 3)):          # each row against the float64 loop
+        y64, st64 = causal_conv(np.asarray(x)[i:i + 1], w, b, np.asarray(pool, np.float64)[r])
+        assert rel_err(np.asarray(y)[i:i + 1], y64) <= 1e-6
+        np.testing.assert_allclose(np.asarray(new, np.float64)[r], st64, rtol=1e-2 if state_dtype != jnp.float32 else 0)
+
+
+def test_update_multi_keeps_every_step(rng, interpret):
+    """k tokens per row in one launch: y and the state after each token equal k one-token updates."""
+    R, C, K, k = 6, 24, 4, 3
+    rows = jnp.asarray([4, 1], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((2, k, C)), jnp.float32)
+    pool = jnp.asarray(rng.standard_normal((R, C, K - 1)), jnp.float32)
+    w, b = jnp.asarray(rng.standard_normal((C, K)), jnp.float32), jnp.asarray(rng.standard_normal(C), jnp.float32)
+    y, steps, new = causal_conv1d_update_multi_pallas(pool, rows, x, w, b, interpret=interpret, blocks=SMALL)
+    y_ref, steps_ref, new_ref = causal_conv1d_update_multi_reference(pool, rows, x, w, b)
+    assert steps.shape == (2, k, C, K - 1)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(y_ref), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(steps), np.asarray(steps_ref))
+    np.testing.assert_array_equal(np.asarray(new), np.asarray(new_ref))
+    one = pool
+    for t in range(k):
+        yt, one = causal_conv1d_update_pallas(one, rows, x[:, t], w, b, interpret=interpret, blocks=SMALL)
+        np.testing.assert_allclose(np.asarray(yt), np.asarray(y[:, t]), rtol=1e-6, atol=1e-6)  # XLA:CPU may fuse FMAs apart
+        np.testing.assert_array_equal(np.asarray(one)[np.asarray(rows)], np.asarray(steps[:, t]))
+    for i, r in enumerate((4, 1)):
+        y64, st64 = causal_conv(np.asarray(x)[i], w, b, np.asarray(pool, np.float64)[r])
+        assert rel_err(np.asarray(y)[i], y64) <= 1e-6
+        np.testing.assert_allclose(np.asarray(new, np.float64)[r], st64, rtol=0)
 
 
 def test_registered_and_bad_shapes(rng, interpret):
-    for name in ("causal_conv1d", "causal_conv1d_update"):
+    for name in ("causal_conv1d", "causal_conv1d_update", "causal_conv1d_update_multi"):
         assert registry.resolve(name, "interpret").impl == "interpret"
     x, w = jnp.ones((5, 8)), jnp.ones((8, 4))
     with pytest.raises(ShapeError, match="weight"):
         causal_conv1d_pallas(x, w[:4], interpret=interpret)
     with pytest.raises(ShapeError, match="initial_states"):
         causal_conv1d_pallas(x, w, initial_states=jnp.ones((1, 8, 2)), interpret=interpret)
-    with pytest.raises(ShapeError, match="conv_state"):
-        causal_conv1d_update_pallas(x, jnp.ones((5, 8, 2)), w, interpret=interpret)
+    rows = jnp.arange(5, dtype=jnp.int32)
+    with pytest.raises(ShapeError, match="pool"):
+        causal_conv1d_update_pallas(jnp.ones((5, 8, 2)), rows, x, w, interpret=interpret)
+    with pytest.raises(ShapeError, match="rows"):
+        causal_conv1d_update_pallas(jnp.ones((9, 8, 3)), rows[:4], x, w, interpret=interpret)
+    with pytest.raises(ShapeError, match="x"):
+        causal_conv1d_update_multi_pallas(jnp.ones((9, 8, 3)), rows, x, w, interpret=interpret)

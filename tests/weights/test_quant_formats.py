@@ -1,5 +1,6 @@
 """Number formats: E2M1 codes, nibble packing, FP8 / NVFP4 quantizers and their error bounds."""
 
+import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -49,6 +50,12 @@ def test_fp8_block_quantization(rng):
     # E4M3 keeps 3 mantissa bits: relative error <= 2^-4 for normal numbers
     big = np.abs(w) > 2 ** -6 * qf.expand_block_scale(s, 200, 300)
     assert np.all(np.abs(wd - w)[big] <= np.abs(w)[big] * 2 ** -4 + 1e-12)
+    # on-device quantization (the benchmarks' random 8B weights): same scales up to XLA's division rounding,
+    # so the same codes except where a value sits on a rounding boundary
+    qj, sj = qf.quantize_fp8_block(jnp.asarray(w))
+    assert isinstance(qj, jax.Array) and qj.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(sj), s, rtol=3e-7)
+    assert np.mean(np.asarray(qj).view(np.uint8) == q.view(np.uint8)) > 0.999
 
 
 def test_nvfp4_quantization_error_and_scales(rng):
