@@ -49,8 +49,9 @@ from metrale_jax.weights.checkpoint import (
     EXPERTS_PATTERN, MAX_SHARD_BYTES, QUANTIZED_SUFFIXES, checkpoint_quantization, checkpoint_tensors,
     expected_tensors, is_quantized, layer_tensors, layer_weights, missing_tensors, read_checkpoint, unsupported,
     write_checkpoint)
-from metrale_jax.weights.containers import (DenseWeight, Fp8Weight, Nvfp4Weight, W4a4Weight, WeightQuantFormat,
-                                            fp8_prefill_copy, fp8_to_block_scaled, quantize_nvfp4_weight)
+from metrale_jax.weights.containers import (DenseWeight, Fp8Weight, Nvfp4Weight, StackedExperts, W4a4Weight,
+                                            WeightQuantFormat, fp8_prefill_copy, fp8_to_block_scaled,
+                                            quantize_nvfp4_weight)
 from metrale_jax.weights.quant_config import QuantConfig
 from metrale_jax.weights.quant_formats import NVFP4_GROUP
 from pallas_kernels import registry
@@ -176,14 +177,16 @@ class NemotronH(nnx.Module):
         return checkpoint_tensors(out, self.checkpoint_quant_config())
 
     def checkpoint_quant_config(self) -> QuantConfig:
-        """The quantization save_pretrained writes: the one the model was loaded in, with the routed experts
-        (dequantized at load) listed as excluded."""
+        """The quantization save_pretrained writes: the one the model was loaded in, with routed experts held
+        dense (dequantized at load) listed as excluded."""
         q = self.quant_config
         if q is None:
             raise ConfigError("quant_config", "the model's linear weights mix quantization formats; a checkpoint "
                                               "holds one (build the model with quant_config=...)")
-        if q.method != "none" and "E" in self.config.hybrid_override_pattern and not \
-                q.is_excluded("backbone.layers.0.mixer.experts.0.up_proj"):
+        dense_experts = any(isinstance(l, NemotronMoELayer) and not isinstance(l.moe_weights().experts_up,
+                                                                                 StackedExperts)
+                            for l in self.layers)
+        if q.method != "none" and dense_experts and not q.is_excluded("backbone.layers.0.mixer.experts.0.up_proj"):
             q = dataclasses.replace(q, exclude=(*q.exclude, EXPERTS_PATTERN))
         return q
 
@@ -561,6 +564,7 @@ def _infer_quant_config(tensors: Mapping[str, object], quantized: Sequence[str])
 
 
 def _method_of(w) -> str:
+    w = w.member if isinstance(w, StackedExperts) else w
     if isinstance(w, (Nvfp4Weight, W4a4Weight)):
         return "nvfp4"
     return "fp8" if w.format is WeightQuantFormat.FP8_PER_TENSOR else "fp8_block"

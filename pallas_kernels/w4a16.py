@@ -33,7 +33,7 @@ from metrale_jax.weights.quant_formats import NVFP4_GROUP, dequantize_nvfp4
 from pallas_kernels import registry
 from pallas_kernels.triton_util import compiler_params, dot, dot_dtype
 from pallas_kernels.w8a16 import (GEMV_SWAP, QuantBlocks, check_activations, check_array, finish_split, fit_blocks,
-                                  gemv_split_k, grid_ids, matmul_f32, store_tile)
+                                  gemv_split_k, grid_ids, matmul_f32, row_tile, store_tile)
 
 
 # ---- references ----------------------------------------------------------------------------------------
@@ -124,16 +124,17 @@ class W4Blocks(QuantBlocks):
     decode: str = "arith"     # "arith" | "asm"
 
 
-def _w4_kernel(x_ref, p_ref, s_ref, g_ref, o_ref, *, M, N, K, bm, bn, bk, k_split, num_m, cdt, transposed, decode,
-               swap):
+def _w4_kernel(*refs, M, N, K, bm, bn, bk, k_split, num_m, cdt, transposed, decode, swap, grouped):
     """Packed weights arrive as 3-D tiles [bn, groups, 8 bytes] (or [groups, 8, bn] transposed), so a
-    group's scale broadcasts over its 8 bytes without any reshape of the scales."""
+    group's scale broadcasts over its 8 bytes without any reshape of the scales. grouped (plain layout
+    only): a tiles_ref comes first and the weights carry a leading expert axis (w8a16.row_tile)."""
+    tiles_ref, (x_ref, p_ref, s_ref, g_ref, o_ref) = (refs[0], refs[1:]) if grouped else (None, refs)
     pid_n, pid_m = grid_ids(num_m)
     split = pl.program_id(1)
-    n0, m0 = pid_n * bn, pid_m * bm
+    n0 = pid_n * bn
+    m0, m_mask, ex = row_tile(tiles_ref, pid_m, bm, M)
     hb, gb, G = bk // 2, bk // NVFP4_GROUP, K // NVFP4_GROUP       # bytes, groups per step; groups in K
     n_mask = (n0 + jnp.arange(bn)) < N
-    m_mask = (m0 + jnp.arange(bm)) < M
     k_first = split * k_split
     ragged_k = K % bk != 0
     nibbles = _nibbles_asm if decode == "asm" else _nibbles_arith
@@ -153,8 +154,8 @@ def _w4_kernel(x_ref, p_ref, s_ref, g_ref, o_ref, *, M, N, K, bm, bn, bk, k_spli
             lo, hi = lo.reshape(hb, bn).astype(cdt), hi.reshape(hb, bn).astype(cdt)
             return acc + dot(xe, lo) + dot(xo, hi)
         sm = n_mask[:, None] if gm is None else n_mask[:, None] & gm[None, :]   # p_ref [N, G, 8], s_ref [N, G]
-        p = plgpu.load(p_ref.at[pl.ds(n0, bn), pl.ds(g0, gb), :], mask=sm[:, :, None], other=0)
-        s = plgpu.load(s_ref.at[pl.ds(n0, bn), pl.ds(g0, gb)], mask=sm, other=0.0).astype(jnp.float32)
+        p = plgpu.load(p_ref.at[(*ex, pl.ds(n0, bn), pl.ds(g0, gb), slice(None))], mask=sm[:, :, None], other=0)
+        s = plgpu.load(s_ref.at[(*ex, pl.ds(n0, bn), pl.ds(g0, gb))], mask=sm, other=0.0).astype(jnp.float32)
         lo, hi = nibbles(p, jnp.broadcast_to(s[:, :, None], p.shape))
         lo, hi = lo.reshape(bn, hb).astype(cdt), hi.reshape(bn, hb).astype(cdt)
         if swap:
@@ -163,14 +164,16 @@ def _w4_kernel(x_ref, p_ref, s_ref, g_ref, o_ref, *, M, N, K, bm, bn, bk, k_spli
 
     swap = swap and not transposed
     acc = jax.lax.fori_loop(0, k_split // bk, body, jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
-    store_tile(o_ref, split, acc * g_ref[0], m0, n0, m_mask, n_mask, swap)
+    store_tile(o_ref, split, acc * g_ref[ex[0] if grouped else 0], m0, n0, m_mask, n_mask, swap)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "blocks", "interpret", "transposed", "name"))
-def _w4_call(x, packed, scale, global_scale, *, out_dtype, blocks: W4Blocks, interpret: bool, transposed: bool,
-             name: str):
+def _w4_call(x, packed, scale, global_scale, tiles=None, *, out_dtype, blocks: W4Blocks, interpret: bool,
+             transposed: bool, name: str):
+    """tiles: None, or the grouped form's row tiles [3, tiles] (packed [E, N, K/2], scale [E, N, K/16],
+    global_scale [E]; plain layout)."""
     M, K = x.shape
-    N = packed.shape[1] if transposed else packed.shape[0]
+    N = packed.shape[-1] if transposed else packed.shape[-2]
     G = K // NVFP4_GROUP
     bm, bn, bk, split = blocks.block_m, blocks.block_n, blocks.block_k, blocks.split_k
     if bk < 32 or bk % NVFP4_GROUP:
@@ -178,16 +181,18 @@ def _w4_call(x, packed, scale, global_scale, *, out_dtype, blocks: W4Blocks, int
     if pl.cdiv(K, bk) % split:
         raise ShapeError(f"{name}: split_k={split} does not divide the {pl.cdiv(K, bk)} K steps of {bk}")
     decode = "arith" if interpret else blocks.decode
-    num_m, num_n = pl.cdiv(M, bm), pl.cdiv(N, bn)
+    num_m, num_n = pl.cdiv(M, bm) if tiles is None else tiles.shape[1], pl.cdiv(N, bn)
     k_split = pl.cdiv(K, bk) // split * bk
     out_t = jnp.float32 if split > 1 else out_dtype
-    p3 = packed.reshape(G, 8, N) if transposed else packed.reshape(N, G, 8)     # free: a view of the same bytes
+    lead = packed.shape[:-2]                                                     # (E,) when grouped
+    p3 = packed.reshape(*lead, G, 8, N) if transposed else packed.reshape(*lead, N, G, 8)   # a view of the bytes
     kernel = functools.partial(_w4_kernel, M=M, N=N, K=K, bm=bm, bn=bn, bk=bk, k_split=k_split, num_m=num_m,
-                               cdt=dot_dtype(x.dtype), transposed=transposed, decode=decode, swap=blocks.swap)
+                               cdt=dot_dtype(x.dtype), transposed=transposed, decode=decode, swap=blocks.swap,
+                               grouped=tiles is not None)
     out = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((split, M, N), out_t), grid=(num_m * num_n, split),
         compiler_params=compiler_params(blocks.num_warps, blocks.num_stages), interpret=interpret, name=name,
-    )(x, p3, scale, jnp.asarray(global_scale, jnp.float32).reshape(1))
+    )(*(() if tiles is None else (tiles,)), x, p3, scale, jnp.asarray(global_scale, jnp.float32).reshape(-1))
     return finish_split(out, split, M, out_dtype)
 
 

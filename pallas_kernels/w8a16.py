@@ -84,6 +84,17 @@ def fit_blocks(blk: QuantBlocks, M: int, K: int, k_unit: int = 1) -> QuantBlocks
     return dataclasses.replace(blk, block_m=bm, block_k=bk)
 
 
+def row_tile(tiles_ref, pid_m, bm: int, M: int):
+    """(first row, row mask, weight index prefix) of m-tile pid_m. Plain: consecutive tiles of bm rows.
+    Grouped (tiles_ref [3, tiles] int32: expert, first row, rows): the tile lies inside one expert's rows,
+    so its weights are w[expert]; an empty tile (0 rows) masks everything."""
+    if tiles_ref is None:
+        m0 = pid_m * bm
+        return m0, (m0 + jnp.arange(bm)) < M, ()
+    e, m0, rows = tiles_ref[0, pid_m], tiles_ref[1, pid_m], tiles_ref[2, pid_m]
+    return m0, jnp.arange(bm) < rows, (e,)
+
+
 def grid_ids(num_m: int):
     """(n-block, m-block) of this program: m varies fastest so programs in flight share weight tiles."""
     pid = pl.program_id(0)
@@ -113,13 +124,15 @@ def _check_w8a16(kernel, x, w, scale):
 
 
 # ---- Pallas kernel -------------------------------------------------------------------------------------
-def _w8a16_kernel(x_ref, w_ref, s_ref, o_ref, *, M, N, K, bm, bn, bk, k_split, num_m, cdt, swap):
-    """One [bm, bn] output tile over one K split: widen E4M3 -> bf16 (exact), matrix units, scale per block."""
+def _w8a16_kernel(*refs, M, N, K, bm, bn, bk, k_split, num_m, cdt, swap, grouped):
+    """One [bm, bn] output tile over one K split: widen E4M3 -> bf16 (exact), matrix units, scale per block.
+    grouped: a tiles_ref comes first and w / scale carry a leading expert axis (see `row_tile`)."""
+    tiles_ref, (x_ref, w_ref, s_ref, o_ref) = (refs[0], refs[1:]) if grouped else (None, refs)
     pid_n, pid_m = grid_ids(num_m)
     split = pl.program_id(1)
-    n0, m0 = pid_n * bn, pid_m * bm
+    n0 = pid_n * bn
+    m0, m_mask, ex = row_tile(tiles_ref, pid_m, bm, M)
     n_mask = (n0 + jnp.arange(bn)) < N
-    m_mask = (m0 + jnp.arange(bm)) < M
     s_row = n0 // FP8_BLOCK                       # bn divides 128: the tile sits in one block row
     k_first = split * k_split
     ragged_k = K % bk != 0
@@ -132,9 +145,9 @@ def _w8a16_kernel(x_ref, w_ref, s_ref, o_ref, *, M, N, K, bm, bn, bk, k_split, n
         else:
             xm, wm = m_mask[:, None], n_mask[:, None]
         x = plgpu.load(x_ref.at[pl.ds(m0, bm), pl.ds(k0, bk)], mask=xm, other=0.0).astype(cdt)
-        w = plgpu.load(w_ref.at[pl.ds(n0, bn), pl.ds(k0, bk)], mask=wm, other=0.0).astype(cdt)
+        w = plgpu.load(w_ref.at[(*ex, pl.ds(n0, bn), pl.ds(k0, bk))], mask=wm, other=0.0).astype(cdt)
         part = dot(w, x, trans_b=True) if swap else dot(x, w, trans_b=True)     # [bn, bm] / [bm, bn] f32
-        return acc + part * s_ref[s_row, k0 // FP8_BLOCK]
+        return acc + part * s_ref[(*ex, s_row, k0 // FP8_BLOCK)]
 
     acc = jax.lax.fori_loop(0, k_split // bk, body, jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
     store_tile(o_ref, split, acc, m0, n0, m_mask, n_mask, swap)
@@ -154,23 +167,24 @@ def store_tile(o_ref, split, acc, m0, n0, m_mask, n_mask, swap):
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "blocks", "interpret", "name"))
-def _w8a16_call(x, w, scale, *, out_dtype, blocks: QuantBlocks, interpret: bool, name: str):
+def _w8a16_call(x, w, scale, tiles=None, *, out_dtype, blocks: QuantBlocks, interpret: bool, name: str):
+    """tiles: None, or the grouped form's row tiles [3, tiles] (w [E, N, K], scale [E, ...])."""
     M, K = x.shape
-    N = w.shape[0]
+    N = w.shape[-2]
     bm, bn, bk, split = blocks.block_m, blocks.block_n, blocks.block_k, blocks.split_k
     if FP8_BLOCK % bn or FP8_BLOCK % bk:
         raise ShapeError(f"{name}: block_n={bn} and block_k={bk} must divide the 128-wide scale blocks")
-    num_m, num_n = pl.cdiv(M, bm), pl.cdiv(N, bn)
+    num_m, num_n = pl.cdiv(M, bm) if tiles is None else tiles.shape[1], pl.cdiv(N, bn)
     if pl.cdiv(K, bk) % split:
         raise ShapeError(f"{name}: split_k={split} does not divide the {pl.cdiv(K, bk)} K steps of {bk}")
     k_split = pl.cdiv(K, bk) // split * bk
     out_t = jnp.float32 if split > 1 else out_dtype
     kernel = functools.partial(_w8a16_kernel, M=M, N=N, K=K, bm=bm, bn=bn, bk=bk, k_split=k_split, num_m=num_m,
-                               cdt=dot_dtype(x.dtype), swap=blocks.swap)
+                               cdt=dot_dtype(x.dtype), swap=blocks.swap, grouped=tiles is not None)
     out = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((split, M, N), out_t), grid=(num_m * num_n, split),
         compiler_params=compiler_params(blocks.num_warps, blocks.num_stages), interpret=interpret, name=name,
-    )(x, w, scale)
+    )(*(() if tiles is None else (tiles,)), x, w, scale)
     return finish_split(out, split, M, out_dtype)
 
 

@@ -7,7 +7,9 @@ scores, normalised when norm_topk_prob (denominator + 1e-20), times routed_scali
 Routed experts see fc1_latent_proj(x) when the config has a latent size, and fc2_latent_proj maps
 their weighted sum back; the shared experts see x itself. Exact: no capacity limit, no dropping;
 the experts run as two grouped GEMMs (jax.lax.ragged_dot_general) over the token-expert pairs
-sorted by expert, so a token's result does not depend on the other tokens in the batch.
+sorted by expert, so a token's result does not depend on the other tokens in the batch. Experts kept
+quantized (StackedExperts: block FP8 or NVFP4) run on the grouped kernels w8a16_grouped / w4a16_grouped,
+which must resolve when the experts are installed.
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from metrale_jax.layers.blocks import StatelessRows, linear, optional_param, par
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import check_array
 from metrale_jax.layers.mlp import NemotronMlpWeights, Relu2MLP, relu2
-from metrale_jax.layers.projection import Projection
+from metrale_jax.layers.projection import Projection, QuantWeight
+from metrale_jax.weights.containers import Fp8Weight, StackedExperts
 from pallas_kernels import registry
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -68,29 +71,56 @@ def route(logits: jax.Array, correction_bias: jax.Array, *, n_group: int, topk_g
     return experts.astype(jnp.int32), weights * routed_scaling_factor
 
 
-def _grouped_matmul(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
-    """Rows of x [M, K] sorted by group, times that group's w [E, N, K] (stored out, in) -> [M, N] f32."""
+def grouped_kernel(experts: StackedExperts) -> str:
+    """The registry name of the grouped kernel that serves quantized experts."""
+    return "w8a16_grouped" if isinstance(experts.member, Fp8Weight) else "w4a16_grouped"
+
+
+def _grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, kernels: str | None) -> jax.Array:
+    """Rows of x [M, K] sorted by group, times that group's w [E, N, K] (stored out, in) -> [M, N] f32;
+    w a dense stack or StackedExperts."""
+    if isinstance(w, StackedExperts):
+        m, fn = w.member, registry.get(grouped_kernel(w), kernels)
+        if isinstance(m, Fp8Weight):
+            return fn(x, m.weight, m.scale, group_sizes)
+        return fn(x, m.packed, m.scale, m.global_scale, group_sizes)
     dims = jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
     return jax.lax.ragged_dot_general(x, w.astype(x.dtype), group_sizes, dims, preferred_element_type=jnp.float32)
 
 
-def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, up: jax.Array,
-                   down: jax.Array) -> jax.Array:
+def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, up, down,
+                   kernels: str | None = None) -> jax.Array:
     """sum_j weights[t, j] * down_e(relu(up_e(x_t))^2) over the chosen e = experts[t, j].
-    x [T, Din], experts / weights [T, k], up [E, I, Din], down [E, Din, I] -> [T, Din] float32.
-    A pair whose expert id is E (one held by another device) joins no group: its rows come out 0."""
+    x [T, Din], experts / weights [T, k], up [E, I, Din], down [E, Din, I] (dense or StackedExperts)
+    -> [T, Din] float32. A pair whose expert id is E (one held by another device) joins no group: its rows
+    come out 0."""
     T, k = experts.shape
     E = up.shape[0]
     flat = experts.reshape(-1)                                    # [T*k] pair p = t*k + j
     order = jnp.argsort(flat, stable=True)                        # pairs sorted by expert
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     xs = x[order // k]                                            # [T*k, Din]
-    h = relu2(_grouped_matmul(xs, up, sizes)).astype(x.dtype)     # [T*k, I]
-    o = _grouped_matmul(h, down, sizes)                           # [T*k, Din] f32
+    h = relu2(_grouped_matmul(xs, up, sizes, kernels)).astype(x.dtype)     # [T*k, I]
+    o = _grouped_matmul(h, down, sizes, kernels)                  # [T*k, Din] f32
     back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     o = o[back].reshape(T, k, -1)                                 # back to (token, choice) order
     return jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), o, precision=HIGHEST)
+
+
+def _experts(name: str, value, shape: tuple[int, int, int], kernels: str | None):
+    """A layer's routed experts: an nnx.Param holding the dense stack, or a QuantWeight holding
+    StackedExperts (whose grouped kernel must resolve now, not at the first token)."""
+    if not isinstance(value, StackedExperts):
+        return param(name, value, shape)
+    if tuple(value.shape) != tuple(shape):
+        raise WeightFormatError(f"{name}: stacked experts must be {list(shape)}, got {list(value.shape)}")
+    registry.resolve(grouped_kernel(value), kernels)
+    return QuantWeight(value)
+
+
+def _read(v):
+    return v.get_value() if isinstance(v, QuantWeight) else v[...]
 
 
 class NemotronMoELayer(StatelessRows, LayerCapabilities, nnx.Module):
@@ -122,8 +152,10 @@ class NemotronMoELayer(StatelessRows, LayerCapabilities, nnx.Module):
         self.gate = nnx.Param(param(f"{name}.mixer.gate.weight", moe.gate, (E, D))[...].astype(jnp.float32))
         self.e_score_correction_bias = nnx.Param(param(
             f"{name}.mixer.gate.e_score_correction_bias", moe.e_score_correction_bias, (E,))[...].astype(jnp.float32))
-        self.experts_up = param(f"{name}.mixer.experts.*.up_proj.weight", moe.experts_up, (El, I, Din))
-        self.experts_down = param(f"{name}.mixer.experts.*.down_proj.weight", moe.experts_down, (El, Din, I))
+        self.experts_up = _experts(f"{name}.mixer.experts.*.up_proj.weight", moe.experts_up, (El, I, Din),
+                                   self.kernels)
+        self.experts_down = _experts(f"{name}.mixer.experts.*.down_proj.weight", moe.experts_down, (El, Din, I),
+                                     self.kernels)
         if c.n_shared_experts:
             if moe.shared is None:
                 raise WeightFormatError(f"{name}.mixer.shared_experts: missing, but n_shared_experts is "
@@ -161,7 +193,7 @@ class NemotronMoELayer(StatelessRows, LayerCapabilities, nnx.Module):
         own = lambda p: None if p is None else p.base_weight()
         return NemotronMoeWeights(
             gate=self.gate[...], e_score_correction_bias=self.e_score_correction_bias[...],
-            experts_up=self.experts_up[...], experts_down=self.experts_down[...],
+            experts_up=_read(self.experts_up), experts_down=_read(self.experts_down),
             shared=None if self.shared_experts is None else self.shared_experts.weights(),
             fc1_latent_proj=own(self.fc1_latent_proj), fc2_latent_proj=own(self.fc2_latent_proj),
             fc1_latent_bias=value_of(self.fc1_latent_bias), fc2_latent_bias=value_of(self.fc2_latent_bias))
@@ -180,7 +212,8 @@ class NemotronMoELayer(StatelessRows, LayerCapabilities, nnx.Module):
             return self._mixer_expert_parallel(x, phase)
         experts, weights = self.route(x)
         xl = x if self.fc1_latent_proj is None else linear(self.fc1_latent_proj, self.fc1_latent_bias, x, phase)
-        y = routed_experts(xl, experts, weights, self.experts_up[...], self.experts_down[...]).astype(x.dtype)
+        y = routed_experts(xl, experts, weights, _read(self.experts_up), _read(self.experts_down),
+                           self.kernels).astype(x.dtype)
         if self.fc2_latent_proj is not None:
             y = linear(self.fc2_latent_proj, self.fc2_latent_bias, y, phase)
         if self.shared_experts is not None:
@@ -193,11 +226,11 @@ class NemotronMoELayer(StatelessRows, LayerCapabilities, nnx.Module):
         no group) and its share of the shared experts, and one psum over the axis sums the shares."""
         experts, weights = self.route(x)
         xl = x if self.fc1_latent_proj is None else linear(self.fc1_latent_proj, self.fc1_latent_bias, x, phase)
-        El = self.experts_up.shape[0]
+        El = _read(self.experts_up).shape[0]
         local = experts - jax.lax.axis_index(self.tp_axis) * El
         mine = (local >= 0) & (local < El)
-        y = routed_experts(xl, jnp.where(mine, local, El), jnp.where(mine, weights, 0.0), self.experts_up[...],
-                           self.experts_down[...])                                    # [T, Din] f32, partial
+        y = routed_experts(xl, jnp.where(mine, local, El), jnp.where(mine, weights, 0.0), _read(self.experts_up),
+                           _read(self.experts_down), self.kernels)                   # [T, Din] f32, partial
         if self.fc2_latent_proj is not None:
             y = self.fc2_latent_proj(y.astype(x.dtype), phase=phase, out_dtype=jnp.float32)
         if self.shared_experts is not None:

@@ -11,8 +11,9 @@ NVFP4, block FP8; see weights/quant_config.py) come out with a container per lin
 of an array: Fp8Weight (a ModelOpt per-tensor scale expanded exactly to the 128x128 block grid),
 Nvfp4Weight, or the array itself where the module is stored dense (excluded). The linear tensors'
 formats, dtypes and scale shapes are checked as they are read (every problem collected, one
-CheckpointError before any model exists). Routed experts are stacked [E, ...] arrays with no
-quantized arm yet: quantized ones are dequantized to the model dtype at load, with a note.
+CheckpointError before any model exists). A layer's routed experts are stacked [E, ...]: kept quantized
+(StackedExperts, served by the grouped kernels) when all are block FP8 or all NVFP4, else a dense array
+(quantized members dequantized to the model dtype, with a note).
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from metrale_jax.config import ModelConfig
-from metrale_jax.errors import CheckpointError, ConfigError
+from metrale_jax.errors import CheckpointError, ConfigError, WeightFormatError
 from metrale_jax.layers.attention import NemotronAttentionWeights
 from metrale_jax.layers.mamba2 import NemotronSsmWeights
 from metrale_jax.layers.mlp import NemotronMlpWeights
 from metrale_jax.layers.moe import NemotronMoeWeights
-from metrale_jax.weights.containers import DenseWeight, Fp8Weight, Nvfp4Weight, W4a4Weight, WeightQuantFormat
+from metrale_jax.weights.containers import (DenseWeight, Fp8Weight, Nvfp4Weight, StackedExperts, W4a4Weight,
+                                            WeightQuantFormat, stack_experts)
 from metrale_jax.weights.quant_config import QuantConfig, load_linear, quant_config_from_dicts, read_quant_config
 from metrale_jax.weights.quantize import LINEAR_MODULES
 from metrale_jax.weights.safetensors_io import CheckpointReader, SafetensorsFile, save_safetensors
@@ -49,7 +51,7 @@ QUANTIZED_SUFFIXES = ("weight_scale", "weight_scale_2", "weight_scale_inv", "inp
 QUANTIZED_MESSAGE = ("no quantization config says how to read them (hf_quant_config.json, or config.json "
                      "quantization_config): the quantized loader needs one")
 SUPPORTED_MESSAGE = "the quantized loader reads ModelOpt FP8 / NVFP4 and 128x128 block FP8 checkpoints"
-# routed experts in the saved quantization config: they are stored dense (dequantized at load)
+# routed experts held dense (dequantized at load) are listed as excluded in the saved quantization config
 EXPERTS_PATTERN = "backbone.layers.*.mixer.experts.*"
 MAX_SHARD_BYTES = 2 * 1024 ** 3
 _IGNORED = re.compile(r"^mtp\.")
@@ -171,8 +173,7 @@ def unsupported(config: ModelConfig) -> list[str]:
 def layer_weights(config: ModelConfig, i: int, tensors: Mapping[str, object]):
     """(input norm, mixer weights dataclass) of block i from HF-named tensors (a layer's routed experts
     either one by one or stacked under "<mixer>.experts.up_proj" / "<mixer>.experts.down_proj"; a routed
-    expert given as a quantized container is dequantized, as the loader does: stacked experts have no
-    quantized arm)."""
+    experts given as quantized containers of one format stay quantized, as the loader keeps them)."""
     p = f"backbone.layers.{i}.mixer."
     get = lambda s: tensors[p + s]
     opt = lambda s: tensors.get(p + s)
@@ -194,7 +195,8 @@ def layer_weights(config: ModelConfig, i: int, tensors: Mapping[str, object]):
     else:
         E = config.n_routed_experts
         stacked = lambda proj: (get(f"experts.{proj}") if p + f"experts.{proj}" in tensors else
-                                jnp.stack([_dense_expert(get(f"experts.{e}.{proj}.weight")) for e in range(E)]))
+                                _stack_given(p + f"experts.{proj}", [get(f"experts.{e}.{proj}.weight")
+                                                                     for e in range(E)]))
         w = NemotronMoeWeights(
             gate=get("gate.weight"), e_score_correction_bias=get("gate.e_score_correction_bias"),
             experts_up=stacked("up_proj"), experts_down=stacked("down_proj"),
@@ -216,11 +218,18 @@ def as_linear(value):
 
 
 def is_container(value) -> bool:
-    return isinstance(value, (DenseWeight, Fp8Weight, Nvfp4Weight, W4a4Weight))
+    return isinstance(value, (DenseWeight, Fp8Weight, Nvfp4Weight, W4a4Weight, StackedExperts))
 
 
-def _dense_expert(value):
-    return value.dequantize(jnp.float32) if is_quantized(value) else value
+def _stack_given(key: str, members: list):
+    """Experts given one by one: quantized ones of one stackable format stay quantized (StackedExperts),
+    else a dense stack (quantized members dequantized)."""
+    if all(is_quantized(v) for v in members):
+        try:
+            return stack_experts(key, members)
+        except WeightFormatError:
+            pass
+    return jnp.stack([v.dequantize(jnp.float32) if is_quantized(v) else v for v in members])
 
 
 def is_quantized(value) -> bool:
@@ -384,7 +393,7 @@ def read_checkpoint(directory: str | os.PathLike, config: ModelConfig, dtype=jnp
             raise CheckpointError(problems)
         expected = expected_tensors(config)
         tensors: dict[str, object] = {}
-        stacks: dict[str, np.ndarray] = {}           # a layer's experts, filled on the host, sent at once
+        members: dict[str, list] = {}                 # a layer's experts, stacked once the last one is read
         dequantized_experts: collections.Counter = collections.Counter()
         E = config.n_routed_experts
         bar = tqdm(expected.items(), total=len(expected), desc="loading weights", unit="tensor",
@@ -410,9 +419,8 @@ def read_checkpoint(directory: str | os.PathLike, config: ModelConfig, dtype=jnp
                     continue
                 if isinstance(w, DenseWeight):
                     arr = w.weight
-                elif m is not None:                   # stacked experts have no quantized arm yet
-                    dequantized_experts[_format_name(w)] += 1
-                    arr = w.dequantize(jnp.float32)
+                elif m is not None:                   # a routed expert: stacked below, kept quantized
+                    arr = w
                 elif isinstance(w, Fp8Weight) and w.format is not WeightQuantFormat.FP8_BLOCK_SCALED:
                     problems.append(f"{module}.weight_scale: a per-row FP8 scale [N]; the FP8 arms take one "
                                     f"scale per tensor or per 128x128 block")
@@ -424,17 +432,15 @@ def read_checkpoint(directory: str | os.PathLike, config: ModelConfig, dtype=jnp
                 tensors[name] = jnp.array(arr, dtype=target, copy=True)
                 continue
             key = f"{m['mixer']}experts.{m['proj']}_proj"
-            if key not in stacks:
-                stacks[key] = np.empty((E, *spec.shape), np.dtype(target))
-            stacks[key][int(m["e"])] = np.asarray(arr)
+            members.setdefault(key, [None] * E)[int(m["e"])] = arr
             if int(m["e"]) == E - 1:
-                tensors[key] = jnp.asarray(stacks.pop(key))
+                tensors[key] = stack_layer_experts(key, members.pop(key), target, dequantized_experts)
         if problems:
             raise CheckpointError(problems)
         if dequantized_experts:
             kinds = ", ".join(f"{n} {f}" for f, n in sorted(dequantized_experts.items()))
-            notes.append(f"dequantized {kinds} routed-expert weights to {jnp.dtype(dtype).name} at load: stacked "
-                         f"experts have no quantized arm yet")
+            notes.append(f"dequantized {kinds} routed-expert weights to {jnp.dtype(dtype).name} at load: the "
+                         f"grouped expert kernels take block-FP8 or NVFP4 experts of one format per layer")
         for note in notes:
             log.info("%s: %s", directory, note)
         return tensors, notes
@@ -444,6 +450,25 @@ def read_checkpoint(directory: str | os.PathLike, config: ModelConfig, dtype=jnp
 
 def _format_name(w) -> str:
     return "nvfp4" if isinstance(w, Nvfp4Weight) else "fp8"
+
+
+def stack_layer_experts(key: str, members: list, dtype, dequantized: collections.Counter):
+    """One layer's routed experts [E, ...]: StackedExperts when every expert is block-FP8 (per-tensor scales
+    already expanded to the grid) or every one NVFP4; else a dense stack (quantized ones dequantized and
+    counted in `dequantized`), filled on the host and sent at once."""
+    kinds = {(type(v), getattr(v, "format", None)) for v in members}
+    if len(kinds) == 1 and next(iter(kinds)) in ((Nvfp4Weight, WeightQuantFormat.NVFP4),
+                                                  (Fp8Weight, WeightQuantFormat.FP8_BLOCK_SCALED)):
+        return stack_experts(key, members)
+    dense = None
+    for e, v in enumerate(members):
+        if is_quantized(v):
+            dequantized[_format_name(v)] += 1
+            v = v.dequantize(jnp.float32)
+        if dense is None:
+            dense = np.empty((len(members), *v.shape), np.dtype(dtype))
+        dense[e] = np.asarray(v)
+    return jnp.asarray(dense)
 
 
 # ---- saving ----------------------------------------------------------------------------------

@@ -178,6 +178,56 @@ class Fp8PrefillWeight:
 
 
 # ---- checked constructors -------------------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StackedExperts:
+    """A layer's routed experts kept quantized: `member` is one container type (block-scaled Fp8Weight or
+    Nvfp4Weight) whose arrays carry a leading expert axis [E, ...]; served by the grouped kernels."""
+
+    member: Fp8Weight | Nvfp4Weight
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        lead = self.member.weight if isinstance(self.member, Fp8Weight) else self.member.packed
+        n, k = lead.shape[1], lead.shape[2] * (1 if isinstance(self.member, Fp8Weight) else 2)
+        return lead.shape[0], n, k
+
+    @property
+    def format(self) -> WeightQuantFormat:
+        return self.member.format
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, e: int) -> Fp8Weight | Nvfp4Weight:
+        """Expert e's own container (what its checkpoint tensors hold)."""
+        return jax.tree.map(lambda a: a[e], self.member)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        return jax.vmap(lambda m: m.dequantize(jnp.float32))(self.member).astype(dtype)
+
+
+def stack_experts(name: str, members) -> StackedExperts:
+    """Stack per-expert containers (all block-scaled FP8 or all NVFP4, one shape) after checking each."""
+    members = list(members)
+    kinds = {(type(m), getattr(m, "format", None)) for m in members}
+    if len(kinds) != 1:
+        raise WeightFormatError(f"{name}: routed experts mix formats {sorted(k[0].__name__ for k in kinds)}; "
+                                "stacked experts share one")
+    first = members[0]
+    for e, m in enumerate(members):
+        if isinstance(m, Fp8Weight):
+            check_fp8(f"{name}[{e}]", m, first.shape, formats=(WeightQuantFormat.FP8_BLOCK_SCALED,))
+        elif isinstance(m, Nvfp4Weight):
+            check_nvfp4(f"{name}[{e}]", m, first.shape)
+        else:
+            raise WeightFormatError(f"{name}[{e}]: stacked experts are block-scaled Fp8Weight or Nvfp4Weight, "
+                                    f"got {type(m).__name__}")
+    if any(m.input_scale is None for m in members):          # kept only when every expert has one
+        members = [dataclasses.replace(m, input_scale=None) for m in members]
+    return StackedExperts(jax.tree.map(lambda *a: jnp.stack(a), *members))
+
+
 def as_dense(name: str, value, shape: tuple[int, ...] | None = None) -> DenseWeight:
     """Wrap an array (or pass a DenseWeight through), checking its shape and that it is floating."""
     w = value if isinstance(value, DenseWeight) else DenseWeight(jnp.asarray(value))

@@ -152,11 +152,13 @@ def test_each_projection_gets_its_arm_and_the_files_numbers(ckpts, loaded, fmt):
     assert model.lm_head.installed_arms() == ("bf16_native",)             # excluded: the stored BF16 values
     np.testing.assert_array_equal(np.asarray(model.lm_head.dense_weight().weight),
                                   np.asarray(reader.get("lm_head.weight"), np.float32))
-    moe = next(l for l in model.layers if isinstance(l, NemotronMoELayer))  # stacked experts: dequantized
+    moe = next(l for l in model.layers if isinstance(l, NemotronMoELayer))  # stacked experts: kept quantized
     e1 = load_linear(reader, f"backbone.layers.{moe.layer_idx}.mixer.experts.1.down_proj", None, q)
     assert not isinstance(e1, C.DenseWeight)
-    np.testing.assert_array_equal(np.asarray(moe.experts_down[...][1]), np.asarray(e1.dequantize(F32)))
-    assert any("routed-expert weights" in n and "dequantized" in n for n in model.load_notes)
+    stacked = moe.moe_weights().experts_down
+    assert isinstance(stacked, C.StackedExperts) and isinstance(stacked.member, C.Nvfp4Weight if nv else C.Fp8Weight)
+    np.testing.assert_array_equal(np.asarray(stacked[1].dequantize(F32)), np.asarray(e1.dequantize(F32)))
+    assert not any("dequantized" in n for n in model.load_notes)
 
 
 # ---- (b) logits against the dequantized twin -----------------------------------------------------------------
@@ -316,12 +318,11 @@ def test_save_pretrained_round_trips_the_quantized_files(ckpts, tmp_path, fmt, m
     assert _same_leaves(again, model)                   # every weight of the model, bit for bit
     q = read_quant_config(tmp_path)
     assert q.method == METHOD[fmt] and q.is_excluded("lm_head")
-    assert q.is_excluded("backbone.layers.3.mixer.experts.0.up_proj")   # written dense (dequantized at load)
+    assert not q.is_excluded("backbone.layers.3.mixer.experts.0.up_proj")   # experts stay quantized
     assert (tmp_path / "hf_quant_config.json").is_file() == (fmt != "fp8-block")
     src, out = CheckpointReader(ckpts[fmt]), CheckpointReader(tmp_path)
-    for name in src.keys():                             # every file tensor back bit for bit, but the experts
-        if ".experts." in name:
-            continue
+    assert sorted(out.keys()) == sorted(src.keys())
+    for name in src.keys():                             # every file tensor back bit for bit, the experts' too
         assert out.info(name) == src.info(name), name
         assert np.array_equal(out.get(name).view(np.uint8), src.get(name).view(np.uint8)), name
 
