@@ -8,11 +8,16 @@ the profiler works, the summed GPU kernel time per call from a perfetto trace.
 
     PYTHONPATH=. python benchmarks/bench_quant.py --out DIR [--deadline SECONDS] [--sweep]
 writes DIR/quant_<date>.json and DIR/quant_<date>.md.
+    ... --decode-only --mosaic [--mosaic-sweep] --tag s2_call1
+times the decode GEMVs only: Mosaic GPU arm vs Triton arm vs XLA BF16 vs the copy ceiling (files
+quant_<date>_<tag>.*), after checking every Mosaic config it times against the reference at the real
+shapes, with batch invariance (M=1 and M=4 rows bit-identical to the same rows of M=16).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import glob
 import gzip
@@ -29,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from metrale_jax.weights import quant_formats as qf
-from pallas_kernels import fp8_gemm, w4a4, w4a16, w8a16
+from pallas_kernels import fp8_gemm, mgpu_gemv, w4a4, w4a16, w8a16
+from pallas_kernels.mgpu_gemv import GemvConfig
 from pallas_kernels.w4a16 import W4Blocks
 from pallas_kernels.w8a16 import QuantBlocks
 
@@ -138,6 +144,13 @@ def main():
     ap.add_argument("--torch", action="store_true", help="also time cuBLAS BF16 / FP8 through torch (context)")
     ap.add_argument("--shapes", default="in_proj,out_proj")
     ap.add_argument("--interpret", action="store_true", help="CPU dry run at tiny shapes")
+    ap.add_argument("--decode-only", action="store_true", help="decode GEMVs only (no prefill GEMMs)")
+    ap.add_argument("--mosaic", action="store_true", help="also check and time the Mosaic GPU GEMV arms")
+    ap.add_argument("--mosaic-sweep", action="store_true", help="time alternative Mosaic GEMV configs (M=1, 16)")
+    ap.add_argument("--tag", default="", help="suffix of the result file names")
+    ap.add_argument("--no-copy", action="store_true", help="skip the copy-bandwidth measurement (use an earlier run's)")
+    ap.add_argument("--no-triton", action="store_true",
+                    help="skip the Triton decode GEMV timings (use an earlier run's)")
     args = ap.parse_args()
     global I, PREFILL_M
     if args.interpret:
@@ -155,7 +168,8 @@ def main():
         result["versions"]["triton(torch's)"] = triton.__version__
     except Exception:  # noqa: BLE001
         pass
-    path_json = os.path.join(args.out, f"quant_{date}.json")
+    stem = f"quant_{date}" + (f"_{args.tag}" if args.tag else "")
+    path_json = os.path.join(args.out, f"{stem}.json")
 
     def save():
         with open(path_json, "w") as fh:
@@ -198,33 +212,37 @@ def main():
     rng = np.random.default_rng(0)
     try:
         # -- copy bandwidth: 4 distinct 512 MiB buffers negated (read + write), so no call can be merged --------
-        n = 2 ** (16 if I else 28)
-        bufs = [(jnp.asarray(rng.standard_normal(n, np.float32)).astype(jnp.bfloat16),) for _ in range(4)]
-        t = time_calls(lambda v: -v, bufs, per_exec=4, reps=5)
-        copy_gbps = 2 * n * 2 / t["us"] / 1e3
-        result["copy_GBps"] = copy_gbps
-        result["copy_timing"] = t
-        log(f"copy bandwidth {copy_gbps:.0f} GB/s (read+write), {t}")
-        del bufs
-        if args.torch:
-            torch_copy(result)
+        if not args.no_copy:
+            n = 2 ** (16 if I else 28)
+            bufs = [(jnp.asarray(rng.standard_normal(n, np.float32)).astype(jnp.bfloat16),) for _ in range(4)]
+            t = time_calls(lambda v: -v, bufs, per_exec=4, reps=5)
+            copy_gbps = 2 * n * 2 / t["us"] / 1e3
+            result["copy_GBps"] = copy_gbps
+            result["copy_timing"] = t
+            log(f"copy bandwidth {copy_gbps:.0f} GB/s (read+write), {t}")
+            del bufs
+            if args.torch or (args.decode_only and not I):
+                torch_copy(result)
         save()
 
-        weights = {}
+        weights, bases = {}, {}
         for shape in args.shapes.split(","):
             N, K = SHAPES[shape]
             W = weights[shape] = make_weights(N, K, 4, rng)
             log("weights ready", shape)
             xs = {M: [jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16) for _ in range(4)]
                   for M in (*DECODE_M, PREFILL_M)}
-            run_checks(result, shape, N, K, W, xs, check_time, save)
+            if not args.decode_only:
+                run_checks(result, shape, N, K, W, xs, check_time, save)
+            if args.mosaic:
+                run_mosaic_checks(result, shape, N, K, W, xs, mosaic_configs(N, K, False), check_time, save)
 
             # -- decode GEMVs ------------------------------------------------------------------------------
             base = {}
             for M in DECODE_M:
                 base[M] = bench("baseline", shape, M, "xla_bf16", lambda x, w: jnp.dot(x, w.T),
                                 [(xs[M][i], W["bf16"][i]) for i in range(4)], "bf16", N, K)
-            for M in DECODE_M:
+            for M in (() if args.no_triton else DECODE_M):
                 bench("decode", shape, M, "w8a16_gemv", lambda x, q, s: w8a16.w8a16_gemv_pallas(x, q, s, interpret=I),
                       [(xs[M][i], *W["fp8"][i]) for i in range(4)], "fp8", N, K,
                       config=str(w8a16.w8a16_gemv_blocks(N, K)), baseline=base[M])
@@ -233,6 +251,13 @@ def main():
                       lambda x, p, s, g: w4a16.w4a16_gemv_pallas(x, p, s, g, interpret=I),
                       [(xs[M][i], *W["nvfp4"][i]) for i in range(4)], "nvfp4", N, K, config=str(blk),
                       baseline=base[M])
+            if args.mosaic:
+                mosaic_decode(bench, shape, N, K, W, xs, base, result)
+                bases[shape] = base
+            if args.decode_only:
+                result[f"done_{shape}"] = True
+                save()
+                continue
             bench("decode", shape, 1, "w4a4_gemm(decode)",
                   lambda x, p, s, g: w4a4.w4a4_gemm_pallas(x, p, s, g, decode=True, interpret=I),
                   [(xs[1][i], *W["nvfp4"][i]) for i in range(4)], "nvfp4", N, K, baseline=base[1])
@@ -258,6 +283,15 @@ def main():
                       "nvfp4" if fmt == "nvfp4_t" else fmt, N, K, per_exec=2, reps=3, baseline=bp)
             result[f"done_{shape}"] = True
             save()
+
+        # -- Mosaic GEMV config sweep (after every default is timed; deadline-limited) --------------------------
+        if args.mosaic and args.mosaic_sweep:
+            for shape in args.shapes.split(","):
+                N, K = SHAPES[shape]
+                xs = {M: [jnp.asarray(rng.standard_normal((M, K)), jnp.bfloat16) for _ in range(4)] for M in DECODE_M}
+                run_mosaic_checks(result, shape, N, K, weights[shape], xs, mosaic_configs(N, K, True)[2:],
+                                  check_time, save, full=False)
+                mosaic_sweep(bench, shape, N, K, weights[shape], xs, bases[shape], result)
 
         # -- tile / variant sweeps (deadline-limited; alternatives to the defaults) ------------------------------
         if args.sweep:
@@ -296,7 +330,7 @@ def main():
     result["elapsed_s"] = time.time() - T0
     save()
     md = markdown(result)
-    with open(os.path.join(args.out, f"quant_{date}.md"), "w") as fh:
+    with open(os.path.join(args.out, f"{stem}.md"), "w") as fh:
         fh.write(md)
     print(md)
 
@@ -404,6 +438,106 @@ def run_checks(result, shape, N, K, W, xs, check_time, save):
         save()
 
 
+# ---- Mosaic GPU decode GEMVs ---------------------------------------------------------------------------------
+MOSAIC_ARMS = {"w8a16_gemv": ("fp8", mgpu_gemv.w8a16_gemv_mosaic, w8a16.w8a16_reference),
+               "w4a16_gemv": ("nvfp4", mgpu_gemv.w4a16_gemv_mosaic, w4a16.w4a16_reference)}
+
+
+def mosaic_configs(N, K, sweep: bool) -> list[tuple[str, GemvConfig]]:
+    """(kernel, config) pairs: the two defaults first, then (with `sweep`) the alternatives."""
+    d8, d4 = mgpu_gemv.w8a16_gemv_blocks(N, K), mgpu_gemv.w4a16_gemv_blocks(N, K)
+    out = [("w8a16_gemv", d8), ("w4a16_gemv", d4)]
+    if sweep:
+        other = {"jnp": "ptx", "ptx": "jnp"}
+        out += [("w8a16_gemv", dataclasses.replace(d8, widen=other[d8.widen])),
+                ("w4a16_gemv", dataclasses.replace(d4, widen=other[d4.widen]))]
+        out += [("w8a16_gemv", GemvConfig(bn, st, sk, ld, d8.widen)) for bn, st, sk, ld in (
+            (128, 4, 0, "upcast"), (64, 6, 0, "direct"), (64, 8, 0, "upcast"))
+            if GemvConfig(bn, st, sk, ld, d8.widen) != d8]
+        out += [("w4a16_gemv", GemvConfig(bn, st, sk, ld, d4.widen)) for bn, st, sk, ld in (
+            (64, 4, 0, "upcast"), (128, 3, 0, "direct")) if GemvConfig(bn, st, sk, ld, d4.widen) != d4]
+    return out
+
+
+def run_mosaic_checks(result, shape, N, K, W, xs, configs, check_time, save, full: bool = True):
+    """Each Mosaic (kernel, config) at this shape against its reference at M=16 (float32 out); with `full`
+    also the bf16 output and the rows of M=1 / M=4 against the same rows of M=16 (bitwise). Each config in
+    its own try/except, the traceback logged."""
+    x16 = xs[16][0]
+    for name, cfg in configs:
+        check_time()
+        fmt, fn, ref_fn = MOSAIC_ARMS[name]
+        args = W[fmt][0]
+        try:
+            ref = ref_fn(x16, *args, out_dtype=jnp.float32)
+            y16 = jax.block_until_ready(fn(x16, *args, out_dtype=jnp.float32, config=cfg, interpret=I))
+            err = rel_err(y16, ref)
+            c = {"shape": shape, "kernel": f"{name}[mosaic]", "config": str(cfg), "rel_err_vs_reference": err,
+                 "finite": bool(jnp.all(jnp.isfinite(y16)))}
+            ok = err < 1e-5 and c["finite"]
+            if full:
+                c["batch_invariant_M1_M4"] = inv = {m: bool(np.array_equal(np.asarray(fn(
+                    x16[:m], *args, out_dtype=jnp.float32, config=cfg, interpret=I)), np.asarray(y16[:m])))
+                    for m in (1, 4)}
+                yb = fn(x16, *args, config=cfg, interpret=I)               # bf16 out (the direct-store path)
+                yb1 = fn(x16[:1], *args, config=cfg, interpret=I)
+                c["rel_err_bf16_out"] = err_b = rel_err(yb, ref)
+                c["batch_invariant_bf16_M1"] = inv_b = bool(np.array_equal(np.asarray(yb1), np.asarray(yb[:1])))
+                ok = ok and err_b < 4e-3 and all(inv.values()) and inv_b
+            c["ok"] = bool(ok)
+        except Exception as e:  # noqa: BLE001
+            c = {"shape": shape, "kernel": f"{name}[mosaic]", "config": str(cfg), "ok": False, "error": repr(e)[:2000],
+                 "trace": traceback.format_exc()[-3000:]}
+        result["checks"].append(c)
+        log("CHECK", {k: v for k, v in c.items() if k != "trace"})
+        save()
+
+
+def _passed(result, shape):
+    return {(c["kernel"].split("[")[0], c["config"]) for c in result["checks"]
+            if c.get("shape") == shape and c["kernel"].endswith("[mosaic]") and c["ok"]}
+
+
+def _time_mosaic(bench, kind, shape, N, K, W, xs, base, name, cfg, M):
+    fmt, fn, _ = MOSAIC_ARMS[name]
+    return bench(kind, shape, M, f"{name}[mosaic]", lambda *a, cfg=cfg: fn(*a, config=cfg, interpret=I),
+                 [(xs[M][i], *W[fmt][i]) for i in range(4)], fmt, N, K, config=str(cfg), baseline=base[M])
+
+
+def mosaic_decode(bench, shape, N, K, W, xs, base, result):
+    """Time the default Mosaic configs at M = 1, 4, 16 (only those whose check passed)."""
+    passed = _passed(result, shape)
+    for M in DECODE_M:
+        for name, cfg in mosaic_configs(N, K, False):
+            if (name, str(cfg)) in passed:
+                _time_mosaic(bench, "decode", shape, N, K, W, xs, base, name, cfg, M)
+
+
+def mosaic_sweep(bench, shape, N, K, W, xs, base, result):
+    """Alternative configs at M=1 (checked ones only); the fastest per kernel, if not the default, at M=4, 16."""
+    passed = _passed(result, shape)
+    defaults = dict(mosaic_configs(N, K, False))
+    times = {}
+    for item in result["items"]:
+        if item["shape"] == shape and item["M"] == 1 and item["kernel"].endswith("[mosaic]"):
+            times[(item["kernel"].split("[")[0], item["config"])] = item["us"]
+    cfgs = {}
+    for name, cfg in mosaic_configs(N, K, True):
+        cfgs[(name, str(cfg))] = cfg
+        if cfg != defaults[name] and (name, str(cfg)) in passed:
+            us = _time_mosaic(bench, "sweep", shape, N, K, W, xs, base, name, cfg, 1)
+            if us is not None:
+                times[(name, str(cfg))] = us
+    for name in defaults:
+        mine = {c: t for (n, c), t in times.items() if n == name}
+        if mine:
+            best = min(mine, key=mine.get)
+            result.setdefault("mosaic_best_M1", {})[f"{shape}/{name}"] = [best, mine[best]]
+            if cfgs[(name, best)] != defaults[name]:
+                for M in (4, 16):
+                    _time_mosaic(bench, "sweep", shape, N, K, W, xs, base, name, cfgs[(name, best)], M)
+
+
 def torch_copy(result):
     """Device copy bandwidth through torch (cross-check of the JAX number)."""
     try:
@@ -446,20 +580,31 @@ def torch_baselines(result, rng, check_time):
     log("torch", out)
 
 
+def short_config(cfg) -> str:
+    """GemvConfig(block_n=64, stages=6, split_k=0, load='upcast') -> 64/6/0/upcast (other configs as given)."""
+    if not cfg:
+        return ""
+    if cfg.startswith("GemvConfig("):
+        return "/".join(v.split("=")[1].strip("'") for v in cfg[len("GemvConfig("):-1].split(", "))
+    return cfg
+
+
 def markdown(result) -> str:
     lines = [f"# Quantized projections, {result['device']}, {result['date']}", "",
              f"copy bandwidth (read+write): {result.get('copy_GBps', float('nan')):.0f} GB/s", "",
-             "| kind | shape | M | kernel | us (gpu) | us (wall) | weight GB/s | % copy BW | TFLOP/s | x XLA BF16 |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| kind | shape | M | kernel | us (gpu) | us (wall) | weight GB/s | % copy BW | TFLOP/s | x XLA BF16 "
+             "| config |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     bw = result.get("copy_GBps") or float("nan")
     for it in result["items"]:
         lines.append(f"| {it['kind']} | {it['shape']} | {it['M']} | {it['kernel']} | "
                      f"{(it['gpu_us'] or float('nan')):.1f} | {it['wall_us']:.1f} | {it['weight_GBps']:.0f} | "
                      f"{100 * it['weight_GBps'] / bw:.0f} | {it['TFLOPs']:.1f} | "
-                     f"{it.get('speedup_vs_xla_bf16', float('nan')):.2f} |")
+                     f"{it.get('speedup_vs_xla_bf16', float('nan')):.2f} | {short_config(it.get('config'))} |")
     lines += ["", "| check | shape | rel err vs reference | rel err vs unquantized | ok |", "|---|---|---|---|---|"]
     for c in result["checks"]:
-        lines.append(f"| {c['kernel']} | {c['shape']} | {c.get('rel_err_vs_reference', 'ERR')} | "
+        lines.append(f"| {c['kernel']} {short_config(c.get('config'))} | {c['shape']} | "
+                     f"{c.get('rel_err_vs_reference', 'ERR')} | "
                      f"{c.get('rel_err_vs_unquantized_f32', '')} | {c['ok']} |")
     if result["errors"]:
         lines += ["", "errors:"] + [f"- {e['kernel']} {e['shape']} M={e['M']}: {e['error'][:300]}"

@@ -2,6 +2,9 @@
 
 A name may carry two Pallas arms: the Triton one (`pallas`, portable) and a Mosaic GPU one (`mosaic`,
 Hopper wgmma/TMA). `gpu_default` says which one `auto` and `pallas` pick on the GPU; the benchmark decides.
+A Mosaic arm that takes only some shapes registers `mosaic_supports(*args, **kwargs) -> bool`: as the
+default it then serves the calls it supports and hands the others to the Triton arm (decided at trace
+time, from static shapes); mode `mosaic` calls it unconditionally (it raises on what it cannot take).
 
 Modes (ModelLevers.kernels / METRALE_KERNELS):
   auto       GPU: the default Pallas arm where one is registered, else the reference. CPU: the reference.
@@ -36,6 +39,7 @@ class KernelSpec:
     platforms: tuple[str, ...] = ("gpu",)  # where the compiled Pallas kernels run
     mosaic: Callable | None = None      # Mosaic GPU arm; takes interpret: bool as a keyword
     gpu_default: str = "triton"         # the arm `auto` / `pallas` pick: "triton" or "mosaic"
+    mosaic_supports: Callable[..., bool] | None = None   # the calls the Mosaic arm takes (None: all)
 
     def arm(self, which: str) -> Callable | None:
         return self.mosaic if which == "mosaic" else self.pallas
@@ -56,7 +60,7 @@ _DISABLED: set[str] = set()
 
 def register(name: str, *, reference: Callable | None = None, pallas: Callable | None = None,
              mosaic: Callable | None = None, gpu_default: str | None = None,
-             platforms: tuple[str, ...] = ("gpu",)) -> None:
+             mosaic_supports: Callable[..., bool] | None = None, platforms: tuple[str, ...] = ("gpu",)) -> None:
     """Add or extend a kernel entry (reference, Triton and Mosaic arms may register separately)."""
     old = _KERNELS.get(name)
     if old is not None:
@@ -64,10 +68,22 @@ def register(name: str, *, reference: Callable | None = None, pallas: Callable |
         pallas = pallas or old.pallas
         mosaic = mosaic or old.mosaic
         gpu_default = gpu_default or old.gpu_default
+        mosaic_supports = mosaic_supports or old.mosaic_supports
     gpu_default = gpu_default or "triton"
     if gpu_default not in GPU_ARMS:
         raise KernelUnavailableError(f"kernel {name!r}: gpu_default must be one of {GPU_ARMS}, got {gpu_default!r}")
-    _KERNELS[name] = KernelSpec(name, reference, pallas, platforms, mosaic, gpu_default)
+    _KERNELS[name] = KernelSpec(name, reference, pallas, platforms, mosaic, gpu_default, mosaic_supports)
+
+
+def _mosaic_or_triton(spec: KernelSpec) -> Callable:
+    """The default Mosaic arm, handing the calls it does not support to the Triton arm."""
+    mosaic, triton = (functools.partial(f, interpret=False) for f in (spec.mosaic, spec.pallas))
+
+    @functools.wraps(spec.mosaic)
+    def call(*args, **kwargs):
+        return (mosaic if spec.mosaic_supports(*args, **kwargs) else triton)(*args, **kwargs)
+
+    return call
 
 
 def names() -> list[str]:
@@ -98,16 +114,17 @@ def resolve(name: str, mode: str | None = None, platform: str | None = None) -> 
         arm = spec.gpu_default if spec.arm(spec.gpu_default) is not None else "mosaic" if spec.pallas is None else "triton"
     else:
         arm = mode
-    if mode in ("pallas", "triton", "mosaic"):
+    if mode in ("pallas", "triton", "mosaic") or (mode == "auto" and on_gpu and spec.arm(arm) is not None):
         if not on_gpu or spec.arm(arm) is None:
             raise KernelUnavailableError(
                 f"kernel {name!r} has no {arm if mode != 'pallas' else 'Pallas'} implementation for platform "
                 f"{platform!r} (mode {mode!r})")
-        return Resolution(name, "mosaic" if arm == "mosaic" else "pallas", functools.partial(spec.arm(arm), interpret=False))
+        if arm == "mosaic" and mode != "mosaic" and spec.mosaic_supports is not None and spec.pallas is not None:
+            return Resolution(name, "mosaic", _mosaic_or_triton(spec))
+        return Resolution(name, "mosaic" if arm == "mosaic" else "pallas",
+                          functools.partial(spec.arm(arm), interpret=False))
     if mode == "interpret" and spec.pallas is not None:
         return Resolution(name, "interpret", functools.partial(spec.pallas, interpret=True))
-    if mode == "auto" and on_gpu and spec.arm(arm) is not None:
-        return Resolution(name, "mosaic" if arm == "mosaic" else "pallas", functools.partial(spec.arm(arm), interpret=False))
     if spec.reference is None:
         raise KernelUnavailableError(f"kernel {name!r} has no reference and no Pallas kernel for {platform!r}")
     return Resolution(name, "reference", spec.reference)

@@ -102,8 +102,11 @@ def grid_ids(num_m: int):
 
 
 def finish_split(out: jax.Array, split: int, M: int, out_dtype) -> jax.Array:
-    """Sum the split-K partials [split, Mp, N] (fixed order: deterministic) and cut the padding rows."""
-    y = out.sum(axis=0) if split > 1 else out[0] if out.ndim == 3 else out
+    """Sum the split-K partials [split, Mp, N] as a chain of elementwise adds (one order whatever the shape:
+    a reduce may be emitted with an M-dependent order) and cut the padding rows."""
+    y = out[0] if out.ndim == 3 else out
+    for i in range(1, split):
+        y = y + out[i]
     return y[:M].astype(out_dtype)
 
 

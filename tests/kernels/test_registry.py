@@ -69,3 +69,12 @@ def test_extending_keeps_arms_and_checks_default(names):
         registry.register(n, gpu_default="cuda")
     with pytest.raises(KernelUnavailableError, match="kernel mode must be one of"):
         registry.resolve(n, "fast")
+
+
+def test_default_mosaic_arm_hands_unsupported_calls_to_triton(names):
+    n = names("sup", reference=_ref, pallas=_triton, mosaic=_mosaic, gpu_default="mosaic",
+              mosaic_supports=lambda x: x % 2 == 0)
+    fn = registry.resolve(n, "auto", platform="gpu").fn
+    assert fn(4) == ("mosaic", False, 4) and fn(3) == ("triton", False, 3)
+    assert registry.resolve(n, "pallas", platform="gpu").fn(3) == ("triton", False, 3)
+    assert registry.resolve(n, "mosaic", platform="gpu").fn(3) == ("mosaic", False, 3)   # forced: no fallback
