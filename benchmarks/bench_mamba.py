@@ -2,8 +2,9 @@
 run (device copy bandwidth, bf16 matmul rate, the plain-XLA chunked SSD, jax-linear-attention if installed).
 
 Shapes: Nemotron-H 8B mixer, H=128, P=64, N=128, G=8, chunk 128, bf16 activations, f32 SSM state.
-- SSD prefill (B, T) = (1, 8192), (1, 32768), (8, 4096): Pallas scan (and variants) vs jnp reference under jit at
-  precision HIGHEST and DEFAULT vs jla.layers.ssm.mamba2_ssd.
+- SSD prefill (B, T) = (1, 8192), (1, 32768), (8, 4096): the Mosaic GPU arm (pallas_kernels/ssd_mgpu.py, variants
+  MOSAIC_VARIANTS) and the Triton arm (variants SSD_VARIANTS) vs the jnp reference under jit at precision HIGHEST
+  and DEFAULT vs jla.layers.ssm.mamba2_ssd; a markdown summary against the issue #9 targets.
 - Decode state update, pool of 512 slots, batch 1, 8, 64, 256 (rows rotated so repeated calls do not run from
   L2): fraction of the copy bandwidth (state bytes read + written).
 - Whole layer decode step (bf16 weights), batch 1 and 64: Pallas path vs XLA reference path, with the
@@ -36,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels import ssd as ssd_mod
+from pallas_kernels import ssd_mgpu
 from pallas_kernels import state_update as su_mod
 from pallas_kernels.ssd import SsdBlocks
 
@@ -179,7 +181,8 @@ def ssd_flops(Bt: int, L: int) -> int:
     return nc * (G * 2 * Q * Q * N + H * (2 * Q * Q * P + 2 * Q * N * P + 2 * P * Q * N))
 
 
-def bench_ssd(results: dict, shapes, variants: dict, quick: bool) -> None:
+def bench_ssd(results: dict, shapes, variants: dict, quick: bool, mosaic_variants: dict | None = None,
+              xla_default: bool = True) -> None:
     try:
         import jla.layers.ssm as jla_ssm
         results["jla"] = "jax-linear-attention available"
@@ -204,11 +207,14 @@ def bench_ssd(results: dict, shapes, variants: dict, quick: bool) -> None:
         args = (inp["x"], inp["dt"], inp["A"], inp["B"], inp["C"])
         y_ref, h_ref = ref_fn(*args)
         arms = {}
+        for name, opts in (mosaic_variants or {}).items():
+            arms[f"mosaic:{name}"] = jax.jit(functools.partial(run, ssd_mgpu.ssd_scan_mosaic, **common, **opts,
+                                                                interpret=I))
         for name, blk in variants.items():
             arms[f"pallas:{name}"] = jax.jit(functools.partial(run, ssd_mod.ssd_scan_pallas, **common, blocks=blk,
                                                                 interpret=I))
         arms["xla_ref:HIGHEST"] = ref_fn
-        if not quick:
+        if not quick and xla_default:
             arms["xla_ref:DEFAULT"] = jax.jit(functools.partial(run, ssd_mod.ssd_scan_reference, **common,
                                                                 precision=jax.lax.Precision.DEFAULT))
         if jla_ssm is not None:
@@ -231,13 +237,15 @@ def bench_ssd(results: dict, shapes, variants: dict, quick: bool) -> None:
                 row["arms"][name] = dict(us=us, rel_err_y=err, rel_err_final=err_h, gpu_us=per_call(kt, 1),
                                          kernels=kt, GBps=row["bytes"] / us * 1e-3, TFLOPs=row["flops"] / us * 1e-6)
                 log(f"ssd {key} {name:28s} {us:10.1f} us (gpu {per_call(kt, 1)})  err_y={err:.2e} err_h={err_h}")
-                if kt and name.startswith("pallas"):
+                if kt and name.startswith(("pallas", "mosaic")):
                     log("    " + ", ".join(f"{k}: {v:.0f}" for k, v in sorted(kt.items(), key=lambda kv: -kv[1])[:5]))
             except Deadline:
                 raise
             except Exception as e:  # noqa: BLE001
-                row["arms"][name] = dict(error=f"{type(e).__name__}: {str(e)[:2000]}")
+                row["arms"][name] = dict(error=f"{type(e).__name__}: {str(e)[:2000]}",
+                                         traceback=traceback.format_exc()[-6000:])
                 log(f"ssd {key} {name} FAILED: {type(e).__name__}: {str(e)[:400]}")
+                traceback.print_exc()
         del inp, y_ref, h_ref
 
 
@@ -405,6 +413,17 @@ def table(results: dict) -> str:
             err = "" if "error" in r else f"{r['rel_err_y']:.1e}"
             errh = "" if "error" in r or r.get("rel_err_final") is None else f"{r['rel_err_final']:.1e}"
             out.append(f"| ({row['B']}, {row['T']}) | {arm} | {_t(r)} | {_t(r, 'gpu_us')} | {err} | {errh} |")
+    targets = {(1, 8192): 570.0, (1, 32768): 1620.0, (8, 4096): 1520.0}      # issue #9, microseconds
+    out += ["", "| SSD (B, T) | target (us) | best mosaic (wall / GPU) | triton default | xla HIGHEST | jla |",
+            "|---|---|---|---|---|---|"]
+    for key, row in results["ssd"].items():
+        arms = row["arms"]
+        ok = {k: r for k, r in arms.items() if "error" not in r}
+        mos = min((k for k in ok if k.startswith("mosaic")), key=lambda k: ok[k]["us"], default=None)
+        cell = lambda k: "-" if k not in arms else _t(arms[k]) + (f" / {_t(arms[k], 'gpu_us')}" if k in ok else "")
+        out.append(f"| ({row['B']}, {row['T']}) | {targets.get((row['B'], row['T']), '-')} | "
+                   f"{mos or '-'}: {cell(mos) if mos else 'failed'} | {cell('pallas:default')} | "
+                   f"{cell('xla_ref:HIGHEST')} | {cell('jla.mamba2_ssd')} |")
     out += ["", "| state update (f32 state, 512 slots) | arm | wall (us) | GPU (us) | GPU GB/s | of copy (GPU) |",
             "|---|---|---|---|---|---|"]
     for key, row in results["state_update"].items():
@@ -431,6 +450,8 @@ SSD_VARIANTS = {   # run 3's sweep, renamed for the default it led to (q64 p64 w
     "q128_noseg": SsdBlocks(block_q=128, segment_tokens=0),
     "seg4096": SsdBlocks(segment_tokens=4096),
 }
+# the Mosaic GPU arm: left operands of the y and state products from registers (default) or via SMEM
+MOSAIC_VARIANTS = {"regs": dict(a_regs=True), "smem": dict(a_regs=False)}
 # run 2 swept UpdateBlocks(block_p 4..32, 2..8 warps): all within 1% in GPU time, so only the default is timed
 UPDATE_VARIANTS = {"default": None}
 
@@ -442,6 +463,12 @@ def main():
     ap.add_argument("--quick", action="store_true", help="one SSD shape, fewer variants")
     ap.add_argument("--only", default="ceil,ssd,update,layer")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run: small shapes, interpret mode")
+    ap.add_argument("--triton-variants", default=",".join(SSD_VARIANTS),
+                    help="SSD Triton variants to time (names of SSD_VARIANTS)")
+    ap.add_argument("--mosaic-variants", default=",".join(MOSAIC_VARIANTS),
+                    help="SSD Mosaic GPU variants to time (names of MOSAIC_VARIANTS; empty: none)")
+    ap.add_argument("--no-xla-default", action="store_true", help="skip the XLA reference at DEFAULT precision")
+    ap.add_argument("--tag", default="", help="suffix of the JSON file name")
     ap.add_argument("--render", nargs="+", help="print the tables of saved JSON files and exit")
     args = ap.parse_args()
     if args.render:
@@ -478,12 +505,16 @@ def main():
             bench_layer_decode(results, batches[:1] + batches[2:3], copy_bw)
         if "ssd" in only:
             shapes = ssd_shapes[:1] if args.quick else ssd_shapes
-            bench_ssd(results, shapes, {"default": None} if args.quick else SSD_VARIANTS, args.quick)
+            tv = {"default": None} if args.quick else {k: SSD_VARIANTS[k] for k in args.triton_variants.split(",") if k}
+            mv = {k: MOSAIC_VARIANTS[k] for k in args.mosaic_variants.split(",") if k}
+            if I:      # interpret mode takes only SMEM left operands
+                mv = {k: v for k, v in mv.items() if not v.get("a_regs")}
+            bench_ssd(results, shapes, tv, args.quick, mv, xla_default=not args.no_xla_default)
     except Deadline:
         results["deadline_hit"] = True
         log("deadline reached: later sections skipped")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"mamba_{datetime.date.today().isoformat()}.json")
+    path = os.path.join(args.out, f"mamba_{datetime.date.today().isoformat()}{args.tag}.json")
     with open(path, "w") as fh:
         json.dump(results, fh, indent=1, default=str)
     log(f"wrote {path}")

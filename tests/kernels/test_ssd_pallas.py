@@ -97,7 +97,8 @@ def test_bf16_inputs(rng, interpret):
 
 def test_registered_and_resolves():
     assert registry.resolve("ssd_scan", "interpret").impl == "interpret"
-    assert registry.resolve("ssd_scan", "auto", platform="gpu").impl == "pallas"
+    assert registry.resolve("ssd_scan", "auto", platform="gpu").impl == "mosaic"     # gpu_default (ssd_mgpu)
+    assert registry.resolve("ssd_scan", "triton", platform="gpu").impl == "pallas"
     assert registry.resolve("ssd_scan", "auto", platform="cpu").impl == "reference"
 
 
