@@ -10,6 +10,7 @@ import pytest
 from metrale_jax.errors import ShapeError
 from pallas_kernels import registry, ssd
 from pallas_kernels.ssd import SsdBlocks, ssd_scan_pallas
+from tests.kernels.ssd_checks import call_ssd as _call, compare_ssd as _compare, cu_seqlens as _cu, ssd_inputs
 from tests.numpy_refs import rel_err, ssm_recurrence
 
 reference = jax.jit(ssd.ssd_scan_reference, static_argnames=(
@@ -17,36 +18,7 @@ reference = jax.jit(ssd.ssd_scan_reference, static_argnames=(
 
 
 def _inputs(rng, T, S, H=4, P=8, G=2, N=16, dtype=np.float32):
-    a = lambda *shape: jnp.asarray(rng.standard_normal(shape), dtype)
-    return dict(
-        x=a(T, H, P), dt=jnp.asarray(rng.uniform(-4.0, 1.0, (T, H)), dtype),
-        A=jnp.asarray(-np.exp(rng.uniform(-1.0, 1.5, H)), jnp.float32), B=a(T, G, N), C=a(T, G, N),
-        D=jnp.asarray(rng.standard_normal(H), jnp.float32), dt_bias=jnp.asarray(rng.uniform(-1, 1, H), jnp.float32),
-        initial_states=jnp.asarray(rng.standard_normal((S, H, P, N)), jnp.float32))
-
-
-def _cu(lens):
-    return jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
-
-
-def _call(fn, inp, **kw):
-    i = dict(inp)
-    return fn(i.pop("x"), i.pop("dt"), i.pop("A"), i.pop("B"), i.pop("C"), **i, **kw)
-
-
-def _compare(out, ref, tol, chunks=False):
-    y = np.asarray(out.y, np.float32)
-    assert out.y.dtype == ref.y.dtype and out.final_states.dtype == jnp.float32
-    assert np.all(np.isfinite(y)), "y has unwritten (NaN) or non-finite rows"
-    assert rel_err(y, ref.y) <= tol
-    assert rel_err(out.final_states, ref.final_states) <= tol
-    if chunks:
-        v = np.asarray(ref.chunk_states.valid)
-        np.testing.assert_array_equal(np.asarray(out.chunk_states.valid), v)
-        np.testing.assert_array_equal(np.asarray(out.chunk_states.seq)[v], np.asarray(ref.chunk_states.seq)[v])
-        np.testing.assert_array_equal(np.asarray(out.chunk_states.end_pos), np.asarray(ref.chunk_states.end_pos))
-        assert rel_err(out.chunk_states.states[v], ref.chunk_states.states[v]) <= tol
-        assert np.all(np.asarray(out.chunk_states.states)[~v] == 0)   # written, not left as poison
+    return ssd_inputs(rng, T, S, H, P, G, N, dtype)
 
 
 @pytest.mark.parametrize("chunk,blocks,P", [
