@@ -1,0 +1,306 @@
+"""Prefill GEMMs at M = 4096 on the H200: Mosaic GPU arms vs Triton arms vs XLA BF16 vs XLA's FP8 dot.
+
+Shapes (Nemotron-H 8B): in_proj N=18560 K=4096, out_proj N=4096 K=8192. Every arm is first checked against
+its jnp reference at the full shape (rel err), then timed: 4 calls (all arguments distinct) inside one jitted function
+cycling through 4 activation sets and 2 weight copies (so neither sits in the 60 MB L2 from the call
+before), warmed up twice, best of 3 trials of `reps` executions; the time per call includes each arm's
+activation quantization (an XLA pass), as the layer pays it. Baseline: XLA BF16 matmul in the same run.
+
+    PYTHONPATH=. python3 benchmarks/bench_prefill.py --out $OUT --tag s2_call1 [--sweep] [--deadline 150]
+writes OUT/prefill_<date>_<tag>.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+from metrale_jax.weights import quant_formats as qf
+from pallas_kernels import fp8_gemm, mgpu_gemm, w8a16
+from pallas_kernels.mgpu_gemm import MgpuTiles
+
+T0 = time.time()
+M = 4096
+SHAPES = {"in_proj": (18560, 4096), "out_proj": (4096, 8192)}
+# CPU dry run of this script (tiny shapes, every Pallas arm in interpret mode): PREFILL_DRY=1
+DRY = os.environ.get("PREFILL_DRY") == "1"
+if DRY:
+    M, SHAPES = 256, {"in_proj": (384, 256), "out_proj": (256, 384)}
+
+
+def log(*a):
+    print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
+
+
+def rel_err(a, b) -> float:
+    a, b = jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32)
+    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+def time_calls(fn, arg_sets, *, reps: int = 6) -> dict:
+    """us per call (wall): one call per (distinct) arg set inside one executable, best of 3 trials of `reps`
+    executions. The arg sets must all differ: XLA merges identical calls (call 1 of s2 cycled 3 sets in
+    6 calls and so timed every arm at half its time)."""
+    per_exec = len(arg_sets)
+
+    @jax.jit
+    def many(sets):
+        return [fn(*sets[i]) for i in range(per_exec)]
+
+    jax.block_until_ready(many(arg_sets))
+    jax.block_until_ready(many(arg_sets))
+    walls = []
+    for _ in range(3):
+        t = time.perf_counter()
+        outs = [many(arg_sets) for _ in range(reps)]
+        jax.block_until_ready(outs)
+        walls.append((time.perf_counter() - t) / (reps * per_exec) * 1e6)
+    return {"us": min(walls), "us_all": walls}
+
+
+# ---- weights (quantized on the device; same formulas as metrale_jax.weights.quant_formats) ---------------
+def fp8_rows(w):
+    return qf.quantize_rows_fp8(w)                     # E4M3 [N, K], f32 [N]
+
+
+def fp8_blocks(w):
+    N, K = w.shape
+    b = w.astype(jnp.float32).reshape(N // 128, 128, K // 128, 128)
+    amax = jnp.max(jnp.abs(b), axis=(1, 3))
+    s = jnp.where(amax > 0, amax / qf.E4M3_MAX, 1.0)
+    q = jnp.clip(b / s[:, None, :, None], -qf.E4M3_MAX, qf.E4M3_MAX).reshape(N, K).astype(jnp.float8_e4m3fn)
+    return q, s
+
+
+def xla_bf16(x, w):
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
+
+
+def xla_fp8_rows(x, q, s):
+    """XLA's own FP8 matmul (cuBLASLt on Hopper) on the fp8_gemm_t math, for context."""
+    xq, xs = qf.quantize_rows_fp8(x)
+    y = jax.lax.dot_general(xq, q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (y * xs[:, None] * s[None, :]).astype(x.dtype)
+
+
+def mosaic_variants(name: str, N: int, sweep: bool) -> list[MgpuTiles | None]:
+    """None = the arm's default tiles; with --sweep a few neighbours (that fit N)."""
+    out: list[MgpuTiles | None] = [None]
+    if not sweep:
+        return out
+    if name == "fp8_gemm_t":
+        out += [MgpuTiles(128, 128, "m", stages=4, delay_release=1),
+                MgpuTiles(128, 128, "m", stages=3, delay_release=1)]
+    else:
+        out += [MgpuTiles(64, 128, "m", stages=2, k_sub=2)]
+    return out
+
+
+def short(t: MgpuTiles | str | None) -> str:
+    """MgpuTiles -> '128x128m st4 m8 dr1 ks1' (per-warpgroup tile, wg_dim, stages, snake order, delay_release,
+    k_sub); None -> 'default'."""
+    if t is None:
+        return "default"
+    return (f"{t.tile_m}x{t.tile_n}{t.wg_dim} st{t.stages} {t.grid_minor}{t.grid_tile_width} dr{t.delay_release} "
+            f"ks{t.k_sub}")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/prefill_out")
+    ap.add_argument("--tag", default="run")
+    ap.add_argument("--deadline", type=float, default=150.0, help="seconds; later arms are skipped")
+    ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--shapes", default="in_proj,out_proj")
+    ap.add_argument("--no-triton", action="store_true")
+    ap.add_argument("--no-xla-fp8", action="store_true")
+    ap.add_argument("--quick-quant", action="store_true",
+                    help="only XLA BF16, the quantization passes (XLA vs fused) and the Mosaic arms with each")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    date = datetime.date.today().isoformat()
+    stem = os.path.join(args.out, f"prefill_{date}_{args.tag}")
+    dev = jax.devices()[0]
+    result = {"date": date, "tag": args.tag, "device": str(getattr(dev, "device_kind", dev)),
+              "platform": jax.default_backend(), "M": M, "shapes": {}, "rows": [], "errors": [],
+              "versions": {"jax": jax.__version__}, "method": __doc__.split("\n\n")[1]}
+    try:
+        import jaxlib
+        result["versions"]["jaxlib"] = jaxlib.__version__
+        import torch
+        import triton
+        result["versions"].update(torch=torch.__version__, triton=triton.__version__)
+    except Exception as e:  # noqa: BLE001
+        result["versions"]["import_error"] = repr(e)[:200]
+
+    def save():
+        with open(stem + ".json", "w") as fh:
+            json.dump(result, fh, indent=1, default=str)
+        with open(stem + ".md", "w") as fh:
+            fh.write(markdown(result))
+
+    key = jax.random.key(0)
+    for shape in args.shapes.split(","):
+        N, K = SHAPES[shape]
+        flops = 2 * M * N * K
+        result["shapes"][shape] = {"N": N, "K": K, "M": M, "flops": flops}
+        log(f"== {shape} N={N} K={K} M={M}")
+        try:
+            kx, kw, key = jax.random.split(key, 3)
+            xs = [jax.random.normal(k, (M, K), jnp.bfloat16) for k in jax.random.split(kx, 4)]
+            w = (jax.random.normal(kw, (N, K), jnp.float32)
+                 * jax.random.uniform(kw, (N, 1), minval=0.1, maxval=3.0))
+            W = {"bf16": [(w.astype(jnp.bfloat16),)], "rows": [fp8_rows(w)], "blocks": [fp8_blocks(w)]}
+            del w
+            for f in W:                                          # a second copy in distinct buffers
+                W[f].append(tuple(jnp.array(a, copy=True) for a in W[f][0]))
+            jax.block_until_ready(W)
+            x0 = xs[0]
+            refs = {"rows": fp8_gemm.fp8_gemm_t_reference(x0, *W["rows"][0], out_dtype=jnp.float32),
+                    "blocks": w8a16.w8a16_pipelined_reference(x0, *W["blocks"][0], out_dtype=jnp.float32)}
+            if not args.quick_quant:
+                refs["bf16"] = xla_bf16(x0.astype(jnp.float32), W["bf16"][0][0].astype(jnp.float32))
+            jax.block_until_ready(refs)
+        except Exception:  # noqa: BLE001
+            result["errors"].append({"shape": shape, "stage": "setup", "traceback": traceback.format_exc()})
+            log(traceback.format_exc())
+            save()
+            continue
+
+        arms = [("xla_bf16", "xla", None, "bf16", xla_bf16)]
+        if not args.no_xla_fp8:
+            arms.append(("xla_fp8_dot", "xla", None, "rows", xla_fp8_rows))
+        arms += [("quantize_rows (part of fp8_gemm_t)", "xla", None, "rows", lambda x, q, s: qf.quantize_rows_fp8(x)),
+                 ("quantize_blocks (part of w8a16_gemm_pipelined)", "xla", None, "blocks",
+                  lambda x, q, s: qf.quantize_rows_fp8_blocks(x))]
+        if not args.no_triton:
+            arms += [("fp8_gemm_t", "triton", None, "rows",
+                      lambda x, q, s, **kw: fp8_gemm.fp8_gemm_t_pallas(x, q, s, interpret=DRY, **kw)),
+                     ("w8a16_gemm_pipelined", "triton", None, "blocks",
+                      lambda x, q, s, **kw: w8a16.w8a16_gemm_pipelined_pallas(x, q, s, interpret=DRY, **kw))]
+        result["shapes"][shape]["default_tiles"] = {
+            name: short(mgpu_gemm.default_tiles(N, K, per_block=name != "fp8_gemm_t"))
+            for name in ("fp8_gemm_t", "w8a16_gemm_pipelined")}
+        for t in mosaic_variants("fp8_gemm_t", N, args.sweep):
+            arms.append(("fp8_gemm_t", "mosaic", t, "rows",
+                         lambda x, q, s, t=t, **kw: mgpu_gemm.fp8_gemm_t_mosaic(x, q, s, tiles=t, interpret=DRY, **kw)))
+        for t in mosaic_variants("w8a16_gemm_pipelined", N, args.sweep):
+            arms.append(("w8a16_gemm_pipelined", "mosaic", t, "blocks",
+                         lambda x, q, s, t=t, **kw: mgpu_gemm.w8a16_gemm_pipelined_mosaic(x, q, s, tiles=t,
+                                                                                             interpret=DRY, **kw)))
+
+        if args.quick_quant:
+            arms = [a for a in arms if a[0] == "xla_bf16" or a[0].startswith("quantize")]
+            arms += [("quantize_rows fused", "triton", None, "rows",
+                      lambda x, q, s: mgpu_gemm.quantize_rows_fused(x, interpret=DRY)),
+                     ("quantize_blocks fused", "triton", None, "blocks",
+                      lambda x, q, s: mgpu_gemm.quantize_blocks_fused_t(x, interpret=DRY))]
+            for aq in ("xla", "fused"):
+                arms.append(("fp8_gemm_t", "mosaic", f"default act_quant={aq}", "rows",
+                             lambda x, q, s, aq=aq, **kw: mgpu_gemm.fp8_gemm_t_mosaic(x, q, s, act_quant=aq,
+                                                                                    interpret=DRY, **kw)))
+            arms.append(("w8a16_gemm_pipelined", "mosaic", "default act_quant=fused", "blocks",
+                         lambda x, q, s, **kw: mgpu_gemm.w8a16_gemm_pipelined_mosaic(x, q, s, act_quant="fused",
+                                                                                     interpret=DRY, **kw)))
+            try:
+                qx, qs = mgpu_gemm.quantize_rows_fused(x0, interpret=DRY)
+                rx, rs = qf.quantize_rows_fp8(x0)
+                bx, bs = mgpu_gemm.quantize_blocks_fused_t(x0, interpret=DRY)
+                cx, cs = qf.quantize_rows_fp8_blocks(x0)
+                result["shapes"][shape]["fused_quant_check"] = {
+                    "rows_q_mismatch": float(jnp.mean(qx.view(jnp.uint8) != rx.view(jnp.uint8))),
+                    "rows_scale_max_abs_diff": float(jnp.max(jnp.abs(qs - rs))),
+                    "blocks_q_mismatch": float(jnp.mean(bx.view(jnp.uint8) != cx.view(jnp.uint8))),
+                    "blocks_scale_max_abs_diff": float(jnp.max(jnp.abs(bs - cs.T)))}
+                log("fused quantization vs XLA", result["shapes"][shape]["fused_quant_check"])
+            except Exception:  # noqa: BLE001
+                result["errors"].append({"shape": shape, "stage": "fused_quant_check",
+                                         "traceback": traceback.format_exc()})
+                log(traceback.format_exc())
+        base_us = None
+        for name, impl, cfg, fmt, fn in arms:
+            row = {"shape": shape, "name": name, "impl": impl, "config": cfg if isinstance(cfg, str) else short(cfg),
+                   "format": fmt, "N": N, "K": K, "M": M, "flops": flops}
+            if time.time() - T0 > args.deadline:
+                row["skipped"] = "deadline"
+                result["rows"].append(row)
+                continue
+            try:
+                # accuracy with a float32 output where the arm takes out_dtype (bf16 rounding hides ~1e-3)
+                kw = {} if impl == "xla" or name.startswith("quantize") else {"out_dtype": jnp.float32}
+                y = jax.block_until_ready(jax.jit(lambda *a: fn(*a, **kw))(x0, *W[fmt][0]))
+                if not name.startswith("quantize") and fmt in refs:
+                    row["rel_err"] = rel_err(y, refs[fmt])
+                    row["finite"] = bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
+                tm = time_calls(fn, [(xs[i], *W[fmt][i % 2]) for i in range(4)])
+                row.update(tm)
+                row["TFLOPs"] = flops / tm["us"] / 1e6
+                wbytes = sum(a.size * a.dtype.itemsize for a in W[fmt][0])
+                row["bytes"] = wbytes + M * K * 2 + M * N * 2
+                if name == "xla_bf16":
+                    base_us = tm["us"]
+                row["ratio_vs_xla_bf16"] = base_us / tm["us"] if base_us else None
+                log(f"{shape:8s} {name:22s} {impl:7s} {row['config'][:60]:60s} {tm['us']:8.1f} us "
+                    f"{row['TFLOPs']:6.0f} TF/s x{row['ratio_vs_xla_bf16'] or 0:.2f} err {row.get('rel_err', 0):.2e}")
+            except Exception:  # noqa: BLE001
+                row["error"] = traceback.format_exc()[-3000:]
+                log(f"{shape} {name} {impl} {cfg} FAILED\n{row['error']}")
+            result["rows"].append(row)
+            save()
+
+    try:
+        if not DRY and not args.quick_quant:
+            torch_context(result)
+    except Exception:  # noqa: BLE001
+        result["errors"].append({"stage": "torch", "traceback": traceback.format_exc()[-2000:]})
+    save()
+    print(markdown(result))
+
+
+def torch_context(result):
+    """cuBLAS BF16 and torch._scaled_mm FP8 at the same shapes, for context."""
+    import torch
+    from triton.testing import do_bench
+    out = {}
+    for shape in result["shapes"]:
+        N, K = SHAPES[shape]
+        w = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        out[f"{shape}_bf16_us"] = do_bench(lambda: x @ w.T, return_mode="median") * 1e3
+        w8, x8 = w.to(torch.float8_e4m3fn), x.to(torch.float8_e4m3fn)
+        sa = torch.ones((M, 1), device="cuda")
+        sb = torch.ones((1, N), device="cuda")
+        out[f"{shape}_fp8_rowwise_us"] = do_bench(
+            lambda: torch._scaled_mm(x8, w8.T, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16),
+            return_mode="median") * 1e3
+    result["torch_context"] = out
+    log("torch", out)
+
+
+def markdown(result) -> str:
+    lines = [f"# Prefill GEMMs M={result['M']}, {result['device']}, {result['date']} ({result['tag']})", "",
+             f"versions: {result['versions']}", "",
+             "| shape | kernel | impl | config | us | TFLOP/s | x XLA BF16 | rel err |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if "us" in r:
+            lines.append(f"| {r['shape']} | {r['name']} | {r['impl']} | {r['config']} | {r['us']:.1f} | "
+                         f"{r['TFLOPs']:.0f} | {r['ratio_vs_xla_bf16'] or 0:.2f} | "
+                         f"{r.get('rel_err', float('nan')):.2e} |")
+        else:
+            lines.append(f"| {r['shape']} | {r['name']} | {r['impl']} | {r['config']} | "
+                         f"{r.get('skipped') or 'FAILED'} | | | |")
+    if "torch_context" in result:
+        lines += ["", f"torch context (do_bench median, us): {result['torch_context']}"]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

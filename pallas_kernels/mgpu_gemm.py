@@ -1,0 +1,371 @@
+"""Prefill GEMMs on Hopper's FP8 matrix units through Pallas Mosaic GPU (TMA + wgmma, warp-specialized).
+
+Mosaic arms of existing registry names (same call, same result as the Triton arm and the reference):
+  fp8_gemm_t            E4M3 activations with one scale per row x the pre-dequantized E4M3 copy [N, K]
+                        with one scale per row; the matrix units accumulate all of K and both scales are
+                        applied once in the epilogue.
+  w8a16_gemm_pipelined  activations quantized per row per 128 columns x block-scaled E4M3 weights; every
+                        128-wide K step goes into a fresh accumulator that is scaled and added into the
+                        running float32 one ("promotion"); the weight's block scale is one number per
+                        warpgroup and step (tile_n = 128), folded into the activations' row scales.
+Activations are quantized by XLA first, exactly as the Triton arm does (pallas_kernels.fp8_gemm); one-pass
+quantization kernels (ACT_QUANT = "fused") are here too, not yet the default (untimed on the GPU).
+
+Kernel layout: one CTA per SM, looping over output tiles (persistent, snake order for L2 reuse); a memory
+warpgroup streams [rows, 128] E4M3 tiles of x and w through a multi-stage TMA pipeline (128-byte swizzle),
+two compute warpgroups each own one [tile_m, tile_n] accumulator; w [N, K] is K-major, the layout FP8
+wgmma needs for its B operand (passed as the transposed view of the shared-memory tile).
+Rows (M) are padded to the CTA tile here; N and K must be multiples of 128 (ShapeError otherwise; as the GPU
+default, `supports` sends such weights to the Triton arm).
+H200 results and the tile reasoning: benchmarks/notes/quant_prefill.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from metrale_jax.errors import ShapeError
+from metrale_jax.weights.quant_formats import E4M3_MAX, FP8_BLOCK, quantize_rows_fp8, quantize_rows_fp8_blocks
+from pallas_kernels import registry
+from pallas_kernels.fp8_gemm import _check_fp8_rows, fp8_gemm_t_reference
+from pallas_kernels.w8a16 import _check_w8a16, w8a16_pipelined_reference
+
+TILE_K = 128          # one 128-byte swizzle row of E4M3; also the block-scale width
+SMEM_BYTES = 227 * 1024
+E4M3 = jnp.float8_e4m3fn
+
+
+@dataclasses.dataclass(frozen=True)
+class MgpuTiles:
+    """Tile config: each compute warpgroup owns [tile_m, tile_n]; the two sit side by side along `wg_dim`."""
+
+    tile_m: int = 128
+    tile_n: int = 128
+    wg_dim: str = "m"          # "m": CTA tile [2 tile_m, tile_n]; "n": [tile_m, 2 tile_n]
+    stages: int = 4            # TMA pipeline depth (max concurrent K steps)
+    grid_minor: str = "m"      # snake order over output tiles: the fastest-moving tile index
+    grid_tile_width: int = 8
+    epi_m: int = 64            # epilogue sub-tile rows (columns: 128 bytes of the output dtype)
+    delay_release: int = 0     # row-scaled: wgmma groups left in flight per step (a stage is freed one step later)
+    k_sub: int = 1             # block-scaled: 128-wide K blocks per pipeline step, each into its own fresh
+                               # accumulator, promoted while the next one still runs on the matrix units
+
+    @property
+    def cta(self) -> tuple[int, int]:
+        return (2 * self.tile_m, self.tile_n) if self.wg_dim == "m" else (self.tile_m, 2 * self.tile_n)
+
+
+def default_tiles(N: int, K: int, *, per_block: bool) -> MgpuTiles:
+    """Row-scaled: 128x128 per warpgroup (CTA 256x128). Block-scaled: the fresh and running accumulators
+    must fit the registers together, so 64x128 per warpgroup (CTA 128x128); tile_n = 128 = one scale block,
+    so each step's weight scale is one number per warpgroup."""
+    if per_block:
+        return MgpuTiles(tile_m=64, tile_n=128, wg_dim="m", stages=4)
+    return MgpuTiles(tile_m=128, tile_n=128, wg_dim="m", stages=4)
+
+
+def _num_sms(interpret) -> int:
+    if interpret:
+        return 2
+    return jax.devices()[0].core_count
+
+
+def _fp8_transforms():
+    return (plgpu.TilingTransform((8, TILE_K)), plgpu.SwizzleTransform(128))
+
+
+def _check_tiles(name: str, M: int, N: int, K: int, t: MgpuTiles, *, per_block: bool) -> None:
+    cta_m, cta_n = t.cta
+    if per_block and (t.wg_dim != "m" or t.tile_n != FP8_BLOCK):
+        # one 128-column scale block per CTA (the wg_dim="n" variant also deadlocked in GPU interpret mode)
+        raise ShapeError(f"{name}: tiles.wg_dim must be 'm' and tile_n {FP8_BLOCK} for the block-scaled kernel, "
+                         f"got {t.wg_dim!r}, {t.tile_n}")
+    if t.tile_m % 64 or t.tile_n % 8 or t.tile_n > 256:
+        raise ShapeError(f"{name}: tile_m={t.tile_m} must be a multiple of 64 and tile_n={t.tile_n} a multiple "
+                         f"of 8 up to 256 (wgmma shapes)")
+    if N % cta_n:
+        raise ShapeError(f"{name}: w has N={N} rows, not a multiple of the Mosaic tile's {cta_n} columns; "
+                         f"use the Triton arm or pad the weight")
+    if K % TILE_K:
+        raise ShapeError(f"{name}: K={K} (x columns, w columns) is not a multiple of {TILE_K}")
+    if per_block and (K // TILE_K) % t.k_sub:
+        raise ShapeError(f"{name}: k_sub={t.k_sub} does not divide the {K // TILE_K} K blocks of {TILE_K}")
+    if t.tile_m % t.epi_m:
+        raise ShapeError(f"{name}: epi_m={t.epi_m} must divide tile_m={t.tile_m}")
+
+
+def _gemm_kernel(*refs, per_block: bool, t: MgpuTiles, M: int, N: int, K: int, out_dtype):
+    """Body for both arms. per_block: refs = x, w, xs_t [K/128, M], ws_rows [K/128, N/128 * tile_m], out,
+    scratch; else x, w, xs [M], ws [N], out, scratch (scales of the epilogue)."""
+    x_ref, w_ref, xs_ref, ws_ref, out_ref, out_smem, sx_smem, sw_smem, sx_bar, sw_bar = refs
+    cta_m, cta_n = t.cta
+    tm, tn = t.tile_m, t.tile_n
+    S = t.k_sub if per_block else 1
+    m_iters, n_iters, k_iters = M // cta_m, N // cta_n, K // (TILE_K * S)
+    epi_n = 128 // jnp.dtype(out_dtype).itemsize
+    epi_n = min(epi_n, tn)
+    minor = 0 if t.grid_minor == "m" else 1
+
+    dr = 0 if per_block else t.delay_release
+
+    def fp8_spec(rows, j):         # K block S*k + j of a [rows, K] E4M3 operand
+        return plgpu.BlockSpec((rows, TILE_K), lambda k: (0, S * k + j), transforms=_fp8_transforms(),
+                               delay_release=dr)
+
+    in_specs = [fp8_spec(cta_m, j) for j in range(S)] + [fp8_spec(cta_n, j) for j in range(S)]
+    if per_block:
+        in_specs += [plgpu.BlockSpec((S, cta_m), lambda k: (k, 0)), plgpu.BlockSpec((S, tm), lambda k: (k, 0))]
+
+    def make_pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body, grid=(k_iters,), memory_registers=40, in_specs=in_specs, wg_axis="wg", num_compute_wgs=2,
+            max_concurrent_steps=t.stages, compute_context=context)
+
+    ignore = lambda *_, **__: None
+    gmem_args = (x_ref,) * S + (w_ref,) * S + ((xs_ref, ws_ref) if per_block else ())
+
+    @functools.partial(pl.run_scoped, allocs=make_pipeline(ignore, ignore).get_allocations(*gmem_args),
+                       collective_axes="wg")
+    def _scope(allocs):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+        def _tiles(info: plgpu.NDLoopInfo):
+            (lin,) = info.index
+            mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), minor, t.grid_tile_width)
+            cta_rows, cta_cols = pl.ds(mi * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
+            if t.wg_dim == "m":
+                wg_rows, wg_cols = pl.ds(wg * tm, tm), pl.ds(0, tn)
+            else:
+                wg_rows, wg_cols = pl.ds(0, tm), pl.ds(wg * tn, tn)
+            rows0 = mi * cta_m + (wg * tm if t.wg_dim == "m" else 0)
+            cols0 = ni * cta_n + (0 if t.wg_dim == "m" else wg * tn)
+
+            def epilogue(acc):
+                """acc [tm, tn] f32 (scaled) -> out[rows, cols] through 128-byte sub-tiles and TMA stores."""
+                y = acc.astype(out_dtype)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                for i in range(tm // t.epi_m):
+                    for j in range(tn // epi_n):
+                        slot = (i * (tn // epi_n) + j) % 2
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                        out_smem[wg, slot] = y[i * t.epi_m:(i + 1) * t.epi_m, j * epi_n:(j + 1) * epi_n]
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            out_smem.at[wg, slot],
+                            out_ref.at[pl.ds(rows0 + i * t.epi_m, t.epi_m), pl.ds(cols0 + j * epi_n, epi_n)])
+
+            if per_block:
+                def context(run):
+                    zero = plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA)
+                    epilogue(run(zero))
+
+                def body(_, *refs):
+                    x_l, w_l, (xs_s, ws_s, acc) = refs[:S], refs[S:2 * S], refs[2 * S:]
+
+                    def mma(*parts):
+                        for j in range(S):
+                            plgpu.wgmma(parts[j], x_l[j].at[wg_rows], w_l[j].at[wg_cols].transpose((1, 0)))
+                        out = acc
+                        for j in range(S):      # promote block j while blocks j+1.. still run
+                            part = plgpu.wgmma_accumulator_load(parts[j], wait_n=S - 1 - j)
+                            xs = plgpu.load(xs_s.at[j, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
+                            ws = plgpu.load(ws_s.at[j], layout=plgpu.Layout.WGMMA.reduce(1))   # one value
+                            out = out + part * lax.broadcast_in_dim(xs * ws, (tm, tn), [0])
+                        return out
+
+                    return pl.run_scoped(mma, *[plgpu.ACC((tm, tn), jnp.float32) for _ in range(S)])
+            else:
+                def context(run):
+                    # the epilogue's scales travel while the K loop runs
+                    plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(rows0, tm)], sx_smem.at[wg], sx_bar.at[wg])
+                    plgpu.copy_gmem_to_smem(ws_ref.at[pl.ds(cols0, tn)], sw_smem.at[wg], sw_bar.at[wg])
+
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+                    def _acc(acc_ref):
+                        run(acc_ref)
+                        acc = acc_ref[...]
+                        plgpu.barrier_wait(sx_bar.at[wg])
+                        plgpu.barrier_wait(sw_bar.at[wg])
+                        xs = plgpu.load(sx_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
+                        ws = plgpu.load(sw_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
+                        acc = acc * lax.broadcast_in_dim(xs, (tm, tn), [0]) * lax.broadcast_in_dim(ws, (tm, tn), [1])
+                        epilogue(acc)
+
+                def body(_, x_s, w_s, acc_ref):
+                    plgpu.wgmma(acc_ref, x_s.at[wg_rows], w_s.at[wg_cols].transpose((1, 0)))
+                    plgpu.wgmma_wait(dr)
+                    return acc_ref
+
+            args = (x_ref.at[cta_rows, :],) * S + (w_ref.at[cta_cols, :],) * S
+            if per_block:
+                args += (xs_ref.at[:, cta_rows], ws_ref.at[:, pl.ds(ni * tm, tm)])
+            make_pipeline(body, context)(*args, allocations=allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _smem_bytes(t: MgpuTiles, out_dtype, per_block: bool) -> int:
+    cta_m, cta_n = t.cta
+    S = t.k_sub if per_block else 1
+    stage = S * ((cta_m + cta_n) * TILE_K + (4 * (cta_m + t.tile_m) if per_block else 0))
+    epi_n = min(128 // jnp.dtype(out_dtype).itemsize, t.tile_n)
+    return t.stages * stage + 2 * 2 * t.epi_m * epi_n * jnp.dtype(out_dtype).itemsize + 8 * (t.tile_m + t.tile_n)
+
+
+@functools.partial(jax.jit, static_argnames=("per_block", "tiles", "out_dtype", "interpret", "name"))
+def _mgpu_call(xq, xs, w, ws, *, per_block: bool, tiles: MgpuTiles, out_dtype, interpret: bool, name: str):
+    """xq E4M3 [Mp, K] (Mp a multiple of the CTA rows), xs f32 [Mp] or [K/128, Mp], w E4M3 [N, K],
+    ws f32 [N] or [K/128, N/128 * tile_m] -> [Mp, N] out_dtype."""
+    Mp, K = xq.shape
+    N = w.shape[0]
+    t = tiles
+    if _smem_bytes(t, out_dtype, per_block) > SMEM_BYTES:
+        raise ShapeError(f"{name}: tiles {t} need {_smem_bytes(t, out_dtype, per_block)} bytes of shared memory "
+                         f"(> {SMEM_BYTES}); lower stages")
+    epi_n = min(128 // jnp.dtype(out_dtype).itemsize, t.tile_n)
+    swz = epi_n * jnp.dtype(out_dtype).itemsize
+    out_smem = plgpu.SMEM((2, 2, t.epi_m, epi_n), out_dtype,
+                          transforms=(plgpu.TilingTransform((8, epi_n)), plgpu.SwizzleTransform(swz)))
+    kernel = functools.partial(_gemm_kernel, per_block=per_block, t=t, M=Mp, N=N, K=K, out_dtype=out_dtype)
+    ncta = (Mp // t.cta[0]) * (N // t.cta[1])
+    f = plgpu.kernel(
+        kernel, out_type=jax.ShapeDtypeStruct((Mp, N), out_dtype),
+        scratch_types=[out_smem, plgpu.SMEM((2, t.tile_m), jnp.float32), plgpu.SMEM((2, t.tile_n), jnp.float32),
+                       plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)],
+        grid=(min(_num_sms(interpret), ncta),), grid_names=("sm",), num_threads=3, thread_name="wg",
+        interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)
+    return f(xq, w, xs, ws)
+
+
+# ---- activation quantization in one pass (Pallas Triton; optional, see ACT_QUANT) ------------------------
+# XLA quantizes x in ~2 passes (row amax, then divide + convert): 40 us in_proj / 70 us out_proj at M = 4096
+# (call 2 of benchmarks/notes/quant_prefill.md), 8-28% of the arm. These kernels read x once and write the
+# E4M3 copy and its scales once, with the same formulas as quant_formats.quantize_rows_fp8[_blocks].
+ACT_QUANT = "xla"          # "xla" | "fused" (the fused pass is not yet timed on the GPU)
+
+
+def _quant_rows_kernel(x_ref, q_ref, s_ref):
+    x = x_ref[...].astype(jnp.float32)                                         # [R, K]
+    amax = jnp.max(jnp.abs(x), axis=1)
+    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+    q_ref[...] = jnp.clip(x / scale[:, None], -E4M3_MAX, E4M3_MAX).astype(E4M3)
+    s_ref[...] = scale
+
+
+def _quant_blocks_kernel(x_ref, q_ref, s_ref):
+    x = x_ref[...].astype(jnp.float32)                                         # [R, 128]
+    amax = jnp.max(jnp.abs(x), axis=1)
+    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+    q_ref[...] = jnp.clip(x / scale[:, None], -E4M3_MAX, E4M3_MAX).astype(E4M3)
+    s_ref[...] = scale[None, :]
+
+
+def fused_quant_ok(M: int, K: int) -> bool:
+    """The fused passes take K a power of two >= 128 and M a multiple of their row block."""
+    return K >= TILE_K and K & (K - 1) == 0 and M % _quant_rows_block(K) == 0 and M % 64 == 0
+
+
+def _quant_rows_block(K: int) -> int:
+    return max(1, 16384 // K)          # ~64 f32 values per thread with 8 warps
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def quantize_rows_fused(x, *, interpret: bool = False):
+    """x [M, K] -> (E4M3 [M, K], f32 scale [M]), as quant_formats.quantize_rows_fp8, in one pass."""
+    from jax.experimental.pallas import triton as pltr
+    M, K = x.shape
+    if not fused_quant_ok(M, K):
+        raise ShapeError(f"fused E4M3 quantization: x [{M}, {K}] needs K a power of two >= 128, M a multiple of 64")
+    R = _quant_rows_block(K)
+    return pl.pallas_call(
+        _quant_rows_kernel, grid=(M // R,),
+        in_specs=[pl.BlockSpec((R, K), lambda i: (i, 0))],
+        out_specs=[pl.BlockSpec((R, K), lambda i: (i, 0)), pl.BlockSpec((R,), lambda i: (i,))],
+        out_shape=[jax.ShapeDtypeStruct((M, K), E4M3), jax.ShapeDtypeStruct((M,), jnp.float32)],
+        compiler_params=pltr.CompilerParams(num_warps=8, num_stages=1), interpret=interpret,
+        name="quantize_rows_fp8")(x)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def quantize_blocks_fused_t(x, *, interpret: bool = False):
+    """x [M, K] -> (E4M3 [M, K], f32 scale transposed [K/128, M]): quant_formats.quantize_rows_fp8_blocks
+    with the scales already in the layout the block-scaled kernel reads."""
+    from jax.experimental.pallas import triton as pltr
+    M, K = x.shape
+    if not fused_quant_ok(M, K):
+        raise ShapeError(f"fused E4M3 quantization: x [{M}, {K}] needs K a power of two >= 128, M a multiple of 64")
+    R = 64
+    return pl.pallas_call(
+        _quant_blocks_kernel, grid=(M // R, K // TILE_K),
+        in_specs=[pl.BlockSpec((R, TILE_K), lambda i, j: (i, j))],
+        out_specs=[pl.BlockSpec((R, TILE_K), lambda i, j: (i, j)), pl.BlockSpec((1, R), lambda i, j: (j, i))],
+        out_shape=[jax.ShapeDtypeStruct((M, K), E4M3), jax.ShapeDtypeStruct((K // TILE_K, M), jnp.float32)],
+        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+        name="quantize_rows_fp8_blocks")(x)
+
+
+def _pad_rows(a, rows: int):
+    return a if a.shape[0] == rows else jnp.pad(a, ((0, rows - a.shape[0]),) + ((0, 0),) * (a.ndim - 1))
+
+
+def fp8_gemm_t_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False, tiles: MgpuTiles | None = None,
+                      act_quant: str | None = None):
+    """Mosaic arm of fp8_gemm_t: same call and result as `fp8_gemm_t_reference` (x [M, K], w E4M3 [N, K],
+    scale f32 [N]). act_quant: "xla" or "fused" activation quantization (default ACT_QUANT)."""
+    _check_fp8_rows(x, w, scale)
+    M, K = x.shape
+    N = w.shape[0]
+    t = tiles or default_tiles(N, K, per_block=False)
+    _check_tiles("fp8_gemm_t", M, N, K, t, per_block=False)
+    Mp = pl.cdiv(M, t.cta[0]) * t.cta[0]
+    fused = (act_quant or ACT_QUANT) == "fused" and fused_quant_ok(M, K)
+    xq, xs = quantize_rows_fused(x, interpret=interpret) if fused else quantize_rows_fp8(x)
+    y = _mgpu_call(_pad_rows(xq, Mp), _pad_rows(xs, Mp), w, scale, per_block=False, tiles=t,
+                   out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=interpret, name="fp8_gemm_t")
+    return y[:M] if Mp != M else y
+
+
+def w8a16_gemm_pipelined_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False,
+                                tiles: MgpuTiles | None = None, act_quant: str | None = None):
+    """Mosaic arm of w8a16_gemm_pipelined: same call and result as `w8a16_pipelined_reference` (x [M, K],
+    w E4M3 [N, K], scale f32 [ceil(N/128), ceil(K/128)]). act_quant as for fp8_gemm_t_mosaic."""
+    _check_w8a16("w8a16_gemm_pipelined", x, w, scale)
+    M, K = x.shape
+    N = w.shape[0]
+    t = tiles or default_tiles(N, K, per_block=True)
+    _check_tiles("w8a16_gemm_pipelined", M, N, K, t, per_block=True)
+    Mp = pl.cdiv(M, t.cta[0]) * t.cta[0]
+    if (act_quant or ACT_QUANT) == "fused" and fused_quant_ok(M, K) and Mp == M:
+        xq, xs_t = quantize_blocks_fused_t(x, interpret=interpret)      # [M, K], [K/128, M]
+    else:
+        xq, xs = quantize_rows_fp8_blocks(x)                              # [M, K], [M, K/128]
+        xq, xs_t = _pad_rows(xq, Mp), _pad_rows(xs, Mp).T
+    ws_rows = jnp.repeat(scale.T, t.tile_m, axis=1)        # [K/128, N/128 * tile_m]: each block scale tile_m times
+    y = _mgpu_call(xq, xs_t, w, ws_rows, per_block=True, tiles=t,
+                   out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=interpret, name="w8a16_gemm_pipelined")
+    return y[:M] if Mp != M else y
+
+
+def supports(name: str, N: int, K: int) -> bool:
+    """Whether the default tiles of `name` take an [N, K] weight (M is always padded): N a multiple of the CTA
+    columns (128), K a multiple of 128. Other shapes go to the Triton arm when Mosaic is the default."""
+    t = default_tiles(N, K, per_block=name == "w8a16_gemm_pipelined")
+    return N % t.cta[1] == 0 and K % (TILE_K * t.k_sub) == 0
+
+
+# Defaults from the H200 runs of 2026-11-30 (benchmarks/notes/quant_prefill.md, call 2, M = 4096): fp8_gemm_t
+# 470 us in_proj / 250 us out_proj against Triton ~1457 / ~699 and XLA BF16 788 / 359; w8a16_gemm_pipelined
+# 598 / 315 against Triton ~1788 / ~838.
+registry.register("fp8_gemm_t", reference=fp8_gemm_t_reference, mosaic=fp8_gemm_t_mosaic, gpu_default="mosaic",
+                  mosaic_supports=lambda x, w, scale, **_: supports("fp8_gemm_t", *w.shape))
+registry.register("w8a16_gemm_pipelined", reference=w8a16_pipelined_reference, mosaic=w8a16_gemm_pipelined_mosaic,
+                  gpu_default="mosaic",
+                  mosaic_supports=lambda x, w, scale, **_: supports("w8a16_gemm_pipelined", *w.shape))
