@@ -254,17 +254,22 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, sta
     _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct)
 
 
+def _grid(name: str, M: int, N: int, K: int, bk: int, config: GemvConfig):
+    """(block_n, n-blocks, m-blocks, K split, K steps per split) of a GEMV launch; the split from (N, K) only."""
+    bn = config.block_n
+    total = pl.cdiv(K, bk)
+    nb, mb = pl.cdiv(N, bn), pl.cdiv(M, BM)
+    split = config.split_k or auto_split(nb, total)
+    if total % split:
+        raise ShapeError(f"{name}(mosaic): split_k={split} does not divide the {total} K steps of {bk}")
+    return bn, nb, mb, split, total // split
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
 def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
     M, K = x.shape
     N = w.shape[0]
-    bn = config.block_n
-    total = pl.cdiv(K, W8_BK)
-    nb, mb = pl.cdiv(N, bn), pl.cdiv(M, BM)
-    split = config.split_k or auto_split(nb, total)
-    if total % split:
-        raise ShapeError(f"w8a16_gemv(mosaic): split_k={split} does not divide the {total} K steps of {W8_BK}")
-    steps = total // split
+    bn, nb, mb, split, steps = _grid("w8a16_gemv", M, N, K, W8_BK, config)
     xp = _pad_rows(x)
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype)
     kernel = functools.partial(_w8_kernel, bn=bn, steps=steps, stages=min(config.stages, steps), direct=direct,
@@ -385,13 +390,7 @@ def _w4_kernel(xe_gmem, xo_gmem, p_gmem, s_gmem, g_gmem, e_gmem, o_gmem, o_smem,
 def _w4_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, interpret: bool):
     M, K = x.shape
     N = packed.shape[0]
-    bn = config.block_n
-    total = pl.cdiv(K, W4_BK)
-    nb, mb = pl.cdiv(N, bn), pl.cdiv(M, BM)
-    split = config.split_k or auto_split(nb, total)
-    if total % split:
-        raise ShapeError(f"w4a16_gemv(mosaic): split_k={split} does not divide the {total} K steps of {W4_BK}")
-    steps = total // split
+    bn, nb, mb, split, steps = _grid("w4a16_gemv", M, N, K, W4_BK, config)
     xp = _pad_rows(x)
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype)
     xe, xo = xp[:, 0::2], xp[:, 1::2]                   # [M, K/2] each: the planes' activations

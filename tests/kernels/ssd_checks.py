@@ -1,6 +1,7 @@
 """Shared pieces of the SSD kernel tests (Triton and Mosaic GPU arms): random inputs, the call, the comparison
 against the reference (unwritten rows poisoned as NaN fail it)."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -39,3 +40,23 @@ def compare_ssd(out, ref, tol, chunks=False):
         np.testing.assert_array_equal(np.asarray(out.chunk_states.end_pos), np.asarray(ref.chunk_states.end_pos))
         assert rel_err(out.chunk_states.states[v], ref.chunk_states.states[v]) <= tol
         assert np.all(np.asarray(out.chunk_states.states)[~v] == 0)   # written, not left as poison
+
+
+def check_offsets_past_4gib(rng, scan, reference, shape: dict, tol: float) -> None:
+    """x and y over 4 GiB (GPU): the second sequence lies past element 2**31 and must match its own scan."""
+    H, P, G, N = shape["H"], shape["P"], shape["G"], shape["N"]
+    tail = 300
+    T = (1 << 31) // (H * P) + 2 * tail
+    kx, kb, kc, kd = jax.random.split(jax.random.key(int(rng.integers(2**31))), 4)
+    x = jax.random.normal(kx, (T, H, P), jnp.bfloat16)
+    B = jax.random.normal(kb, (T, G, N), jnp.bfloat16)
+    C = jax.random.normal(kc, (T, G, N), jnp.bfloat16)
+    dt = jax.random.uniform(kd, (T, H), jnp.bfloat16, -4.0, 1.0)
+    A = jnp.asarray(-np.exp(rng.uniform(-1.0, 1.5, H)), jnp.float32)
+    h0 = jnp.asarray(rng.standard_normal((2, H, P, N)), jnp.float32)
+    cu = jnp.asarray([0, T - tail, T], jnp.int32)
+    out = scan(x, dt, A, B, C, chunk_size=128, initial_states=h0, cu_seqlens=cu)
+    ref = reference(x[T - tail:], dt[T - tail:], A, B[T - tail:], C[T - tail:], chunk_size=128,
+                    initial_states=h0[1:])
+    assert rel_err(out.y[T - tail:], ref.y) <= tol
+    assert rel_err(out.final_states[1], ref.final_states[0]) <= tol

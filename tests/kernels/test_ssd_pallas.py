@@ -10,7 +10,8 @@ import pytest
 from metrale_jax.errors import ShapeError
 from pallas_kernels import registry, ssd
 from pallas_kernels.ssd import SsdBlocks, ssd_scan_pallas
-from tests.kernels.ssd_checks import call_ssd as _call, compare_ssd as _compare, cu_seqlens as _cu, ssd_inputs
+from tests.kernels.ssd_checks import (call_ssd as _call, check_offsets_past_4gib, compare_ssd as _compare,
+                                      cu_seqlens as _cu, ssd_inputs)
 from tests.numpy_refs import rel_err, ssm_recurrence
 
 reference = jax.jit(ssd.ssd_scan_reference, static_argnames=(
@@ -106,19 +107,4 @@ def test_nemotron_shapes_ragged(rng, dtype, tol, blocks):
 @pytest.mark.gpu
 def test_offsets_past_4gib(rng):
     """x and y over 4 GiB: the second sequence lies past element 2**31 and must match its own scan."""
-    H, P, G, N = NEMOTRON["H"], NEMOTRON["P"], NEMOTRON["G"], NEMOTRON["N"]
-    tail = 300
-    T = (1 << 31) // (H * P) + 2 * tail
-    kx, kb, kc, kd = jax.random.split(jax.random.key(int(rng.integers(2**31))), 4)
-    x = jax.random.normal(kx, (T, H, P), jnp.bfloat16)
-    B = jax.random.normal(kb, (T, G, N), jnp.bfloat16)
-    C = jax.random.normal(kc, (T, G, N), jnp.bfloat16)
-    dt = jax.random.uniform(kd, (T, H), jnp.bfloat16, -4.0, 1.0)
-    A = jnp.asarray(-np.exp(rng.uniform(-1.0, 1.5, H)), jnp.float32)
-    h0 = jnp.asarray(rng.standard_normal((2, H, P, N)), jnp.float32)
-    cu = jnp.asarray([0, T - tail, T], jnp.int32)
-    out = ssd_scan_pallas(x, dt, A, B, C, chunk_size=128, initial_states=h0, cu_seqlens=cu)
-    ref = reference(x[T - tail:], dt[T - tail:], A, B[T - tail:], C[T - tail:], chunk_size=128,
-                    initial_states=h0[1:])
-    assert rel_err(out.y[T - tail:], ref.y) <= 1e-2
-    assert rel_err(out.final_states[1], ref.final_states[0]) <= 1e-2
+    check_offsets_past_4gib(rng, ssd_scan_pallas, reference, NEMOTRON, 1e-2)
