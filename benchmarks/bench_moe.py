@@ -18,13 +18,13 @@ import functools
 import json
 import os
 import platform
-import time
 import traceback
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import timing
 from metrale_jax.weights import quant_formats as qf
 from pallas_kernels import grouped
 
@@ -33,23 +33,16 @@ E, TOP_K, HIDDEN, INTER = 128, 6, 2688, 1856
 PROJ = {"up": (INTER, HIDDEN), "down": (HIDDEN, INTER)}
 
 
-def wall_us(fn, args, calls: int = 20, reps: int = 3, variants: int = 4) -> float:
-    """Microseconds per call: `calls` calls queued inside one executable, best of `reps` runs. The calls cycle
-    through `variants` distinct copies of the first argument, so XLA cannot merge identical calls into one."""
-    xs = [args[0] * (1 + i / 64) for i in range(variants)]
-    many = jax.jit(lambda xs, rest: [fn(xs[i % variants], *rest) for i in range(calls)])
-    jax.block_until_ready(many(xs, args[1:]))
-    best = float("inf")
-    for _ in range(reps):
-        t = time.perf_counter()
-        jax.block_until_ready(many(xs, args[1:]))
-        best = min(best, (time.perf_counter() - t) / calls * 1e6)
-    return best
+def wall_us(fn, args, variants: int = 8, reps: int = 4) -> float:
+    """Microseconds per call: `variants` calls with distinct copies of the first argument queued in one
+    executable (benchmarks/timing.py), best of 3 trials."""
+    sets = [(args[0] * (1 + i / 64), *args[1:]) for i in range(variants)]
+    return min(timing.queued_wall_us(fn, sets, reps=reps))
 
 
 def copy_bytes_per_s() -> float:
     x = jax.random.normal(jax.random.key(0), (1 << (28 if jax.default_backend() == "gpu" else 20),), jnp.float32)
-    return 2 * x.nbytes / (wall_us(lambda a: a * 1.0001 + 1.0, (x,), calls=8) * 1e-6)
+    return 2 * x.nbytes / (wall_us(lambda a: a * 1.0001 + 1.0, (x,)) * 1e-6)
 
 
 def experts(N, K, key, distinct: int = 16):

@@ -22,6 +22,7 @@ import traceback
 import jax
 import jax.numpy as jnp
 
+from benchmarks import timing
 from metrale_jax.weights import quant_formats as qf
 from pallas_kernels import fp8_gemm, mgpu_gemm, w8a16
 from pallas_kernels.mgpu_gemm import MgpuTiles
@@ -48,20 +49,7 @@ def time_calls(fn, arg_sets, *, reps: int = 6) -> dict:
     """us per call (wall): one call per (distinct) arg set inside one executable, best of 3 trials of `reps`
     executions. The arg sets must all differ: XLA merges identical calls (call 1 of s2 cycled 3 sets in
     6 calls and so timed every arm at half its time)."""
-    per_exec = len(arg_sets)
-
-    @jax.jit
-    def many(sets):
-        return [fn(*sets[i]) for i in range(per_exec)]
-
-    jax.block_until_ready(many(arg_sets))
-    jax.block_until_ready(many(arg_sets))
-    walls = []
-    for _ in range(3):
-        t = time.perf_counter()
-        outs = [many(arg_sets) for _ in range(reps)]
-        jax.block_until_ready(outs)
-        walls.append((time.perf_counter() - t) / (reps * per_exec) * 1e6)
+    walls = timing.queued_wall_us(fn, arg_sets, reps=reps)
     return {"us": min(walls), "us_all": walls}
 
 

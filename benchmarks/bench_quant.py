@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import timing
 from metrale_jax.weights import quant_formats as qf
 from pallas_kernels import fp8_gemm, mgpu_gemv, w4a4, w4a16, w8a16
 from pallas_kernels.mgpu_gemv import GemvConfig
@@ -82,20 +83,9 @@ def _gpu_kernel_us(trace_dir: str, calls: int) -> float | None:
 def time_calls(fn, arg_sets, *, per_exec: int, reps: int, profile: bool = True) -> dict:
     """Median-free simple timing: `per_exec` calls of fn inside one executable (cycling arg_sets), the
     executable run `reps` times back to back; returns us per call (wall) and GPU us per call (trace)."""
-    n = len(arg_sets)
-
-    @jax.jit
-    def many(sets):
-        return [fn(*sets[i % n]) for i in range(per_exec)]
-
-    jax.block_until_ready(many(arg_sets))             # compile + warm
-    jax.block_until_ready(many(arg_sets))
-    walls = []
-    for _ in range(3):
-        t = time.perf_counter()
-        outs = [many(arg_sets) for _ in range(reps)]
-        jax.block_until_ready(outs)
-        walls.append((time.perf_counter() - t) / (reps * per_exec) * 1e6)
+    arg_sets = [arg_sets[i % len(arg_sets)] for i in range(per_exec)]   # per_exec <= len: all distinct
+    many = timing.queued(fn, per_exec)
+    walls = timing.wall_us(many, arg_sets, reps=reps)
     res = {"wall_us": min(walls), "wall_us_all": walls}
     if profile:
         try:
