@@ -18,6 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from metrale_jax.errors import ShapeError
 from pallas_kernels import registry
 from pallas_kernels.triton_util import (check_floating, check_shape, compiler_params, dot, dot_dtype, next_pow2,
                                         softplus)
@@ -377,6 +378,26 @@ def _ssd_scan_kernel(cu_ref, uchunk_cu_ref, ichunk_cu_ref, seg_start_ref, seg_le
             jax.lax.fori_loop(uchunk_cu_ref[S], NCU, zero_chunk, 0)
 
 
+def check_ssd_args(x, dt, A, B, C, D, dt_bias) -> tuple[int, int, int, int, int]:
+    """Shapes and dtypes of a scan's arguments (ShapeError naming the argument); returns (T, H, P, G, N)."""
+    check_shape("ssd_scan", "x", x, (None, None, None))
+    T, H, P = x.shape
+    check_shape("ssd_scan", "B", B, (T, None, None))
+    G, N = B.shape[1], B.shape[2]
+    check_shape("ssd_scan", "dt", dt, (T, H))
+    check_shape("ssd_scan", "A", A, (H,))
+    check_shape("ssd_scan", "C", C, (T, G, N))
+    for name, v in (("x", x), ("dt", dt), ("B", B), ("C", C)):
+        check_floating("ssd_scan", name, v)
+    if H % G:
+        raise ShapeError(f"ssd_scan: B has {G} groups, which does not divide the {H} heads of x")
+    if D is not None:
+        check_shape("ssd_scan", "D", D, (H,))
+    if dt_bias is not None:
+        check_shape("ssd_scan", "dt_bias", dt_bias, (H,))
+    return T, H, P, G, N
+
+
 def ssd_scan_pallas(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, *, chunk_size: int,
                     D: jax.Array | None = None, dt_bias: jax.Array | None = None, dt_softplus: bool = True,
                     dt_limit: tuple[float, float] = (0.0, math.inf), initial_states: jax.Array | None = None,
@@ -385,21 +406,7 @@ def ssd_scan_pallas(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: 
     """The Pallas scan; same call and results as `ssd_scan_reference`.  `precision` is accepted for that call's
     sake: f32 inputs multiply in IEEE f32, 16-bit inputs in 16-bit operands with f32 accumulation."""
     del precision
-    T, H, P = x.shape
-    if B.ndim != 3 or B.shape[0] != T:
-        check_shape("ssd_scan", "B", B, (T, None, None))
-    G, N = B.shape[1], B.shape[2]
-    check_shape("ssd_scan", "dt", dt, (T, H))
-    check_shape("ssd_scan", "A", A, (H,))
-    check_shape("ssd_scan", "C", C, (T, G, N))
-    for name, v in (("x", x), ("dt", dt), ("B", B), ("C", C)):
-        check_floating("ssd_scan", name, v)
-    if H % G:
-        raise ValueError(f"ssd: n_groups {G} does not divide heads {H}")
-    if D is not None:
-        check_shape("ssd_scan", "D", D, (H,))
-    if dt_bias is not None:
-        check_shape("ssd_scan", "dt_bias", dt_bias, (H,))
+    T, H, P, G, N = check_ssd_args(x, dt, A, B, C, D, dt_bias)
     if chunk_size < 1:
         raise ValueError(f"ssd: chunk_size must be >= 1, got {chunk_size}")
     blk = blocks or default_ssd_blocks(P, N)

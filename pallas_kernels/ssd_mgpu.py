@@ -34,8 +34,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import registry
-from pallas_kernels.ssd import HIGHEST, ChunkStates, SsdOutput, process_dt, ssd_scan_pallas
-from pallas_kernels.triton_util import check_floating, check_shape
+from pallas_kernels.ssd import HIGHEST, ChunkStates, SsdOutput, check_ssd_args, process_dt, ssd_scan_pallas
+from pallas_kernels.triton_util import check_shape
 from pallas_kernels.varlen import as_cu_seqlens, chunk_table
 
 Q = 64            # tokens per step (the wgmma M tile of one warpgroup)
@@ -276,25 +276,12 @@ def ssd_scan_mosaic(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: 
     """The Mosaic GPU scan; same call and results as `ssd_scan_reference`.  Calls it does not cover (see
     `mosaic_supports`) run the Triton arm (`blocks` is passed there).  a_regs: the left operands of the y and
     state products from registers (default on the GPU) instead of staged through SMEM (interpret mode)."""
-    T, H, P = x.shape
-    if B.ndim != 3 or B.shape[0] != T:
-        check_shape("ssd_scan", "B", B, (T, None, None))
-    G, N = B.shape[1], B.shape[2]
+    T, H, P, G, N = check_ssd_args(x, dt, A, B, C, D, dt_bias)
     if not mosaic_supports(x.dtype, B.dtype, C.dtype, P, N, chunk_size):
         return ssd_scan_pallas(x, dt, A, B, C, chunk_size=chunk_size, D=D, dt_bias=dt_bias, dt_softplus=dt_softplus,
                                dt_limit=dt_limit, initial_states=initial_states, cu_seqlens=cu_seqlens,
                                return_chunk_states=return_chunk_states, precision=precision, interpret=bool(interpret),
                                blocks=blocks)
-    check_shape("ssd_scan", "dt", dt, (T, H))
-    check_shape("ssd_scan", "A", A, (H,))
-    check_shape("ssd_scan", "C", C, (T, G, N))
-    check_floating("ssd_scan", "dt", dt)
-    if H % G:
-        raise ValueError(f"ssd: n_groups {G} does not divide heads {H}")
-    if D is not None:
-        check_shape("ssd_scan", "D", D, (H,))
-    if dt_bias is not None:
-        check_shape("ssd_scan", "dt_bias", dt_bias, (H,))
     return _ssd_scan_mosaic(x, dt, A, B, C, D, dt_bias, initial_states, cu_seqlens, chunk_size=chunk_size,
                             dt_softplus=dt_softplus, dt_limit=tuple(float(v) for v in dt_limit),
                             return_chunk_states=return_chunk_states,

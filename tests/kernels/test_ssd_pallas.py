@@ -84,6 +84,9 @@ def test_bad_shapes_raise(rng, interpret):
         _call(fn, {**inp, "C": inp["C"][:, :1]})
     with pytest.raises(ShapeError, match="initial_states"):
         _call(fn, {**inp, "initial_states": inp["initial_states"][:, :2]})
+    three = _inputs(rng, 10, 1, H=4, G=3)
+    with pytest.raises(ShapeError, match="3 groups.*4 heads"):
+        _call(fn, three)
 
 
 # ---- GPU: the model's shapes, and offsets past 2**31 elements ------------------------------------------------
