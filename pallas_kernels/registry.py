@@ -5,6 +5,8 @@ Hopper wgmma/TMA). `gpu_default` says which one `auto` and `pallas` pick on the 
 A Mosaic arm that takes only some shapes registers `mosaic_supports(*args, **kwargs) -> bool`: as the
 default it then serves the calls it supports and hands the others to the Triton arm (decided at trace
 time, from static shapes); mode `mosaic` calls it unconditionally (it raises on what it cannot take).
+The Mosaic arms use Hopper instructions (wgmma, TMA): on a GPU of another compute capability the default falls
+back to the Triton arm, and mode `mosaic` does not resolve.
 
 Modes (ModelLevers.kernels / METRALE_KERNELS):
   auto       GPU: the default Pallas arm where one is registered, else the reference. CPU: the reference.
@@ -28,6 +30,7 @@ import jax
 from metrale_jax.errors import KernelUnavailableError
 
 MODES = ("auto", "pallas", "triton", "mosaic", "interpret", "reference")
+MOSAIC_CAPABILITIES = ("9.0",)   # compute capabilities the Mosaic GPU arms are written for (Hopper)
 GPU_ARMS = ("triton", "mosaic")
 
 
@@ -110,24 +113,39 @@ def resolve(name: str, mode: str | None = None, platform: str | None = None) -> 
     if name in _DISABLED:
         raise KernelUnavailableError(f"kernel {name!r} is disabled on this backend")
     on_gpu = platform in spec.platforms
-    if mode in ("auto", "pallas"):
-        arm = spec.gpu_default if spec.arm(spec.gpu_default) is not None else "mosaic" if spec.pallas is None else "triton"
-    else:
-        arm = mode
-    if mode in ("pallas", "triton", "mosaic") or (mode == "auto" and on_gpu and spec.arm(arm) is not None):
-        if not on_gpu or spec.arm(arm) is None:
-            raise KernelUnavailableError(
-                f"kernel {name!r} has no {arm if mode != 'pallas' else 'Pallas'} implementation for platform "
-                f"{platform!r} (mode {mode!r})")
-        if arm == "mosaic" and mode != "mosaic" and spec.mosaic_supports is not None and spec.pallas is not None:
-            return Resolution(name, "mosaic", _mosaic_or_triton(spec))
-        return Resolution(name, "mosaic" if arm == "mosaic" else "pallas",
-                          functools.partial(spec.arm(arm), interpret=False))
+    triton_ok = on_gpu and spec.pallas is not None
+    mosaic_ok = on_gpu and spec.mosaic is not None and gpu_capability() in MOSAIC_CAPABILITIES
     if mode == "interpret" and spec.pallas is not None:
         return Resolution(name, "interpret", functools.partial(spec.pallas, interpret=True))
+    if mode == "triton" and not triton_ok:
+        raise KernelUnavailableError(f"kernel {name!r} has no triton implementation for platform {platform!r}")
+    if mode == "mosaic" and not mosaic_ok:
+        why = (f"needs compute capability {' or '.join(MOSAIC_CAPABILITIES)} (Hopper), this GPU has "
+               f"{gpu_capability()}" if on_gpu and spec.mosaic is not None else f"has none for platform {platform!r}")
+        raise KernelUnavailableError(f"kernel {name!r}: no mosaic implementation here: the Mosaic GPU arm {why}")
+    use_mosaic = mode == "mosaic" or (mode in ("auto", "pallas") and mosaic_ok
+                                      and (spec.gpu_default == "mosaic" or not triton_ok))
+    if use_mosaic:
+        if mode != "mosaic" and spec.mosaic_supports is not None and triton_ok:
+            return Resolution(name, "mosaic", _mosaic_or_triton(spec))
+        return Resolution(name, "mosaic", functools.partial(spec.mosaic, interpret=False))
+    if mode in ("auto", "pallas", "triton") and triton_ok:
+        return Resolution(name, "pallas", functools.partial(spec.pallas, interpret=False))
+    if mode == "pallas":
+        raise KernelUnavailableError(
+            f"kernel {name!r} has no Pallas implementation for platform {platform!r} (mode 'pallas')")
     if spec.reference is None:
         raise KernelUnavailableError(f"kernel {name!r} has no reference and no Pallas kernel for {platform!r}")
     return Resolution(name, "reference", spec.reference)
+
+
+def gpu_capability() -> str | None:
+    """The default device's compute capability ("9.0" on an H100/H200). Where jax's backend is not a GPU (the
+    CPU tests asking what would resolve on one) the answer is the Hopper this project targets."""
+    device = jax.devices()[0]
+    if device.platform != "gpu":
+        return MOSAIC_CAPABILITIES[0]
+    return getattr(device, "compute_capability", None)
 
 
 def get(name: str, mode: str | None = None) -> Callable:

@@ -78,3 +78,18 @@ def test_default_mosaic_arm_hands_unsupported_calls_to_triton(names):
     assert fn(4) == ("mosaic", False, 4) and fn(3) == ("triton", False, 3)
     assert registry.resolve(n, "pallas", platform="gpu").fn(3) == ("triton", False, 3)
     assert registry.resolve(n, "mosaic", platform="gpu").fn(3) == ("mosaic", False, 3)   # forced: no fallback
+
+
+def test_mosaic_arms_only_on_hopper(names, monkeypatch):
+    n = names("cap", reference=_ref, pallas=_triton, mosaic=_mosaic, gpu_default="mosaic")
+    only = names("cap_only", reference=_ref, mosaic=_mosaic)
+    monkeypatch.setattr(registry, "gpu_capability", lambda: "8.0")          # an A100: no wgmma
+    assert registry.resolve(n, "auto", platform="gpu").fn(1) == ("triton", False, 1)
+    assert registry.resolve(n, "pallas", platform="gpu").impl == "pallas"
+    assert registry.resolve(only, "auto", platform="gpu").impl == "reference"
+    with pytest.raises(KernelUnavailableError, match="compute capability 9.0.*has 8.0"):
+        registry.resolve(n, "mosaic", platform="gpu")
+    with pytest.raises(KernelUnavailableError, match="no Pallas implementation"):
+        registry.resolve(only, "pallas", platform="gpu")
+    monkeypatch.setattr(registry, "gpu_capability", lambda: "9.0")
+    assert registry.resolve(n, "auto", platform="gpu").impl == "mosaic"
