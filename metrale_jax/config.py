@@ -356,6 +356,7 @@ def _coerce(name: str, field: dataclasses.Field, value: Any) -> Any:
 
 # ---- levers ------------------------------------------------------------------------------
 _FP8_SSM_MODES = ("off", "decode", "full")
+_NVFP4_ACTIVATIONS = ("bf16", "nvfp4")
 _KERNEL_MODES = ("auto", "pallas", "triton", "mosaic", "interpret", "reference")  # = registry.MODES
 
 
@@ -365,9 +366,13 @@ class ModelLevers:
 
     native_fp8_ssm: str = "full"      # METRALE_NEMOTRON_NATIVE_FP8_SSM: off | decode | full
     graphs: bool = True               # METRALE_GRAPHS: compiled executables (False: run eagerly)
-    kernels: str = "auto"             # METRALE_KERNELS: auto | pallas | interpret | reference
+    kernels: str = "auto"             # METRALE_KERNELS: auto | pallas | triton | mosaic | interpret | reference
     chunk_size: int | None = None     # METRALE_CHUNK_SIZE: SSD chunk length (None: the config's)
     prefill_token_budget: int = 4096  # METRALE_PREFILL_TOKEN_BUDGET: tokens per prefill step
+    # METRALE_NVFP4_ACTIVATIONS: NVFP4 weights serve bf16 activations (w4a16, the default: Hopper has no FP4 math,
+    # so quantizing activations only adds error) or activations quantized to NVFP4 per 16 on the fly (the W4A4 arm,
+    # with the checkpoint's static input_scale where it has one: the numbers a ModelOpt NVFP4 model was calibrated for)
+    nvfp4_activations: str = "bf16"
 
     _ENV = {
         "native_fp8_ssm": "METRALE_NEMOTRON_NATIVE_FP8_SSM",
@@ -375,6 +380,7 @@ class ModelLevers:
         "kernels": "METRALE_KERNELS",
         "chunk_size": "METRALE_CHUNK_SIZE",
         "prefill_token_budget": "METRALE_PREFILL_TOKEN_BUDGET",
+        "nvfp4_activations": "METRALE_NVFP4_ACTIVATIONS",
     }
 
     def __post_init__(self):
@@ -382,6 +388,9 @@ class ModelLevers:
             raise ConfigError("native_fp8_ssm", f"expected one of {_FP8_SSM_MODES}, got {self.native_fp8_ssm!r}")
         if self.kernels not in _KERNEL_MODES:
             raise ConfigError("kernels", f"expected one of {_KERNEL_MODES}, got {self.kernels!r}")
+        if self.nvfp4_activations not in _NVFP4_ACTIVATIONS:
+            raise ConfigError("nvfp4_activations", f"expected one of {_NVFP4_ACTIVATIONS}, "
+                                                   f"got {self.nvfp4_activations!r}")
         if not isinstance(self.graphs, bool):
             raise ConfigError("graphs", f"expected a bool, got {self.graphs!r}")
         if self.chunk_size is not None:

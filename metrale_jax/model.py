@@ -99,6 +99,8 @@ class NemotronH(nnx.Module):
         self.tp = None if mesh is None else sharding.tensor_parallel(mesh)   # steps run through shard_map
         self.vocab_axis = shard_of.axis if shard_of is not None and shard_of.vocab else None   # a view's lm_head
         self.levers = ModelLevers.from_env() if levers is None else levers
+        if self.levers.nvfp4_activations == "nvfp4":           # every NVFP4 linear on the W4A4 arm
+            tensors = {n: W4a4Weight(v) if isinstance(v, Nvfp4Weight) else v for n, v in tensors.items()}
         self.dtype = jnp.dtype(dtype)
         self.tokenizer = tokenizer
         self.load_notes = tuple(notes)

@@ -229,6 +229,31 @@ def test_nvfp4_checkpoint_ignores_the_fp8_lever(ckpts):
     assert {p.installed_arms() for l in _mamba(model) for p in (l.in_proj, l.out_proj)} == {("nvfp4_t", "nvfp4")}
 
 
+def test_nvfp4_activations_lever_serves_w4a4(base, ckpts, loaded, tmp_path):
+    """nvfp4_activations='nvfp4': every NVFP4 linear on the W4A4 arm (activations quantized per 16) in decode and
+    prefill, the file's numbers untouched, logits near the W4A16 model (activation rounding: > 0, bounded) and a
+    save that writes the same quantized tensors back (the model runs in float32, so the dense ones are wider)."""
+    model = NemotronH.from_pretrained(ckpts["nvfp4"], dtype=F32, levers=ModelLevers(nvfp4_activations="nvfp4"))
+    w4a16 = loaded["nvfp4"][0]
+    projections = [p for l in _mamba(model) for p in (l.in_proj, l.out_proj)] + [p for _, p in _linears(model)]
+    reader, q = CheckpointReader(ckpts["nvfp4"]), read_quant_config(ckpts["nvfp4"])
+    for p in projections:
+        assert (p.active_arm("decode", 1), p.active_arm("prefill", 64), p.active_kernel("decode", 1)) == \
+            ("w4a4", "w4a4", "w4a4_gemm")
+        assert _same_tree(p.arm_weight("w4a4").weight, load_linear(reader, p.name, p.shape, q))
+    got, want = np.asarray(model.forward(base.ids)), np.asarray(w4a16.forward(base.ids))
+    # measured 0.037 (NVFP4 activations: 3-bit mantissa per 16 values); bound ~3x that
+    assert np.isfinite(got).all() and 1e-4 < rel_err(got, want) < 0.12, rel_err(got, want)
+    model.save_pretrained(tmp_path)
+    src, out = CheckpointReader(ckpts["nvfp4"]), CheckpointReader(tmp_path)
+    assert sorted(out.keys()) == sorted(src.keys())
+    quantized = [n for n in src.keys() if src.info(n)[0] in ("U8", "F8_E4M3") or ".weight_scale" in n]
+    assert len(quantized) > 3 * len(projections)                  # weight, scale, global scale each
+    assert all(np.array_equal(out.get(n).view(np.uint8), src.get(n).view(np.uint8)) for n in quantized)
+    with pytest.raises(ConfigError, match="nvfp4_activations"):
+        ModelLevers(nvfp4_activations="fp4")
+
+
 # ---- (d) corrupted checkpoints ---------------------------------------------------------------------------
 def _corrupt(src, dst, edit):
     shutil.copytree(src, dst)
