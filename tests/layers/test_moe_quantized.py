@@ -41,8 +41,8 @@ def test_quantized_experts_match_the_dequantized_twin(rng, fmt, kernels):
         y, y_twin = jax.jit(lambda l, v: l(v))(quant, x), jax.jit(lambda l, v: l(v))(twin, x)
     assert np.all(np.isfinite(np.asarray(y)))
     assert rel_err(y, y_twin) < 1e-6
-    # a token alone gets what it gets in the batch (the grouped tiles never mix experts)
-    np.testing.assert_allclose(np.asarray(quant(x[3:4]))[0], np.asarray(y)[3], rtol=1e-6, atol=1e-6)
+    # a token alone gets what it gets in the batch, up to f32 summation order (XLA:CPU sums a lone row differently)
+    np.testing.assert_allclose(np.asarray(quant(x[3:4]))[0], np.asarray(y)[3], rtol=2e-5, atol=2e-5)
 
 
 def test_stacked_experts_index_and_dequantize(rng):
