@@ -29,7 +29,6 @@ import argparse
 import datetime
 import functools
 import json
-import math
 import os
 import platform
 import statistics
@@ -40,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.random_weights import device_tensors, matmul_params
 from metrale_jax.config import ModelConfig
 from metrale_jax.model import NemotronH
 from metrale_jax.runtime import Engine, Executables, SpeculativeConfig, steps
@@ -47,8 +47,7 @@ from metrale_jax.runtime.prefix_cache import tree_nbytes
 from metrale_jax.runtime.sampling import sample_tokens
 from metrale_jax.weights import quant_formats, quantize
 from pallas_kernels import registry
-from metrale_jax.weights.checkpoint import expected_tensors
-from metrale_jax.weights.containers import Fp8Weight
+from metrale_jax.weights.containers import Fp8Weight, StackedExperts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_8B = os.path.join(ROOT, "tests", "fixtures", "configs", "nemotron_h_8b.json")
@@ -71,42 +70,23 @@ def log(*a):
 
 # ---- model and baselines ----------------------------------------------------------------------------
 def random_model(config: ModelConfig, dtype, seed: int = 0, weights: str = "bf16") -> NemotronH:
-    """Random weights drawn on the device, scaled like model.random_tensors (a host draw of 8B is too slow).
-    weights="fp8-block": the linear layers `metrale-jax quantize --format fp8-block` would quantize become
-    block-scaled FP8 containers (quantized on the device), as a block-FP8 checkpoint loads."""
-    key = jax.random.key(seed)
-    depth = config.num_hidden_layers ** -0.5
-    tensors = {}
-    for i, (name, spec) in enumerate(expected_tensors(config).items()):
-        k = jax.random.fold_in(key, i)
-        leaf = name.rsplit(".", 1)[-1]
-        z = jax.random.normal(k, spec.shape, jnp.float32)
-        if name.endswith("norm.weight") or name == "backbone.norm_f.weight" or leaf == "D":
-            v = 1.0 + 0.1 * z
-        elif name == "backbone.embeddings.weight":
-            v = z
-        elif leaf == "dt_bias":
-            dt = jnp.exp(jax.random.uniform(k, spec.shape, jnp.float32, math.log(config.time_step_min),
-                                            math.log(config.time_step_max)))
-            v = dt + jnp.log(-jnp.expm1(-dt))
-        elif leaf == "A_log":
-            v = jnp.log(jax.random.uniform(k, spec.shape, jnp.float32, 1.0, 16.0))
-        elif name.endswith("conv1d.weight"):
-            v = z * config.conv_kernel ** -0.5
-        elif leaf in ("bias", "e_score_correction_bias"):
-            v = 0.05 * z
-        else:
-            out_map = name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight", "fc2_latent_proj.weight"))
-            v = z * spec.shape[-1] ** -0.5 * (depth if out_map else 1.0)
-        tensors[name] = v.astype(jnp.float32 if spec.keep_f32 else dtype)
-        del z
+    """Random weights drawn on the device (benchmarks/random_weights.py). weights="fp8-block": the linear layers
+    `metrale-jax quantize --format fp8-block` would quantize become block-scaled FP8 containers (quantized on the
+    device; a layer's stacked routed experts as StackedExperts), as a block-FP8 checkpoint loads."""
+    tensors = device_tensors(config, dtype, None, seed)
     if weights == "bf16":
         return NemotronH(config, tensors, dtype=dtype)
     entries = [(n, "BF16" if a.dtype == jnp.bfloat16 else "F32", tuple(a.shape)) for n, a in tensors.items()]
-    qcfg, todo = quantize.plan(entries, weights)
+    stacks = {n.replace(".experts.", ".experts.0."): n for n in tensors if n.endswith("_proj") and ".experts." in n}
+    entries += [(m + ".weight", "BF16", tuple(tensors[n].shape[1:])) for m, n in stacks.items()]  # as the quantizer
+    qcfg, todo = quantize.plan(entries, weights)                                              # sees expert 0
     for module in todo:
-        q, scale = quant_formats.quantize_fp8_block(tensors[module + ".weight"])
-        tensors[module + ".weight"] = Fp8Weight(q, scale)
+        if module in stacks:                                    # a layer's routed experts, quantized as one stack
+            q, scale = jax.vmap(quant_formats.quantize_fp8_block)(tensors[stacks[module]])
+            tensors[stacks[module]] = StackedExperts(Fp8Weight(q, scale))
+        else:
+            q, scale = quant_formats.quantize_fp8_block(tensors[module + ".weight"])
+            tensors[module + ".weight"] = Fp8Weight(q, scale)
     return NemotronH(config, tensors, dtype=dtype, quant_config=qcfg)
 
 
@@ -147,20 +127,6 @@ def matmul_rate(dtype) -> float:
     f = jax.jit(lambda x, y: x @ y)
     block(f(a, a))
     return 2 * n ** 3 / median_time(lambda: f(a, a))
-
-
-def matmul_params(config: ModelConfig) -> int:
-    """Parameters that take part in a token's matmuls (embeddings excluded, lm_head included; MoE: active
-    experts only)."""
-    n = 0
-    for name, spec in expected_tensors(config).items():
-        if len(spec.shape) != 2 or name == "backbone.embeddings.weight" or "conv1d" in name or ".gate." in name:
-            continue
-        if ".experts." in name:
-            if int(name.split(".experts.")[1].split(".")[0]) >= config.num_experts_per_tok:
-                continue
-        n += math.prod(spec.shape)
-    return n
 
 
 def state_bytes_per_seq(cache, seq_len: int) -> dict:
