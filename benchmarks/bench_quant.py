@@ -12,6 +12,9 @@ writes DIR/quant_<date>.json and DIR/quant_<date>.md.
 times the decode GEMVs only: Mosaic GPU arm vs Triton arm vs XLA BF16 vs the copy ceiling (files
 quant_<date>_<tag>.*), after checking every Mosaic config it times against the reference at the real
 shapes, with batch invariance (M=1 and M=4 rows bit-identical to the same rows of M=16).
+    ... --decode-only --mosaic --mosaic-set s3 --no-triton --tag s3_call1
+checks and times the session-3 set (S3_CONFIGS) at M = 1, 16, 4 and prints a short summary table last (gpu us
+per call with XLA's helper kernels, and the largest kernel alone); tools/gpu_check_quant.sh S3=1 runs it.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ DECODE_M = (1, 4, 16)
 PREFILL_M = 4096
 T0 = time.time()
 I = False           # --interpret: run the kernels in interpret mode (a CPU dry run of this script)
+MOSAIC_SET = "defaults"
 
 
 class Deadline(Exception):
@@ -62,11 +66,12 @@ def rel_err(a, b) -> float:
 
 
 # ---- timing -----------------------------------------------------------------------------------------------
-def _gpu_kernel_us(trace_dir: str, calls: int) -> float | None:
-    """Sum of GPU kernel durations in the perfetto trace, per call."""
+def _gpu_kernel_us(trace_dir: str, calls: int) -> tuple[float | None, dict]:
+    """Sum of GPU kernel durations in the perfetto trace per call, and the largest kernels (name -> us per call):
+    the Mosaic kernel apart from XLA's small ones around it (x permutation, split-K sum)."""
     files = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     if not files:
-        return None
+        return None, {}
     with gzip.open(files[0], "rt") as fh:
         tr = json.load(fh)
     events = tr["traceEvents"] if isinstance(tr, dict) else tr
@@ -75,9 +80,14 @@ def _gpu_kernel_us(trace_dir: str, calls: int) -> float | None:
     gpu_pids = {pid for pid, n in names.items() if "gpu" in n.lower()}
     if not gpu_pids:
         raise RuntimeError(f"no GPU process in the trace; processes: {sorted(names.values())[:10]}")
-    total = sum(e.get("dur", 0) for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids
-                and "memcpy" not in str(e.get("name", "")).lower() and "memset" not in str(e.get("name", "")).lower())
-    return total / calls if total else None
+    kernels = {}
+    for e in events:
+        name = str(e.get("name", ""))
+        if (e.get("ph") == "X" and e.get("pid") in gpu_pids and "memcpy" not in name.lower()
+                and "memset" not in name.lower()):
+            kernels[name] = kernels.get(name, 0.0) + e.get("dur", 0) / calls
+    total = sum(kernels.values())
+    return (total or None), {k[:80]: round(v, 3) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:6]}
 
 
 def time_calls(fn, arg_sets, *, per_exec: int, reps: int, profile: bool = True) -> dict:
@@ -93,7 +103,7 @@ def time_calls(fn, arg_sets, *, per_exec: int, reps: int, profile: bool = True) 
             with jax.profiler.trace(d, create_perfetto_trace=True):
                 jax.block_until_ready([many(arg_sets) for _ in range(2)])
             t = time.perf_counter()
-            res["gpu_us"] = _gpu_kernel_us(d, 2 * per_exec)
+            res["gpu_us"], res["gpu_kernels_us"] = _gpu_kernel_us(d, 2 * per_exec)
             res["trace_parse_s"] = time.perf_counter() - t
         except Exception as e:  # noqa: BLE001  (the profiler is optional)
             res["gpu_us"] = None
@@ -137,12 +147,16 @@ def main():
     ap.add_argument("--decode-only", action="store_true", help="decode GEMVs only (no prefill GEMMs)")
     ap.add_argument("--mosaic", action="store_true", help="also check and time the Mosaic GPU GEMV arms")
     ap.add_argument("--mosaic-sweep", action="store_true", help="time alternative Mosaic GEMV configs (M=1, 16)")
+    ap.add_argument("--mosaic-set", default="defaults", choices=("defaults", "s3"),
+                    help="Mosaic GEMV configs checked and timed at M = 1, 16, 4: the registry defaults, or the "
+                         "session-3 set (old defaults + the perm / overlap variants, see S3_CONFIGS)")
     ap.add_argument("--tag", default="", help="suffix of the result file names")
     ap.add_argument("--no-copy", action="store_true", help="skip the copy-bandwidth measurement (use an earlier run's)")
     ap.add_argument("--no-triton", action="store_true",
                     help="skip the Triton decode GEMV timings (use an earlier run's)")
     args = ap.parse_args()
-    global I, PREFILL_M
+    global I, PREFILL_M, MOSAIC_SET
+    MOSAIC_SET = args.mosaic_set
     if args.interpret:
         I, PREFILL_M = True, 64
         SHAPES.update(in_proj=(320, 256), out_proj=(256, 512))
@@ -323,6 +337,7 @@ def main():
     with open(os.path.join(args.out, f"{stem}.md"), "w") as fh:
         fh.write(md)
     print(md)
+    print(summary(result))
 
 
 def xla_fp8_rows(x, q, s):
@@ -433,19 +448,34 @@ MOSAIC_ARMS = {"w8a16_gemv": ("fp8", mgpu_gemv.w8a16_gemv_mosaic, w8a16.w8a16_re
                "w4a16_gemv": ("nvfp4", mgpu_gemv.w4a16_gemv_mosaic, w4a16.w4a16_reference)}
 
 
+# Session 3 (benchmarks/notes/quant.md): the session-2 defaults first, then the K-permuted integer decoders
+# ("perm") and the overlapped accumulators, at CTA sizes that give one wave on 132 SMs (SMEM per CTA).
+S3_CONFIGS = [("w8a16_gemv", GemvConfig(64, 6, widen="jnp")),
+              ("w4a16_gemv", GemvConfig(128, 3, widen="ptx")),
+              ("w8a16_gemv", GemvConfig(64, 3, widen="perm", overlap=True)),
+              ("w4a16_gemv", GemvConfig(64, 4, widen="perm")),
+              ("w8a16_gemv", GemvConfig(64, 6, widen="perm")),
+              ("w8a16_gemv", GemvConfig(64, 3, widen="jnp", overlap=True)),
+              ("w4a16_gemv", GemvConfig(128, 3, widen="perm")),
+              ("w8a16_gemv", GemvConfig(64, 2, widen="perm", overlap=True)),
+              ("w4a16_gemv", GemvConfig(64, 3, widen="perm")),
+              ("w8a16_gemv", GemvConfig(128, 2, widen="perm", overlap=True))]
+S3_BOTH_SHAPES = [S3_CONFIGS[i] for i in (0, 1, 2, 3, 6, 9)]       # out_proj: defaults and the main candidates
+
+
 def mosaic_configs(N, K, sweep: bool) -> list[tuple[str, GemvConfig]]:
-    """(kernel, config) pairs: the two defaults first, then (with `sweep`) the alternatives."""
+    """(kernel, config) pairs: the two defaults first, then (with `sweep`) the alternatives; with
+    --mosaic-set s3 the session-3 set instead."""
+    if MOSAIC_SET == "s3" and not sweep:
+        return [c for c in S3_CONFIGS if (N, K) == SHAPES["in_proj"] or c in S3_BOTH_SHAPES]
     d8, d4 = mgpu_gemv.w8a16_gemv_blocks(N, K), mgpu_gemv.w4a16_gemv_blocks(N, K)
     out = [("w8a16_gemv", d8), ("w4a16_gemv", d4)]
     if sweep:
-        other = {"jnp": "ptx", "ptx": "jnp"}
-        out += [("w8a16_gemv", dataclasses.replace(d8, widen=other[d8.widen])),
-                ("w4a16_gemv", dataclasses.replace(d4, widen=other[d4.widen]))]
-        out += [("w8a16_gemv", GemvConfig(bn, st, sk, ld, d8.widen)) for bn, st, sk, ld in (
-            (128, 4, 0, "upcast"), (64, 6, 0, "direct"), (64, 8, 0, "upcast"))
-            if GemvConfig(bn, st, sk, ld, d8.widen) != d8]
-        out += [("w4a16_gemv", GemvConfig(bn, st, sk, ld, d4.widen)) for bn, st, sk, ld in (
-            (64, 4, 0, "upcast"), (128, 3, 0, "direct")) if GemvConfig(bn, st, sk, ld, d4.widen) != d4]
+        alt8 = [GemvConfig(64, 6, widen="perm"), GemvConfig(64, 3, widen="jnp", overlap=True),
+                GemvConfig(64, 3, widen="perm", overlap=True), GemvConfig(128, 4, widen=d8.widen)]
+        alt4 = [GemvConfig(128, 3, widen="ptx"), GemvConfig(192 - d4.block_n, 3, widen="perm"),
+                GemvConfig(d4.block_n, 4, widen="perm")]
+        out += [("w8a16_gemv", c) for c in alt8 if c != d8] + [("w4a16_gemv", c) for c in alt4 if c != d4]
     return out
 
 
@@ -495,9 +525,9 @@ def _time_mosaic(bench, kind, shape, N, K, W, xs, base, name, cfg, M):
 
 
 def mosaic_decode(bench, shape, N, K, W, xs, base, result):
-    """Time the default Mosaic configs at M = 1, 4, 16 (only those whose check passed)."""
+    """Time the Mosaic configs at M = 1, 16, 4 (only those whose check passed)."""
     passed = _passed(result, shape)
-    for M in DECODE_M:
+    for M in [m for m in (1, 16, 4) if m in DECODE_M]:
         for name, cfg in mosaic_configs(N, K, False):
             if (name, str(cfg)) in passed:
                 _time_mosaic(bench, "decode", shape, N, K, W, xs, base, name, cfg, M)
@@ -577,6 +607,27 @@ def short_config(cfg) -> str:
     if cfg.startswith("GemvConfig("):
         return "/".join(v.split("=")[1].strip("'") for v in cfg[len("GemvConfig("):-1].split(", "))
     return cfg
+
+
+def summary(result) -> str:
+    """Short table: gpu us at M = 1 / 4 / 16 per (shape, kernel, config), % of the copy rate at M=1, check."""
+    bw = result.get("torch_copy_GBps") or result.get("copy_GBps") or float("nan")
+    rows = {}
+    for it in result["items"]:
+        key = (it["shape"], it["kernel"], short_config(it.get("config")))
+        rows.setdefault(key, {})[it["M"]] = it
+    ok = {(c["shape"], c["kernel"], short_config(c.get("config"))): c["ok"] for c in result["checks"]}
+    lines = [f"copy {bw:.0f} GB/s",
+             "| shape | kernel | config | M=1 | M=4 | M=16 us | % copy (M=1) | largest kernel M=1 | ok |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for (shape, kernel, cfg), by_m in rows.items():
+        t = [f"{by_m[m]['us']:.1f}" if m in by_m else "-" for m in DECODE_M]
+        pct = f"{100 * by_m[1]['weight_GBps'] / bw:.0f}" if 1 in by_m else "-"
+        kernels = (by_m[1]["timing"].get("gpu_kernels_us") if 1 in by_m else None) or {"": float("nan")}
+        main = max(kernels.values())
+        lines.append(f"| {shape} | {kernel} | {cfg} | {' | '.join(t)} | {pct} | {main:.1f} | "
+                     f"{ok.get((shape, kernel, cfg), '')} |")
+    return "\n".join(lines)
 
 
 def markdown(result) -> str:

@@ -11,6 +11,7 @@ from metrale_jax.layers import (  # noqa: F401
     NemotronAttentionLayer, NemotronAttentionWeights, NemotronMLPLayer, NemotronMlpWeights, NemotronMoELayer,
     NemotronMoeWeights)
 from metrale_jax.model import Generation, NemotronH  # noqa: F401
+from metrale_jax.layers.mtp import MtpCache, MtpStepWeights, NemotronMTP  # noqa: F401
 from metrale_jax.builtin import builtin_model_dir, load_builtin  # noqa: F401
 from metrale_jax.state import (  # noqa: F401
     CacheSlotState, KvPool, KvSlotState, ModelCache, SlotAllocator, SlotState, SsmPool)

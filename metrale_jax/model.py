@@ -13,6 +13,9 @@ With a mesh (from_pretrained / from_config / NemotronH(..., mesh=...)) the weigh
 over the mesh's devices (tensor and expert parallelism, sharding.py) and every step runs through shard_map;
 the entry points and step functions keep their signatures. Such a model's Mamba in_proj / conv rows are
 stored in a device-major order: run it through its entry points or step functions, not its layers.
+A checkpoint with MTP weights (num_nextn_predict_layers > 0, mtp.* tensors) gives `model.mtp`, a
+layers.mtp.NemotronMTP (else None), and `new_mtp_cache` its state: the engine drafts with it
+(SpeculativeConfig(method="mtp")); a model split over a mesh keeps no MTP head.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from metrale_jax.layers.capabilities import ModelCapabilities, combine_capabilit
 from metrale_jax.layers.mamba2 import NemotronMamba2Layer
 from metrale_jax.layers.mlp import NemotronMLPLayer
 from metrale_jax.layers.moe import NemotronMoELayer
+from metrale_jax.layers.mtp import MtpCache, NemotronMTP
 from metrale_jax.layers.projection import Projection
 from metrale_jax.runtime.executables import bucket
 from metrale_jax.state.cache import ModelCache
@@ -47,8 +51,8 @@ from metrale_jax.state.ssm_pool import SsmPool
 from metrale_jax.tokenizer import load_tokenizer
 from metrale_jax.weights.checkpoint import (
     EXPERTS_PATTERN, MAX_SHARD_BYTES, QUANTIZED_SUFFIXES, checkpoint_quantization, checkpoint_tensors,
-    expected_tensors, is_quantized, layer_tensors, layer_weights, missing_tensors, read_checkpoint, unsupported,
-    write_checkpoint)
+    expected_tensors, has_mtp, is_quantized, layer_tensors, layer_weights, missing_tensors, model_tensors,
+    mtp_layer_tensors, mtp_tensors, mtp_weights, read_checkpoint, unsupported, write_checkpoint)
 from metrale_jax.weights.containers import (DenseWeight, Fp8Weight, Nvfp4Weight, StackedExperts, W4a4Weight,
                                             WeightQuantFormat, fp8_prefill_copy, fp8_to_block_scaled,
                                             quantize_nvfp4_weight)
@@ -103,10 +107,17 @@ class NemotronH(nnx.Module):
             tensors = {n: W4a4Weight(v) if isinstance(v, Nvfp4Weight) else v for n, v in tensors.items()}
         self.dtype = jnp.dtype(dtype)
         self.tokenizer = tokenizer
-        self.load_notes = tuple(notes)
         problems = unsupported(config)
         if problems:
             raise ConfigError("config", "; ".join(problems))
+        if has_mtp(tensors) and (mesh is not None or shard_of is not None):
+            tensors = {n: v for n, v in tensors.items() if not n.startswith("mtp.")}
+            notes = (*notes, "the MTP head (mtp.*) is not kept on a mesh: tensor parallelism splits the main "
+                             "blocks only")
+        if has_mtp(tensors) and not config.num_nextn_predict_layers:
+            raise CheckpointError([f"{n}: an MTP tensor, but the config has num_nextn_predict_layers = 0"
+                                   for n in sorted(tensors) if n.startswith("mtp.")])
+        self.load_notes = tuple(notes)
         missing = missing_tensors(config, tensors)
         if missing:
             raise CheckpointError(missing)
@@ -133,6 +144,10 @@ class NemotronH(nnx.Module):
             self.lm_head = nnx.data(Projection("lm_head", config.vocab_size, config.hidden_size,
                                                kernels=self.levers.kernels))
             self.lm_head.set_weight(t["lm_head.weight"])
+        if has_mtp(t):
+            self.mtp = NemotronMTP(config, *mtp_weights(config, t), levers=self.levers)
+        else:
+            self.mtp = nnx.data(None)              # no MTP head: MTP drafting raises ConfigError
         if self.tp is not None:
             sharding.check_placement(self)
 
@@ -155,11 +170,11 @@ class NemotronH(nnx.Module):
     def from_config(cls, config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, levers: ModelLevers | None = None,
                     *, tokenizer=None, mesh=None) -> NemotronH:
         """Random weights (see `random_tensors`; the same key gives the same weights with or without a mesh).
-        mesh: split the model over its devices, each tensor placed on its shards as it is drawn."""
+        mesh: split the model over its devices, each tensor placed on its shards as it is drawn (no MTP head)."""
         if mesh is None:
             tensors = random_tensors(config, key, dtype)
         else:
-            tensors = sharding.shard_tensors(config, _random_host_tensors(config, key),
+            tensors = sharding.shard_tensors(config, _random_host_tensors(config, key, mtp=False),
                                              sharding.tensor_parallel(mesh), dtype)
         return cls(config, tensors, dtype=dtype, levers=levers, tokenizer=tokenizer, mesh=mesh)
 
@@ -173,6 +188,9 @@ class NemotronH(nnx.Module):
         out["backbone.norm_f.weight"] = self.norm_f[...]
         if self.lm_head is not None:
             out["lm_head.weight"] = self.lm_head.base_weight()
+        if self.mtp is not None:
+            blocks = [(layer.input_norm[...], _layer_weights(layer)) for layer in self.mtp.layers]
+            out.update(mtp_layer_tensors(c, blocks, self.mtp.step_weights()))
         if self.tp is not None:                          # undo the device-major row order
             return {n: sharding.checkpoint_order(n, v.weight if isinstance(v, DenseWeight) else v, c, self.tp)
                     for n, v in out.items()}
@@ -216,6 +234,17 @@ class NemotronH(nnx.Module):
         if self.tp is not None:
             return sharding.new_cache(self.config, self.tp, max_slots, max_len, self.dtype)
         return ModelCache.for_config(self.config, max_slots, max_len, self.dtype)
+
+    def new_mtp_cache(self, max_slots: int, max_len: int) -> MtpCache:
+        """The MTP head's slot-indexed state (keys/values of its attention blocks, the carried hidden state) for
+        a cache of max_slots sequences of up to max_len tokens; ConfigError when the model has no MTP head."""
+        if self.mtp is None:
+            n = self.config.num_nextn_predict_layers
+            why = ("the config has num_nextn_predict_layers = 0" if not n else
+                   f"the config has {n} MTP step(s), but the checkpoint held no mtp.* tensors"
+                   + (" (or the model is split over a mesh)" if self.tp is not None else ""))
+            raise ConfigError("mtp", f"this model has no MTP head: {why}")
+        return MtpCache.for_config(self.config, max_slots, max_len, self.dtype)
 
     def eos_ids(self) -> frozenset[int]:
         eos = self.config.eos_token_id
@@ -545,7 +574,7 @@ def _layer_weights(layer):
 def _cast(config: ModelConfig, tensors: Mapping[str, object], dtype) -> dict[str, object]:
     """Every tensor in the model dtype, except those the table keeps in float32 (no copy when it already is);
     quantized containers stay as they are, a DenseWeight is cast like an array."""
-    f32 = {n for n, s in expected_tensors(config).items() if s.keep_f32}
+    f32 = {n for n, s in model_tensors(config, tensors).items() if s.keep_f32}
     out: dict[str, object] = {}
     for n, v in tensors.items():
         if is_quantized(v):
@@ -616,18 +645,20 @@ def random_tensors(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> d
     """Random weights under HF names, drawn on the host (numpy, seeded from `key`): linear maps
     ~ N(0, 1/fan_in) (output maps further / sqrt(layers)), norms ~ 1 + 0.1 N, Mamba dt / A / D as
     `init.random_ssm_weights` draws them, and a small random e_score_correction_bias so that the
-    choice-only bias is exercised."""
-    specs = expected_tensors(config)
+    choice-only bias is exercised. With num_nextn_predict_layers > 0 the MTP head's tensors are drawn too,
+    after the main ones (which stay the same)."""
+    specs = {**expected_tensors(config), **mtp_tensors(config)}
     return {n: jnp.asarray(v).astype(jnp.float32 if specs[n].keep_f32 else dtype)
             for n, v in _random_host_tensors(config, key)}
 
 
-def _random_host_tensors(config: ModelConfig, key: jax.Array):
-    """(name, float32 numpy array) pairs of `random_tensors`, drawn one at a time."""
+def _random_host_tensors(config: ModelConfig, key: jax.Array, *, mtp: bool = True):
+    """(name, float32 numpy array) pairs of `random_tensors`, drawn one at a time (mtp: the MTP head's too)."""
     c = config
     rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
     depth = 1.0 / math.sqrt(c.num_hidden_layers)
-    for name, spec in expected_tensors(config).items():
+    specs = {**expected_tensors(config), **(mtp_tensors(config) if mtp else {})}
+    for name, spec in specs.items():
         z = rng.standard_normal(spec.shape, np.float32)
         leaf = name.rsplit(".", 1)[-1]
         if name.endswith("norm.weight") or name == "backbone.norm_f.weight":

@@ -9,7 +9,7 @@ Mosaic arms of existing registry names (same call, same result as the Triton arm
                         running float32 one ("promotion"); the weight's block scale is one number per
                         warpgroup and step (tile_n = 128), folded into the activations' row scales.
 Activations are quantized by XLA first, exactly as the Triton arm does (pallas_kernels.fp8_gemm); one-pass
-quantization kernels (ACT_QUANT = "fused") are here too, not yet the default (untimed on the GPU).
+quantization kernels (ACT_QUANT = "fused", the default since the H200 run of session 3) are here too.
 
 Kernel layout: one CTA per SM, looping over output tiles (persistent, snake order for L2 reuse); a memory
 warpgroup streams [rows, 128] E4M3 tiles of x and w through a multi-stage TMA pipeline (128-byte swizzle),
@@ -248,8 +248,21 @@ def _mgpu_call(xq, xs, w, ws, *, per_block: bool, tiles: MgpuTiles, out_dtype, i
 # ---- activation quantization in one pass (Pallas Triton; optional, see ACT_QUANT) ------------------------
 # XLA quantizes x in ~2 passes (row amax, then divide + convert): 40 us in_proj / 70 us out_proj at M = 4096
 # (call 2 of benchmarks/notes/quant_prefill.md), 8-28% of the arm. These kernels read x once and write the
-# E4M3 copy and its scales once, with the same formulas as quant_formats.quantize_rows_fp8[_blocks].
-ACT_QUANT = "xla"          # "xla" | "fused" (the fused pass is not yet timed on the GPU)
+# E4M3 copy and its scales once, with the same formulas as quant_formats.quantize_rows_fp8[_blocks]
+# (same bits). H200, session 3: 39 / 40 us (in_proj / out_proj) against XLA's 46 / 76 us.
+ACT_QUANT = "fused"        # "xla" | "fused"
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantBlocks:
+    """Rows per program and warps of the fused quantizers (rows: whole rows; blocks: [rows, 128] per program)."""
+    rows_elems: int = 16384          # rows kernel: rows per program = rows_elems // K
+    rows_warps: int = 8
+    blocks_rows: int = 64
+    blocks_warps: int = 4
+
+
+QUANT_BLOCKS = QuantBlocks()
 
 
 def _quant_rows_kernel(x_ref, q_ref, s_ref):
@@ -268,47 +281,53 @@ def _quant_blocks_kernel(x_ref, q_ref, s_ref):
     s_ref[...] = scale[None, :]
 
 
-def fused_quant_ok(M: int, K: int) -> bool:
-    """The fused passes take K a power of two >= 128 and M a multiple of their row block."""
-    return K >= TILE_K and K & (K - 1) == 0 and M % _quant_rows_block(K) == 0 and M % 64 == 0
+def fused_quant_ok(M: int, K: int, qb: QuantBlocks | None = None) -> bool:
+    """The fused passes take K a power of two >= 128 and M a multiple of their row blocks."""
+    qb = qb or QUANT_BLOCKS
+    return (K >= TILE_K and K & (K - 1) == 0 and M % _quant_rows_block(K, qb) == 0
+            and M % qb.blocks_rows == 0)
 
 
-def _quant_rows_block(K: int) -> int:
-    return max(1, 16384 // K)          # ~64 f32 values per thread with 8 warps
+def _quant_rows_block(K: int, qb: QuantBlocks) -> int:
+    return max(1, qb.rows_elems // K)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def quantize_rows_fused(x, *, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("interpret", "qb"))
+def quantize_rows_fused(x, *, interpret: bool = False, qb: QuantBlocks | None = None):
     """x [M, K] -> (E4M3 [M, K], f32 scale [M]), as quant_formats.quantize_rows_fp8, in one pass."""
     from jax.experimental.pallas import triton as pltr
+    qb = qb or QUANT_BLOCKS
     M, K = x.shape
-    if not fused_quant_ok(M, K):
-        raise ShapeError(f"fused E4M3 quantization: x [{M}, {K}] needs K a power of two >= 128, M a multiple of 64")
-    R = _quant_rows_block(K)
+    if not fused_quant_ok(M, K, qb):
+        raise ShapeError(f"fused E4M3 quantization: x [{M}, {K}] needs K a power of two >= 128, M a multiple of "
+                         f"{max(_quant_rows_block(K, qb), qb.blocks_rows)}")
+    R = _quant_rows_block(K, qb)
     return pl.pallas_call(
         _quant_rows_kernel, grid=(M // R,),
         in_specs=[pl.BlockSpec((R, K), lambda i: (i, 0))],
         out_specs=[pl.BlockSpec((R, K), lambda i: (i, 0)), pl.BlockSpec((R,), lambda i: (i,))],
         out_shape=[jax.ShapeDtypeStruct((M, K), E4M3), jax.ShapeDtypeStruct((M,), jnp.float32)],
-        compiler_params=pltr.CompilerParams(num_warps=8, num_stages=1), interpret=interpret,
+        compiler_params=pltr.CompilerParams(num_warps=qb.rows_warps, num_stages=1), interpret=interpret,
         name="quantize_rows_fp8")(x)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def quantize_blocks_fused_t(x, *, interpret: bool = False):
+@functools.partial(jax.jit, static_argnames=("interpret", "qb"))
+def quantize_blocks_fused_t(x, *, interpret: bool = False, qb: QuantBlocks | None = None):
     """x [M, K] -> (E4M3 [M, K], f32 scale transposed [K/128, M]): quant_formats.quantize_rows_fp8_blocks
     with the scales already in the layout the block-scaled kernel reads."""
     from jax.experimental.pallas import triton as pltr
+    qb = qb or QUANT_BLOCKS
     M, K = x.shape
-    if not fused_quant_ok(M, K):
-        raise ShapeError(f"fused E4M3 quantization: x [{M}, {K}] needs K a power of two >= 128, M a multiple of 64")
-    R = 64
+    if not fused_quant_ok(M, K, qb):
+        raise ShapeError(f"fused E4M3 quantization: x [{M}, {K}] needs K a power of two >= 128, M a multiple of "
+                         f"{max(_quant_rows_block(K, qb), qb.blocks_rows)}")
+    R = qb.blocks_rows
     return pl.pallas_call(
         _quant_blocks_kernel, grid=(M // R, K // TILE_K),
         in_specs=[pl.BlockSpec((R, TILE_K), lambda i, j: (i, j))],
         out_specs=[pl.BlockSpec((R, TILE_K), lambda i, j: (i, j)), pl.BlockSpec((1, R), lambda i, j: (j, i))],
         out_shape=[jax.ShapeDtypeStruct((M, K), E4M3), jax.ShapeDtypeStruct((K // TILE_K, M), jnp.float32)],
-        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+        compiler_params=pltr.CompilerParams(num_warps=qb.blocks_warps, num_stages=1), interpret=interpret,
         name="quantize_rows_fp8_blocks")(x)
 
 
@@ -317,24 +336,25 @@ def _pad_rows(a, rows: int):
 
 
 def fp8_gemm_t_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False, tiles: MgpuTiles | None = None,
-                      act_quant: str | None = None):
+                      act_quant: str | None = None, qb: QuantBlocks | None = None):
     """Mosaic arm of fp8_gemm_t: same call and result as `fp8_gemm_t_reference` (x [M, K], w E4M3 [N, K],
-    scale f32 [N]). act_quant: "xla" or "fused" activation quantization (default ACT_QUANT)."""
+    scale f32 [N]). act_quant: "xla" or "fused" activation quantization (default ACT_QUANT; qb its blocks)."""
     _check_fp8_rows(x, w, scale)
     M, K = x.shape
     N = w.shape[0]
     t = tiles or default_tiles(N, K, per_block=False)
     _check_tiles("fp8_gemm_t", M, N, K, t, per_block=False)
     Mp = pl.cdiv(M, t.cta[0]) * t.cta[0]
-    fused = (act_quant or ACT_QUANT) == "fused" and fused_quant_ok(M, K)
-    xq, xs = quantize_rows_fused(x, interpret=interpret) if fused else quantize_rows_fp8(x)
+    fused = (act_quant or ACT_QUANT) == "fused" and fused_quant_ok(M, K, qb)
+    xq, xs = quantize_rows_fused(x, interpret=interpret, qb=qb) if fused else quantize_rows_fp8(x)
     y = _mgpu_call(_pad_rows(xq, Mp), _pad_rows(xs, Mp), w, scale, per_block=False, tiles=t,
                    out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=interpret, name="fp8_gemm_t")
     return y[:M] if Mp != M else y
 
 
 def w8a16_gemm_pipelined_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False,
-                                tiles: MgpuTiles | None = None, act_quant: str | None = None):
+                                tiles: MgpuTiles | None = None, act_quant: str | None = None,
+                                qb: QuantBlocks | None = None):
     """Mosaic arm of w8a16_gemm_pipelined: same call and result as `w8a16_pipelined_reference` (x [M, K],
     w E4M3 [N, K], scale f32 [ceil(N/128), ceil(K/128)]). act_quant as for fp8_gemm_t_mosaic."""
     _check_w8a16("w8a16_gemm_pipelined", x, w, scale)
@@ -343,8 +363,8 @@ def w8a16_gemm_pipelined_mosaic(x, w, scale, *, out_dtype=None, interpret: bool 
     t = tiles or default_tiles(N, K, per_block=True)
     _check_tiles("w8a16_gemm_pipelined", M, N, K, t, per_block=True)
     Mp = pl.cdiv(M, t.cta[0]) * t.cta[0]
-    if (act_quant or ACT_QUANT) == "fused" and fused_quant_ok(M, K) and Mp == M:
-        xq, xs_t = quantize_blocks_fused_t(x, interpret=interpret)      # [M, K], [K/128, M]
+    if (act_quant or ACT_QUANT) == "fused" and fused_quant_ok(M, K, qb) and Mp == M:
+        xq, xs_t = quantize_blocks_fused_t(x, interpret=interpret, qb=qb)  # [M, K], [K/128, M]
     else:
         xq, xs = quantize_rows_fp8_blocks(x)                              # [M, K], [M, K/128]
         xq, xs_t = _pad_rows(xq, Mp), _pad_rows(xs, Mp).T

@@ -6,17 +6,25 @@ memory. Weight tiles stream through a multi-stage TMA pipeline (`emit_pipeline`)
 
   w8a16: E4M3 tile [64, 128] -> bf16 (exact); one block scale per 128-wide K step, applied in float32
          to that step's product, so the result equals dequantize-then-matmul up to f32 summation order.
-  w4a16: packed E2M1 [64, 256 bytes] per 512-wide K step, as two planes (low nibbles = even k, high =
-         odd k) multiplied with the even / odd columns of x. The E4M3 group scales are expanded to the
-         plane's register layout by a small wgmma (scales [64, 32] x a 0/1 expansion matrix), then
-         e2m1 * scale is formed exactly in bf16; the global scale multiplies the result.
-Widening (GemvConfig.widen): jnp conversions, or inline PTX through `plgpu.inline_mgpu` (GPU only).
-Defaults from the H200 runs of 2026-11-30 (benchmarks/notes/quant.md): w8 jnp, w4 PTX.
+         `overlap`: two blocks per pipeline step with two accumulators (one block's wgmma runs while the
+         other block is widened).
+  w4a16: widen "jnp"/"ptx": packed E2M1 [64, 256 bytes] per 512-wide K step, as two planes (low nibbles =
+         even k, high = odd k) multiplied with the even / odd columns of x; the E4M3 group scales are
+         expanded to the plane's register layout by a small wgmma (scales [64, 32] x a 0/1 expansion
+         matrix), then e2m1 * scale is formed exactly in bf16. widen "perm": see below. The global scale
+         multiplies the result.
+Widening (GemvConfig.widen): jnp conversions, inline PTX through `plgpu.inline_mgpu` (GPU only), or "perm":
+the weight tile is loaded in WGMMA_UPCAST_4X layout (8 consecutive bytes per thread) and decoded with integer
+PTX straight into the registers of the same thread's WGMMA A fragment, which amounts to a fixed permutation of
+K; x's columns get the same permutation (`perm_cols`, `perm64`, done by XLA), so the dot product is unchanged.
+For NVFP4 each 8-byte vector is one scale group, so scales are applied during the decode (no expansion wgmma).
+GPU defaults (H200 runs of 2026-11-30, benchmarks/notes/quant.md): w8 jnp 64/6 (perm and overlap were no
+faster); w4 perm 64/3 for the Mosaic arm (24.8 us in_proj vs 63.6 for the PTX planes decoder).
 
 Tiles never depend on M (x rows in tiles of 16, split-K chosen from (N, K) only, split partials added in a
 fixed order), so a row's result is meant to be bit-identical whatever the batch. Interpret mode (CPU tests)
 passes the A operand through shared memory, since the GPU interpreter's wgmma reads A from shared memory
-only, and always widens with jnp; everything else is shared with the compiled kernel.
+only, and always widens with jnp (in the same K order); everything else is shared with the compiled kernel.
 Shapes: bf16 x, N % 64 == 0, K % 128 (w8) / K % 512 (w4) == 0 (`supports`); else ShapeError.
 """
 
@@ -30,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from metrale_jax.errors import ShapeError
@@ -52,7 +61,9 @@ class GemvConfig:
     stages: int = 6
     split_k: int = 0
     load: str = "upcast"      # 8-bit tiles read from SMEM as 4-byte vectors + one shuffle, or "direct" (2 bytes)
-    widen: str = "jnp"        # weights -> bf16 by jnp conversions ("jnp") or inline PTX ("ptx"); interpret: jnp
+    widen: str = "jnp"        # weights -> bf16: jnp conversions ("jnp"), inline PTX ("ptx"), or the K-permuted
+                              # integer recipes ("perm"; 8-byte loads, no conversion instructions)
+    overlap: bool = False     # w8: two step accumulators, step k's wgmma runs while step k+1 is widened
 
 
 def _tf(cols_bytes: int, itemsize: int):
@@ -110,6 +121,65 @@ fma.rn.bf16x2 a, a, k, z; fma.rn.bf16x2 $1, a, $3, z;
 }"""
 
 
+# K-permuted E4M3 widening ("perm"): 4 bytes -> two bf16 pairs with integer ops only (prmt, shl, and) plus one
+# bf16x2 multiply per pair, exact: prmt puts byte b in the low half of a 16-bit lane and its sign replicated in
+# the high half; << 4 and a mask leave sign | (b & 0x7f) << 4, the bf16 of value * 2^-120 (E4M3 subnormals map to
+# bf16 subnormals), and the multiply by 2^120 restores it. NaN codes (0x7f, 0xff) come out as +-480.
+_E4M3X4_TO_BF16 = """{
+.reg .b32 a, b, k, z, n;
+mov.b32 k, 0x7B807B80;
+mov.b32 z, 0x80008000;
+mov.b32 n, 0;
+prmt.b32 a, $2, n, 0x9180;
+prmt.b32 b, $2, n, 0xB3A2;
+shl.b32 a, a, 4;
+shl.b32 b, b, 4;
+and.b32 a, a, 0x87F087F0;
+and.b32 b, b, 0x87F087F0;
+fma.rn.bf16x2 $0, a, k, z;
+fma.rn.bf16x2 $1, b, k, z;
+}"""
+
+
+def perm_cols(a):
+    """The fixed K permutation of the "perm" widening, on the last axis (a multiple of 32): within each 32-block,
+    index 8q + 2v + u <-> 8v + 2q + u (q, v < 4, u < 2). An involution: applying it twice is the identity."""
+    *lead, k = a.shape
+    return a.reshape(*lead, k // 32, 4, 4, 2).swapaxes(-3, -2).reshape(*lead, k)
+
+
+def _ptx_e4m3_perm_to_bf16(w):
+    """E4M3 [64, c] loaded in WGMMA_UPCAST_4X layout (each thread: 8 consecutive bytes of a row per vector) ->
+    bf16 [64, c] in WGMMA layout with its columns in `perm_cols` order: the vector at columns 32j + 8q holds, as
+    pairs v = 0..3, what the WGMMA layout keeps at columns 32j + 8v + 2q (the same thread and row), so no data
+    moves between threads or registers. The B operand (x) is permuted by `perm_cols` to match."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
+                       return_type=plgpu.ShapeDtypeStruct(w.shape, jnp.bfloat16, plgpu.Layout.WGMMA))
+    def widen(ctx, fa):
+        from jax.experimental.mosaic import gpu as mgpu
+        from jax.experimental.mosaic.gpu import utils as mu
+        from jaxlib.mlir import ir
+        from jaxlib.mlir.dialects import llvm, vector
+        i32 = ir.IntegerType.get_signless(32)
+        bf2 = ir.VectorType.get((2,), ir.BF16Type.get())
+        pair = ir.Type.parse("!llvm.struct<(i32, i32)>")
+        src = fa.registers                                    # [1, c/32, 1, 1, 2, 1, 1, 1, 1] of vector<8 x i8>
+        shape = list(src.shape)
+        shape[1] *= 4                                         # [1, c/8, 1, 1, 2, ...] of vector<2 x bf16>
+        regs = np.empty(shape, dtype=object)
+        for idx, r in np.ndenumerate(src):
+            words = mu.bitcast(r, ir.VectorType.get((2,), i32))
+            for wi in range(2):
+                word = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([wi]))
+                out = llvm.inline_asm(pair, [word], _E4M3X4_TO_BF16, "=r,=r,r")
+                for half in range(2):
+                    dst = list(idx)
+                    dst[1] = 4 * idx[1] + 2 * wi + half
+                    regs[tuple(dst)] = mu.bitcast(llvm.extractvalue(i32, out, [half]), bf2)
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+    return widen(w)
+
+
 def _ptx_e4m3_to_bf16(w):
     """E4M3 [64, c] in WGMMA layout -> bf16 [64, c] (same layout) through `_E4M3_TO_BF16` per register."""
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
@@ -151,6 +221,95 @@ def _ptx_e2m1_to_bf16(p, s_bf16):
         return (mgpu.FragmentedArray(_registers=lo, _layout=fp.layout, _is_signed=None),
                 mgpu.FragmentedArray(_registers=hi, _layout=fp.layout, _is_signed=None))
     return decode(p, s_bf16)
+
+
+# NVFP4 "perm" decode (w4a16): one packed byte (lo nibble = even k, hi = odd k, one scale group) -> one bf16 pair.
+# A nibble s|eem becomes the 16-bit lane s << 15 | eem << 6, the bf16 of its E2M1 value * 2^-126 (0.5 -> the
+# subnormal 2^-127): the two nibbles of a byte are moved to the low bits of the two lanes (and + shr + prmt, the
+# prmt's zero bytes taken as sign replicas of bytes below 0x10), spread by one multiply by 0x1040 (= << 6 | << 12,
+# no overlapping bits) and masked. One bf16x2 multiply by the pair's scale * 2^118 (from `_E4M3_TO_BF16X2_SCALE`)
+# gives value * scale * 2^-8, exact (2-bit times 4-bit significands, >= 2^-18); the result is scaled by 2^8 at
+# the end.
+_E2M1X8_TO_BF16 = """{
+.reg .b32 l, h, y, z;
+mov.b32 z, 0x80008000;
+and.b32 l, $4, 0x0F0F0F0F;
+shr.b32 h, $4, 4;
+and.b32 h, h, 0x0F0F0F0F;
+prmt.b32 y, l, h, 0x8480; mul.lo.u32 y, y, 0x1040; and.b32 y, y, 0x81C081C0; fma.rn.bf16x2 $0, y, $5, z;
+prmt.b32 y, l, h, 0x8581; mul.lo.u32 y, y, 0x1040; and.b32 y, y, 0x81C081C0; fma.rn.bf16x2 $1, y, $5, z;
+prmt.b32 y, l, h, 0x8682; mul.lo.u32 y, y, 0x1040; and.b32 y, y, 0x81C081C0; fma.rn.bf16x2 $2, y, $5, z;
+prmt.b32 y, l, h, 0x8783; mul.lo.u32 y, y, 0x1040; and.b32 y, y, 0x81C081C0; fma.rn.bf16x2 $3, y, $5, z;
+}"""
+# An E4M3 scale byte -> (scale, scale) * 2^118 as a bf16 pair, exact: the `_E4M3X4_TO_BF16` bit move (value *
+# 2^-120 in both lanes), then two multiplies by 2^119.
+_E4M3_TO_BF16X2_SCALE = """{
+.reg .b32 a, k, z, n;
+mov.b32 k, 0x7B007B00;
+mov.b32 z, 0x80008000;
+mov.b32 n, 0;
+prmt.b32 a, $1, n, 0x8080;
+shl.b32 a, a, 4;
+and.b32 a, a, 0x87F087F0;
+fma.rn.bf16x2 a, a, k, z;
+fma.rn.bf16x2 $0, a, k, z;
+}"""
+W4P_SHIFT = 2.0 ** 8      # the perm decoder's A operand is weight * 2^-8
+
+# Scales of one 256-wide K step ([64 rows, 16 groups]): thread q of a row holds groups q, 4 + q, 8 + q, 12 + q, the
+# groups of the packed bytes it loads in WGMMA_UPCAST_4X layout (byte columns 32c + 8q .. + 8 = group 4c + q).
+W4_SCALE_LAYOUT = plgpu.Layout.TILED(
+    mgpu_fa.Tiling(((64, 16), (16, 16), (8, 16), (8, 4), (1,))), warp_dims=(-9,), lane_dims=(-3, -2), vector_dim=-1)
+
+
+def perm64(a):
+    """The K permutation of the NVFP4 "perm" decoder, on the last axis (a multiple of 64): within each 64-block,
+    logical index 8i + 2q + u holds physical index 16q + 2i + u (q < 4, i < 8, u < 2)."""
+    *lead, k = a.shape
+    return a.reshape(*lead, k // 64, 4, 8, 2).swapaxes(-3, -2).reshape(*lead, k)
+
+
+def _ptx_e2m1_perm_to_bf16(p, s):
+    """Packed bytes [64, 128] (WGMMA_UPCAST_4X) and E4M3 scales [64, 16] (W4_SCALE_LAYOUT) -> bf16 [64, 256]
+    = dequantized weight * 2^-8 in WGMMA layout, columns in `perm64` order: byte i of the vector at byte columns
+    32c + 8q becomes the pair at columns 8(8c + i) + 2q (same thread and row; no data moves between threads)."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, W4_SCALE_LAYOUT),
+                       return_type=plgpu.ShapeDtypeStruct((ROWS, 256), jnp.bfloat16, plgpu.Layout.WGMMA))
+    def decode(ctx, fp, fs):
+        from jax.experimental.mosaic import gpu as mgpu
+        from jax.experimental.mosaic.gpu import utils as mu
+        from jaxlib.mlir import ir
+        from jaxlib.mlir.dialects import arith, llvm, vector
+        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
+        bf2 = ir.VectorType.get((2,), ir.BF16Type.get())
+        quad = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
+        src, scl = fp.registers, fs.registers              # [1, 4, 1, 1, 2, 1...] vector<8xi8>; [.., 2, .., 4, ..]
+        shape = list(src.shape)
+        shape[1] *= 8
+        regs = np.empty(shape, dtype=object)
+        for idx, r in np.ndenumerate(src):
+            c, h = idx[1], idx[4]
+            sb = arith.extui(i32, mu.bitcast(scl[0, 0, 0, 0, h, 0, 0, c, 0, 0, 0], i8))
+            sc = llvm.inline_asm(i32, [sb], _E4M3_TO_BF16X2_SCALE, "=r,r")
+            words = mu.bitcast(r, ir.VectorType.get((2,), i32))
+            for wi in range(2):
+                word = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([wi]))
+                out = llvm.inline_asm(quad, [word, sc], _E2M1X8_TO_BF16, "=r,=r,=r,=r,r,r")
+                for k in range(4):
+                    dst = list(idx)
+                    dst[1] = 8 * c + 4 * wi + k
+                    regs[tuple(dst)] = mu.bitcast(llvm.extractvalue(i32, out, [k]), bf2)
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+    return decode(p, s)
+
+
+def _jnp_e2m1_perm(p_ref, s_ref):
+    """Interpret-mode twin of `_ptx_e2m1_perm_to_bf16` (same values, same column order), in jnp."""
+    p = p_ref[...].astype(jnp.uint16)                                   # [64, 128]
+    sc = s_ref[...].astype(jnp.float32) * (16384.0 / W4P_SHIFT)        # [64, 16]; _nibble_f32 is value * 2^-14
+    lo, hi = _nibble_f32(p, False), _nibble_f32(p, True)
+    w = jnp.stack([lo, hi], axis=-1).reshape(ROWS, 16, 16) * sc[:, :, None]
+    return perm64(w.reshape(ROWS, 256)).astype(jnp.bfloat16)
 
 
 def _mma(acc_ref, a, b_ref, a_smem):
@@ -225,7 +384,19 @@ def _finish(out, direct: bool, M: int, out_dtype):
 
 
 # ---- W8A16 ---------------------------------------------------------------------------------------------------
-def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, load, widen):
+def _widen8(w_ref, load: str, widen: str, interpret: bool):
+    """E4M3 [64, 128] SMEM tile -> bf16 A operand in WGMMA layout (columns in `perm_cols` order for "perm")."""
+    if widen == "perm" and not interpret:
+        return _ptx_e4m3_perm_to_bf16(plgpu.load(w_ref, layout=plgpu.Layout.WGMMA_UPCAST_4X))
+    w = _load_8bit(w_ref, load)
+    if widen == "ptx" and not interpret:
+        return _ptx_e4m3_to_bf16(w)
+    a = w.astype(jnp.float32).astype(jnp.bfloat16)      # exact; ptxas 13.0 has no direct e4m3->bf16 cvt
+    return perm_cols(a) if widen == "perm" else a        # interpret: the same permuted product, in jnp
+
+
+def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, load, widen, interpret):
+    """One wgmma per 128-wide K step into a fresh accumulator, waited for before the block scale is applied."""
     n_blk, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
     k_first = split * steps
     s_row = n_blk * bn // FP8_BLOCK                    # bn divides 128: one block-scale row per CTA
@@ -237,11 +408,7 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, sta
         xt = x_smem.transpose((1, 0))                   # [128, BM]: the B operand
         out = []
         for g in range(groups):
-            w = _load_8bit(w_smem.at[pl.ds(g * ROWS, ROWS)], load)
-            if widen == "ptx":
-                a = _ptx_e4m3_to_bf16(w)
-            else:                                              # exact; ptxas 13.0 has no direct e4m3->bf16 cvt
-                a = w.astype(jnp.float32).astype(jnp.bfloat16)
+            a = _widen8(w_smem.at[pl.ds(g * ROWS, ROWS)], load, widen, interpret)
             out.append(acc[g] + _mma_value(a, xt, a_smem, BM) * s)
         return tuple(out)
 
@@ -251,6 +418,68 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, sta
         in_specs=[plgpu.BlockSpec((bn, W8_BK), lambda k: (n_blk, k_first + k), transforms=_tf(W8_BK, 1)),
                   plgpu.BlockSpec((BM, W8_BK), lambda k: (m_blk, k_first + k), transforms=_tf(2 * W8_BK, 2))],
         max_concurrent_steps=stages, init_carry=(zero,) * groups)(w_gmem, x_gmem)
+    _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct)
+
+
+def _w8_kernel_overlap(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, load, widen,
+                       interpret):
+    """Two 128-wide K blocks per pipeline step, two accumulators: block b's wgmma is issued, then the previous
+    block's product is awaited (wait_group(groups)) and folded in with its block scale, so the widening of one
+    block overlaps the matrix units' work on the other. Race-free by construction: the two blocks decode into
+    different A registers and each set's wgmmas are awaited before the set is written again. x stages are
+    released one step late (the last wgmma of a step still reads them); each block scale is read one block
+    ahead of its use. H200 call s3-1: no faster than `_w8_kernel` (ptxas serialized the perm build's wgmmas)."""
+    n_blk, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
+    k_first = split * steps
+    s_row = n_blk * bn // FP8_BLOCK
+    groups = bn // ROWS
+    f32 = jnp.float32
+
+    def scoped(*accs):
+        acc_a, acc_b = accs[:groups], accs[groups:]
+
+        def issue(acc, w_ref, xt):
+            """Start block products into `acc` (compiled). Interpret mode has no accumulator stores (and runs
+            wgmma synchronously): there the products come back as values, carried like the GPU's registers."""
+            vals = []
+            for g in range(groups):
+                a = _widen8(w_ref.at[pl.ds(g * ROWS, ROWS)], load, widen, interpret)
+                if interpret:
+                    vals.append(_mma_value(a, xt, a_smem, BM))
+                    continue
+                acc[g][...] = plgpu.layout_cast(jnp.zeros((ROWS, BM), f32), plgpu.Layout.WGMMA)
+                plgpu.wgmma(acc[g], a, xt)
+            return tuple(vals)
+
+        def fold(total, acc, vals, s, wait_n):
+            if interpret:
+                return tuple(t + v * s for t, v in zip(total, vals))
+            return tuple(t + plgpu.wgmma_accumulator_load(r, wait_n=wait_n) * s for t, r in zip(total, acc))
+
+        def body(idx, wa_smem, wb_smem, x_smem, carry):
+            (j,) = idx
+            total, s_prev, pend = carry
+            ka = k_first + 2 * j
+            s_a, s_b = s_gmem[s_row, ka], s_gmem[s_row, ka + 1]
+            va = issue(acc_a, wa_smem, x_smem.at[:, pl.ds(0, W8_BK)].transpose((1, 0)))
+            total = fold(total, acc_b, pend, s_prev, groups)     # the previous step's second block
+            vb = issue(acc_b, wb_smem, x_smem.at[:, pl.ds(W8_BK, W8_BK)].transpose((1, 0)))
+            total = fold(total, acc_a, va, s_a, groups)
+            return total, s_b, vb
+
+        zero = plgpu.layout_cast(jnp.zeros((ROWS, BM), f32), plgpu.Layout.WGMMA)
+        spec = lambda shape, imap, tf: plgpu.BlockSpec(shape, imap, transforms=tf, delay_release=1)
+        total, s_last, pend = plgpu.emit_pipeline(
+            body, grid=(steps // 2,),
+            in_specs=[spec((bn, W8_BK), lambda j: (n_blk, k_first + 2 * j), _tf(W8_BK, 1)),
+                      spec((bn, W8_BK), lambda j: (n_blk, k_first + 2 * j + 1), _tf(W8_BK, 1)),
+                      spec((BM, 2 * W8_BK), lambda j: (m_blk, k_first // 2 + j), _tf(2 * W8_BK, 2))],
+            max_concurrent_steps=stages,
+            init_carry=((zero,) * groups, jnp.float32(0), (zero,) * groups if interpret else ()),
+        )(w_gmem, w_gmem, x_gmem)
+        return fold(total, acc_b, pend, s_last, 0)
+
+    acc = pl.run_scoped(scoped, *[plgpu.ACC((ROWS, BM), f32) for _ in range(2 * groups)])
     _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct)
 
 
@@ -270,10 +499,15 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
     M, K = x.shape
     N = w.shape[0]
     bn, nb, mb, split, steps = _grid("w8a16_gemv", M, N, K, W8_BK, config)
+    if config.overlap and steps % 2:
+        raise ShapeError(f"w8a16_gemv(mosaic): overlap=True needs an even number of K steps per split, got {steps}")
     xp = _pad_rows(x)
+    if config.widen == "perm":
+        xp = perm_cols(xp)                                # the weight tiles' columns arrive in this order
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype)
-    kernel = functools.partial(_w8_kernel, bn=bn, steps=steps, stages=min(config.stages, steps), direct=direct,
-                               load=config.load, widen="jnp" if interpret else config.widen)
+    kernel = functools.partial(_w8_kernel_overlap if config.overlap else _w8_kernel, bn=bn, steps=steps,
+                               stages=config.stages if config.overlap else min(config.stages, steps), direct=direct,
+                               load=config.load, widen=config.widen, interpret=bool(interpret))
     f = plgpu.kernel(
         kernel, out_type=out_type, grid=(nb, mb, split), grid_names=("n", "m", "s"),
         scratch_types=dict(o_smem=o_smem,
@@ -292,10 +526,12 @@ def _interpret_kw(interpret) -> dict:
 
 def _check_config(name: str, config: GemvConfig):
     if config.block_n not in (64, 128) or config.stages < 1 or config.split_k < 0 or config.load not in (
-            "upcast", "direct") or config.widen not in ("ptx", "jnp"):
-        raise ShapeError(f"{name}(mosaic): config expects block_n in (64, 128), stages >= 1, split_k >= 0, "
-                         f"load 'upcast' or 'direct', widen 'ptx' or 'jnp'; "
-                         f"got {config}")
+            "upcast", "direct") or config.widen not in ("ptx", "jnp", "perm") or (
+            name == "w4a16_gemv" and config.overlap) or (config.stages < 2 and (
+            config.overlap or (name == "w4a16_gemv" and config.widen == "perm"))):
+        raise ShapeError(f"{name}(mosaic): config expects block_n in (64, 128), stages >= 1 (>= 2 with overlap or "
+                         f"w4 perm: stages are released one step late), split_k >= 0, load 'upcast' or 'direct', "
+                         f"widen 'ptx', 'jnp' or 'perm', overlap w8 only; got {config}")
 
 
 def _check_x_bf16(name: str, x):
@@ -305,7 +541,8 @@ def _check_x_bf16(name: str, x):
 
 
 def w8a16_gemv_blocks(N: int, K: int) -> GemvConfig:
-    """H200 2026-11-30 (benchmarks/notes/quant.md): jnp widening beat the PTX recipe (27.5 vs 33.2 us, in_proj)."""
+    """H200 2026-11-30 (benchmarks/notes/quant.md): jnp widening beat the PTX recipe (27.5 vs 33.2 us, in_proj);
+    call s3-1: the perm widening (27.4 us) and overlap (27.5) were no faster than this (27.9), within noise."""
     return GemvConfig(block_n=64, stages=6, widen="jnp")
 
 
@@ -411,9 +648,71 @@ def _w4_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, i
     return _finish(f(xe, xo, packed, scale, g, jnp.asarray(e, bf)), direct, M, out_dtype)
 
 
+W4P_BK = 256      # K per step of the "perm" NVFP4 kernel (128 packed bytes, 16 scale groups)
+
+
+def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, interpret):
+    """NVFP4 GEMV with the "perm" decoder: scales are multiplied in during the decode, so one accumulator per
+    64 rows runs over all K. Each step waits for its own wgmmas (wait_group 0) before the next step's decode
+    rewrites the A registers: PTX makes touching an in-flight wgmma's A registers undefined, and the loop body
+    writes the same registers every step (H200 run s3-1: a wait_group(1) version gave wrong, M-dependent rows
+    whenever ptxas did not serialize the wgmmas itself; benchmarks/notes/quant.md). Stages are released one
+    step late (delay_release=1), as in the measured run."""
+    n_blk, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
+    k_first = split * steps
+    groups = bn // ROWS
+
+    def scoped(*accs):
+        def body(idx, p_smem, s_smem, x_smem):
+            xt = x_smem.transpose((1, 0))                             # [256, BM]
+            for g in range(groups):
+                rows = pl.ds(g * ROWS, ROWS)
+                if interpret:
+                    a = _jnp_e2m1_perm(p_smem.at[rows], s_smem.at[rows])
+                else:
+                    a = _ptx_e2m1_perm_to_bf16(plgpu.load(p_smem.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X),
+                                               plgpu.load(s_smem.at[rows], layout=W4_SCALE_LAYOUT))
+                _mma(accs[g], a, xt, a_smem)
+            plgpu.wgmma_wait(0)                                       # A registers and x stage free again
+
+        spec = lambda shape, tf, row: plgpu.BlockSpec(shape, lambda k: (row, k_first + k), transforms=tf,
+                                                       delay_release=1)
+        plgpu.emit_pipeline(
+            body, grid=(steps,),
+            in_specs=[spec((bn, W4P_BK // 2), _tf(128, 1), n_blk), spec((bn, W4P_BK // 16), (), n_blk),
+                      spec((BM, W4P_BK), _tf(128, 2), m_blk)],
+            max_concurrent_steps=stages)(p_gmem, s_gmem, x_gmem)
+        return tuple(acc[...] for acc in accs)
+
+    acc = pl.run_scoped(scoped, *[plgpu.ACC((ROWS, BM), jnp.float32) for _ in range(groups)])
+    gs = g_gmem[0] * W4P_SHIFT
+    _store_out([a * gs for a in acc], o_smem, o_gmem, split, m_blk, n_blk, bn, direct)
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
+def _w4p_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, interpret: bool):
+    M, K = x.shape
+    N = packed.shape[0]
+    bn, nb, mb, split, steps = _grid("w4a16_gemv", M, N, K, W4P_BK, config)
+    xp = perm64(_pad_rows(x))                          # the decoded tiles' columns arrive in this order
+    direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype)
+    kernel = functools.partial(_w4p_kernel, bn=bn, steps=steps, stages=config.stages, direct=direct,
+                               interpret=bool(interpret))
+    f = plgpu.kernel(
+        kernel, out_type=out_type, grid=(nb, mb, split), grid_names=("n", "m", "s"),
+        scratch_types=dict(o_smem=o_smem,
+                           a_smem=plgpu.SMEM((ROWS, W4P_BK), jnp.bfloat16, transforms=_tf(128, 2))
+                           if interpret else None),
+        **_interpret_kw(interpret))
+    g = jnp.asarray(global_scale, jnp.float32).reshape(1)
+    return _finish(f(xp, packed, scale, g), direct, M, out_dtype)
+
+
 def w4a16_gemv_blocks(N: int, K: int) -> GemvConfig:
-    """H200 2026-11-30: the PTX decoder beat the jnp one (63.8 vs 88.8 us, in_proj); Triton is faster still."""
-    return GemvConfig(block_n=128, stages=3, widen="ptx")
+    """H200 2026-11-30, call s3-1, perm decoder (the planes decoder: 63.6 / 27.2 us; Triton 53.4 / 24.5 in
+    session 2): in_proj (N=18560) 64 rows x 3 stages 24.8 us (128 x 3: 29.0); out_proj (N=4096, split-K) 128 x 3
+    12.9 us (64 x 3 not run there). So 64 rows when N alone gives >= 2 waves of 64-row tiles, else 128."""
+    return GemvConfig(block_n=64 if N // ROWS >= 2 * H200_SMS else 128, stages=3, widen="perm")
 
 
 def w4a16_gemv_mosaic(x, packed, scale, global_scale, *, out_dtype=None, interpret: bool = False,
@@ -426,13 +725,16 @@ def w4a16_gemv_mosaic(x, packed, scale, global_scale, *, out_dtype=None, interpr
     _check_dims("w4a16_gemv", N, K, W4_BK)
     config = config or w4a16_gemv_blocks(N, K)
     _check_config("w4a16_gemv", config)
-    return _w4_call(x, packed, scale, global_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config,
-                    interpret=interpret)
+    call = _w4p_call if config.widen == "perm" else _w4_call
+    return call(x, packed, scale, global_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config,
+                interpret=interpret)
 
 
-# Registered beside the Triton arms; shapes the Mosaic arms do not take go to the Triton arm (registry). H200, 2026-11-30 (benchmarks/notes/quant.md): the Mosaic w8a16_gemv beat the
-# Triton one (in_proj 27.5 vs 34.7 us, out_proj 14.8 vs 16.6 us at M=1), so it is the GPU default; the Mosaic
-# w4a16_gemv lost (63.8 vs 53.4 us), so Triton stays the default there.
+# Registered beside the Triton arms; shapes the Mosaic arms do not take go to the Triton arm (registry).
+# H200, 2026-11-30 (benchmarks/notes/quant.md): the Mosaic w8a16_gemv beat the Triton one (in_proj 27.5 vs 34.7 us,
+# out_proj 14.8 vs 16.6 us at M=1), so it is the GPU default. w4a16_gemv stays on Triton by default: the Mosaic
+# perm decoder measured 24.8 us (in_proj) in call s3-1, but the code here adds a wait the measured build lacked
+# (see _w4p_kernel) and has not run on the GPU yet; switch to gpu_default="mosaic" once it has.
 registry.register("w8a16_gemv", reference=w8a16_reference, mosaic=w8a16_gemv_mosaic, gpu_default="mosaic",
                   mosaic_supports=lambda x, w, scale, **_: supports("w8a16_gemv", *w.shape, x.dtype))
 registry.register("w4a16_gemv", reference=w4a16_reference, mosaic=w4a16_gemv_mosaic,

@@ -13,6 +13,7 @@ _LAZY = {
     "PrefixHit": "metrale_jax.runtime.prefix_cache",
     "SpeculativeConfig": "metrale_jax.runtime.speculative",
     "NgramDrafter": "metrale_jax.runtime.speculative",
+    "MtpDrafter": "metrale_jax.runtime.speculative",
 }
 
 

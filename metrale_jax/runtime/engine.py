@@ -34,7 +34,7 @@ from metrale_jax.runtime import steps
 from metrale_jax.runtime.executables import Executables, bucket, pick_bucket
 from metrale_jax.runtime.prefix_cache import PrefixCache
 from metrale_jax.runtime.sampling import sample_tokens
-from metrale_jax.runtime.speculative import SpeculativeConfig, make_drafter
+from metrale_jax.runtime.speculative import MtpDrafter, SpeculativeConfig, make_drafter
 from metrale_jax.state.kv_pool import KvSlotState
 from metrale_jax.state.slots import SlotAllocator
 from metrale_jax.state.ssm_pool import SlotState
@@ -110,6 +110,9 @@ class Engine:
     the SSD chunk size; default the chunk size), at most capture_rows of them taken per step.
     speculative: a SpeculativeConfig; drafter replaces its drafter (an object whose new_sequence(context)
     returns one with append(token) and propose(limit) -> token list), e.g. a custom or test drafter.
+    Method 'mtp' drafts with the model's MTP head on the device: the engine then keeps an MtpCache beside
+    the cache (engine.mtp), brought up to date by every prefill and verify; prefix snapshots then hold its
+    state at the cut too (the MTP keys/values with the KV blocks, the carried hidden state with the states).
     eos_ids: stop tokens (default: the model's). executables / decode_executables: registries to share
     between engines on the same model and cache shapes (the decode one becomes an eager one when a layer
     vetoes graphs).
@@ -188,6 +191,9 @@ class Engine:
             self.drafter = make_drafter(model, speculative) if drafter is None else drafter
         elif drafter is not None:
             raise ConfigError("drafter", "a drafter needs speculative=SpeculativeConfig(...) (num_draft)")
+        self.mtp = None                                # the MTP head's state, with MTP drafting
+        if isinstance(self.drafter, MtpDrafter):
+            self.mtp = model.new_mtp_cache(max_slots, max_len)
 
         self.eos_ids = frozenset(model.eos_ids() if eos_ids is None else (int(e) for e in eos_ids))
         self.queue: collections.deque[Request] = collections.deque()
@@ -335,11 +341,29 @@ class Engine:
             for j, blk in enumerate(hit.kv_blocks):
                 self.cache = self._state_op("kv_block_put", steps.kv_block_put, self.cache, self._dev(slot),
                                             self._dev(j * self.prefix_cache.block), blk, donate_argnums=(0,))
+        if self.mtp is not None:
+            self.mtp = self.exe.run("mtp_restore_hidden", steps.mtp_restore_hidden, self.mtp, self._dev(slot),
+                                    hit.mtp_hidden, donate_argnums=(0,))
+            if self.mtp.kv.num_layers:                 # in order: block j rewrites block j-1's scratch last row
+                for j, blk in enumerate(hit.mtp_blocks):
+                    self.mtp = self.exe.run("mtp_block_put", steps.mtp_block_put, self.mtp, self._dev(slot),
+                                            self._dev(self._mtp_block_start(j)), blk, donate_argnums=(0,))
 
     def _kv_block(self, slot: int, j: int) -> KvSlotState:
         block = self.prefix_cache.block
         return self._state_op("kv_block_get", functools.partial(steps.kv_block_get, block=block), self.cache,
                               self._dev(slot), self._dev(j * block), static=block)
+
+    def _mtp_block_start(self, j: int) -> int:
+        """Block j's MTP keys/values are those of the pairs whose next token lies in the block: positions
+        j*block-1 .. (j+1)*block-2. Block 0 starts at 0, so its last row (the pair after the cut) is scratch,
+        rewritten by block 1 or by the prefill after a restore."""
+        return max(j * self.prefix_cache.block - 1, 0)
+
+    def _mtp_block(self, slot: int, j: int) -> KvSlotState:
+        block = self.prefix_cache.block
+        return self.exe.run("mtp_block_get", functools.partial(steps.mtp_block_get, block=block), self.mtp,
+                            self._dev(slot), self._dev(self._mtp_block_start(j)), static=block)
 
     # ---- emitting and finishing ------------------------------------------------------------------
     def _emit(self, r: Request, tokens) -> None:
@@ -402,12 +426,19 @@ class Engine:
 
     def _speculate(self, reqs: list[Request]) -> None:
         nd_max = self.speculative.num_draft
-        drafts = {r.rid: r.drafter.propose(min(nd_max, r.max_new_tokens - len(r.tokens) - 1)) for r in reqs}
-        if not any(drafts.values()):
-            return self._decode(reqs)
+        limits = {r.rid: min(nd_max, r.max_new_tokens - len(r.tokens) - 1) for r in reqs}
+        if self.mtp is None:
+            drafts = {r.rid: r.drafter.propose(limits[r.rid]) for r in reqs}
+            if not any(drafts.values()):
+                return self._decode(reqs)
+        elif max(limits.values()) <= 0:
+            return self._decode(reqs)                  # each emits its last token: the MTP state is not needed
         k = nd_max + 1
         for group in _groups(reqs, self.verify_buckets[-1]):
             n = pick_bucket(len(group), self.verify_buckets, "verify batch")
+            slots = [r.slot for r in group] + [self.pad] * (n - len(group))
+            if self.mtp is not None:
+                drafts = self._mtp_drafts(group, slots, limits)
             tokens = np.zeros((n, k), np.int32)
             num_draft = np.zeros(n, np.int32)
             for i, r in enumerate(group):
@@ -416,18 +447,37 @@ class Engine:
                 tokens[i, 1:1 + len(d)] = d
                 tokens[i, 1 + len(d):] = tokens[i, len(d)]          # filler rows: never accepted
                 num_draft[i] = len(d)
-            slots = [r.slot for r in group] + [self.pad] * (n - len(group))
             sampling = any(r.temperature > 0 for r in group)
             inputs = self._devs(np.array(slots, np.int32), tokens, num_draft, *self._row_params(group, n))
-            out, accepted, self.cache = self.call(
-                "verify", functools.partial(steps.verify_step, sampling=sampling), self.cache, *inputs,
-                decode=True, donate_argnums=(1,), slots=slots[:len(group)], static=sampling)
+            out, accepted = self._verify(sampling, *inputs, slots=slots[:len(group)])
             out, accepted = np.asarray(out), np.asarray(accepted)
             self.counters["verify_rows"] += len(group)
             self.counters["drafted_tokens"] += int(num_draft.sum())
             self.counters["accepted_tokens"] += int(accepted[:len(group)].sum())
             for i, r in enumerate(group):
                 self._emit(r, out[i, :accepted[i] + 1])
+
+    def _verify(self, sampling: bool, *inputs, slots=()):
+        """steps.verify_step on self.cache (and self.mtp with MTP drafting, both donated); returns (out, accepted)
+        and keeps the new state."""
+        fn = functools.partial(steps.verify_step, sampling=sampling)
+        if self.mtp is None:
+            out, accepted, self.cache = self.call("verify", fn, self.cache, *inputs, decode=True, donate_argnums=(1,),
+                                                  slots=slots, static=sampling)
+        else:
+            out, accepted, self.cache, self.mtp = self.call("verify", fn, self.cache, *inputs, self.mtp, decode=True,
+                                                            donate_argnums=(1, 9), slots=slots, static=sampling)
+        return out, accepted
+
+    def _mtp_drafts(self, group: list[Request], slots: list[int], limits: dict[int, int]) -> dict[int, list[int]]:
+        """Each request's MTP drafts (up to its limit) from its pending token, for one verify batch."""
+        nd = self.speculative.num_draft
+        pending = [r.pending for r in group] + [0] * (len(slots) - len(group))
+        d, self.mtp = self.call("mtp_draft", functools.partial(steps.mtp_draft_step, num_draft=nd), self.cache,
+                                self.mtp, *self._devs(np.array(slots, np.int32), np.array(pending, np.int32)),
+                                decode=True, donate_argnums=(2,), slots=slots[:len(group)], static=nd)
+        d = np.asarray(d)
+        return {r.rid: d[i, :max(limits[r.rid], 0)].tolist() for i, r in enumerate(group)}
 
     # ---- prefill -------------------------------------------------------------------------------
     def _cut(self, r: Request, n: int) -> int | None:
@@ -484,12 +534,15 @@ class Engine:
                 targets[b, :len(nxt)] = nxt
             args[6] = self._dev(targets)
             entry += "_score"
-        out = self.call(entry, steps.prefill_step, *args, donate_argnums=(1,), slots=slots[:len(rows)])
-        self.cache = out.cache
+        out = self._prefill_call(entry, *args, slots=slots[:len(rows)])
         self.counters["prefill_tokens"] += int(lengths.sum())
         for c, (b, r, m) in enumerate(captures):
             state = out.captured[c] if in_pass else self._slot_state(r.slot)
-            self.prefix_cache.insert(r.prompt[:m], state, functools.partial(self._kv_block, r.slot))
+            mtp = {}
+            if self.mtp is not None:                   # the hidden state at position m-1, the MTP blocks before it
+                hidden = out.captured_hidden[c] if in_pass else self._mtp_hidden(r.slot)
+                mtp = dict(mtp_hidden=hidden, mtp_block=functools.partial(self._mtp_block, r.slot))
+            self.prefix_cache.insert(r.prompt[:m], state, functools.partial(self._kv_block, r.slot), **mtp)
         lp = None if out.target_logprobs is None else np.asarray(out.target_logprobs)
         firsts = []
         for b, (r, n) in enumerate(rows):
@@ -509,8 +562,21 @@ class Engine:
             for b, r in firsts:
                 self._emit(r, [toks[b]])
 
+    def _prefill_call(self, entry: str, *args, slots=()):
+        """steps.prefill_step on self.cache (and self.mtp with MTP drafting, both donated); keeps the new state."""
+        if self.mtp is None:
+            out = self.call(entry, steps.prefill_step, *args, donate_argnums=(1,), slots=slots)
+        else:
+            out = self.call(entry, steps.prefill_step, *args, self.mtp, donate_argnums=(1, 8), slots=slots)
+            self.mtp = out.mtp
+        self.cache = out.cache
+        return out
+
     def _slot_state(self, slot: int) -> SlotState:
         return self._state_op("slot_ssm_state", steps.slot_ssm_state, self.cache, self._dev(slot))
+
+    def _mtp_hidden(self, slot: int):
+        return self.exe.run("mtp_slot_hidden", steps.mtp_slot_hidden, self.mtp, self._dev(slot))
 
     # ---- warm-up -------------------------------------------------------------------------------
     def warmup(self, *, sampling: bool = False, score: bool = False) -> int:
@@ -529,9 +595,7 @@ class Engine:
                 if score:
                     variants.append(("prefill_score", None, None, self._dev(np.zeros((B, T)))))
                 for entry, cuts, rows, targets in variants:
-                    out = self.call(entry, steps.prefill_step, self.cache, slots, ids, lengths, cuts, rows, targets,
-                                    donate_argnums=(1,))
-                    self.cache = out.cache
+                    self._prefill_call(entry, self.cache, slots, ids, lengths, cuts, rows, targets)
         V = self.model.config.vocab_size
         for B in sorted(set(self.prefill_buckets) | set(self.decode_buckets) | set(self.verify_buckets)):
             logits = jax.device_put(np.zeros((B, V), np.float32), self._logits_sharding)
@@ -546,13 +610,12 @@ class Engine:
             if self.speculative is not None:
                 k = self.speculative.num_draft + 1
                 for n in self.verify_buckets:
+                    if self.mtp is not None:
+                        self._mtp_drafts([], [pad] * n, {})
                     for s in ([False, True] if sampling else [False]):
                         z = self._dev(np.zeros(n))
-                        *_, self.cache = self.call(
-                            "verify", functools.partial(steps.verify_step, sampling=s), self.cache,
-                            self._dev(np.full(n, pad)), self._dev(np.zeros((n, k))), z,
-                            self._dev(np.zeros(n), np.float32), self._dev(np.ones(n), np.float32), z, z, decode=True,
-                            donate_argnums=(1,), static=s)
+                        self._verify(s, self._dev(np.full(n, pad)), self._dev(np.zeros((n, k))), z,
+                                     self._dev(np.zeros(n), np.float32), self._dev(np.ones(n), np.float32), z, z)
         self.cache = self._state_op("zero_slot", steps.zero_slot, self.cache, self._dev(pad), donate_argnums=(0,))
         if self.prefix_cache is not None:
             state = self._state_op("slot_ssm_state", steps.slot_ssm_state, self.cache, self._dev(pad))
@@ -562,6 +625,12 @@ class Engine:
                 blk = self._kv_block(pad, 0)
                 self.cache = self._state_op("kv_block_put", steps.kv_block_put, self.cache, self._dev(pad),
                                             self._dev(0), blk, donate_argnums=(0,))
+            if self.mtp is not None:
+                self.mtp = self.exe.run("mtp_restore_hidden", steps.mtp_restore_hidden, self.mtp, self._dev(pad),
+                                        self._mtp_hidden(pad), donate_argnums=(0,))
+                if self.mtp.kv.num_layers:
+                    self.mtp = self.exe.run("mtp_block_put", steps.mtp_block_put, self.mtp, self._dev(pad),
+                                            self._dev(0), self._mtp_block(pad, 0), donate_argnums=(0,))
         return self.compiles - before
 
     # ---- batch jobs ----------------------------------------------------------------------------

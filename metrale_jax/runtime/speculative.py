@@ -2,10 +2,10 @@
 
 A drafter proposes up to k-1 tokens after a sequence's context; the model verifies the pending token
 plus the drafts in one multi-token step (steps.verify_step) and keeps the longest accepted run plus
-one token of its own. Drafts here are deterministic (prompt lookup), so the exact speculative
-sampling rule reduces to: accept draft d with probability p(d); on the first rejection draw from p
-with d removed; after a fully accepted run draw the bonus token from p. Greedy rows accept d iff it is
-the argmax.
+one token of its own. Drafts here are deterministic (prompt lookup, or the MTP head's argmax), so the
+exact speculative sampling rule reduces to: accept draft d with probability p(d); on the first rejection
+draw from p with d removed; after a fully accepted run draw the bonus token from p. Greedy rows accept d
+iff it is the argmax.
 """
 
 from __future__ import annotations
@@ -83,16 +83,28 @@ class NgramDrafter:
 
 
 class MtpDrafter:
-    """Drafting with the checkpoint's MTP layers: the hook is here, the drafting is not built yet."""
+    """Drafting with the checkpoint's MTP head: greedy drafts computed on the device (steps.mtp_draft_step) from
+    the MTP state (MtpCache) that prefill and verify keep up to date; the engine runs it per verify batch, so a
+    sequence carries no host-side drafter (new_sequence gives None). One MTP step drafts every token
+    recurrently, as vLLM runs Nemotron-H's MTP."""
 
     def __init__(self, model, config: SpeculativeConfig):
         n = model.config.num_nextn_predict_layers
         if not n:
             raise ConfigError("speculative.method", "'mtp' needs MTP layers, but this checkpoint has "
                                                     "num_nextn_predict_layers = 0; use method='ngram'")
-        raise ConfigError("speculative.method", f"MTP drafting ({n} MTP layer(s) in the checkpoint) is not "
-                                                "implemented yet: the loader does not read MTP weights; use "
-                                                "method='ngram'")
+        if getattr(model, "mtp", None) is None:
+            raise ConfigError("speculative.method", f"'mtp' needs the MTP head's weights: the config has {n} MTP "
+                                                    "step(s), but the checkpoint held no mtp.* tensors (or the "
+                                                    "model is split over a mesh, which keeps no MTP head); use "
+                                                    "method='ngram'")
+        if n > 1:
+            raise ConfigError("speculative.method", f"MTP drafting runs one MTP step recurrently; this checkpoint "
+                                                    f"has num_nextn_predict_layers = {n}")
+        self.config = config
+
+    def new_sequence(self, context) -> None:
+        return None
 
 
 def make_drafter(model, config: SpeculativeConfig):

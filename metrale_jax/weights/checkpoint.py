@@ -4,7 +4,10 @@ Loading checks every tensor's name, shape and dtype from the safetensors headers
 one CheckpointError listing every problem (with the expected shape) before any data is read; then
 it reads tensor by tensor from the memory-mapped files (a progress bar on a terminal) and casts
 to the model dtype, except the tensors kept in float32 (A_log, D, dt_bias, router weight and
-e_score_correction_bias). MTP tensors (mtp.*) are skipped with a note.
+e_score_correction_bias). A config with num_nextn_predict_layers > 0 may come with the MTP head's tensors
+(mtp.layers.{j}.*, see layers/mtp.py): all of them are then checked and read like the main blocks'; a
+checkpoint without any loads without MTP (with a note), and mtp.* tensors of a config with no MTP layers
+are skipped with a note.
 
 Quantized checkpoints (hf_quant_config.json or config.json "quantization_config": ModelOpt FP8 /
 NVFP4, block FP8; see weights/quant_config.py) come out with a container per linear module instead
@@ -37,6 +40,7 @@ from metrale_jax.layers.attention import NemotronAttentionWeights
 from metrale_jax.layers.mamba2 import NemotronSsmWeights
 from metrale_jax.layers.mlp import NemotronMlpWeights
 from metrale_jax.layers.moe import NemotronMoeWeights
+from metrale_jax.layers.mtp import MtpStepWeights, mtp_view
 from metrale_jax.weights.containers import (DenseWeight, Fp8Weight, Nvfp4Weight, StackedExperts, W4a4Weight,
                                             WeightQuantFormat, stack_experts)
 from metrale_jax.weights.quant_config import QuantConfig, load_linear, quant_config_from_dicts, read_quant_config
@@ -54,11 +58,12 @@ SUPPORTED_MESSAGE = "the quantized loader reads ModelOpt FP8 / NVFP4 and 128x128
 # routed experts held dense (dequantized at load) are listed as excluded in the saved quantization config
 EXPERTS_PATTERN = "backbone.layers.*.mixer.experts.*"
 MAX_SHARD_BYTES = 2 * 1024 ** 3
-_IGNORED = re.compile(r"^mtp\.")
+_MTP = re.compile(r"^mtp\.")
 _KV_SCALE = re.compile(r"\.[kv]_scale$")          # ModelOpt FP8 KV-cache scales: the KV pool is not quantized
 # A routed expert's weight; the loader stacks a layer's experts into one [E, ...] array under
 # "<mixer>.experts.up_proj" / ".experts.down_proj" (HF's in-memory fused names).
-_EXPERT = re.compile(r"^(?P<mixer>backbone\.layers\.\d+\.mixer\.)experts\.(?P<e>\d+)\.(?P<proj>up|down)_proj\.weight$")
+_EXPERT = re.compile(r"^(?P<mixer>(?:backbone|mtp)\.layers\.\d+\.mixer\.)"
+                     r"experts\.(?P<e>\d+)\.(?P<proj>up|down)_proj\.weight$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,10 +157,52 @@ def expected_tensors(config: ModelConfig) -> dict[str, TensorSpec]:
     return out
 
 
+def mtp_tensors(config: ModelConfig) -> dict[str, TensorSpec]:
+    """Every tensor of the MTP head (none when num_nextn_predict_layers is 0): block j of the MTP pattern
+    repeated per step as mtp.layers.{j}.norm / .mixer.* (the main blocks' table), enorm / hnorm / eh_proj on
+    a step's first block and final_layernorm on its last."""
+    if not config.num_nextn_predict_layers:
+        return {}
+    view, P, D = mtp_view(config), len(config.mtp_hybrid_override_pattern), config.hidden_size
+    out: dict[str, TensorSpec] = {}
+    for j in range(view.num_hidden_layers):
+        p = f"mtp.layers.{j}"
+        if j % P == 0:
+            out.update({f"{p}.enorm.weight": TensorSpec((D,)), f"{p}.hnorm.weight": TensorSpec((D,)),
+                        f"{p}.eh_proj.weight": TensorSpec((D, 2 * D))})
+        out.update((_to_mtp(n), spec) for n, spec in block_tensors(view, j).items())
+        if j % P == P - 1:
+            out[f"{p}.final_layernorm.weight"] = TensorSpec((D,))
+    return out
+
+
+def has_mtp(names) -> bool:
+    """Whether any of `names` is an MTP tensor (mtp.*)."""
+    return any(_MTP.match(n) for n in names)
+
+
+def model_tensors(config: ModelConfig, names=()) -> dict[str, TensorSpec]:
+    """`expected_tensors`, plus the MTP head's tensors when the config has MTP layers and `names` (the
+    tensors at hand) hold any mtp.* one: the MTP head is optional, but whole."""
+    out = expected_tensors(config)
+    if config.num_nextn_predict_layers and has_mtp(names):
+        out.update(mtp_tensors(config))
+    return out
+
+
+def _to_mtp(name: str) -> str:
+    return "mtp." + name[len("backbone."):]
+
+
+def _to_backbone(name: str) -> str:
+    return "backbone." + name[len("mtp."):]
+
+
 def missing_tensors(config: ModelConfig, tensors: Mapping[str, object]) -> list[str]:
-    """Problems for expected names absent from `tensors` (stacked experts count for their members)."""
+    """Problems for expected names absent from `tensors` (stacked experts count for their members); the MTP
+    head's names count when any mtp.* tensor is given."""
     out = []
-    for name, spec in expected_tensors(config).items():
+    for name, spec in model_tensors(config, tensors).items():
         m = _EXPERT.match(name)
         if name not in tensors and (m is None or f"{m['mixer']}experts.{m['proj']}_proj" not in tensors):
             out.append(f"{name}: missing (expected shape {list(spec.shape)})")
@@ -207,6 +254,35 @@ def layer_weights(config: ModelConfig, i: int, tensors: Mapping[str, object]):
     return tensors[f"backbone.layers.{i}.norm.weight"], w
 
 
+def mtp_weights(config: ModelConfig, tensors: Mapping[str, object]):
+    """(blocks, steps) of the MTP head from HF-named tensors: blocks[j] = (input norm, mixer weights) of
+    mtp.layers.{j} (as `layer_weights` reads a main block), steps[s] = MtpStepWeights."""
+    view, P = mtp_view(config), len(config.mtp_hybrid_override_pattern)
+    renamed = {_to_backbone(n): v for n, v in tensors.items() if _MTP.match(n)}
+    blocks = [layer_weights(view, j, renamed) for j in range(view.num_hidden_layers)]
+    steps = []
+    for s in range(config.num_nextn_predict_layers):
+        first, last = f"mtp.layers.{s * P}", f"mtp.layers.{s * P + P - 1}"
+        steps.append(MtpStepWeights(tensors[f"{first}.enorm.weight"], tensors[f"{first}.hnorm.weight"],
+                                    as_linear(tensors[f"{first}.eh_proj.weight"]),
+                                    tensors[f"{last}.final_layernorm.weight"]))
+    return blocks, steps
+
+
+def mtp_layer_tensors(config: ModelConfig, blocks, steps) -> dict[str, object]:
+    """The inverse of `mtp_weights`: the MTP head's tensors under their mtp.* names."""
+    view, P = mtp_view(config), len(config.mtp_hybrid_override_pattern)
+    out: dict[str, object] = {}
+    for j, (norm, w) in enumerate(blocks):
+        out.update((_to_mtp(n), v) for n, v in layer_tensors(view, j, norm, w).items())
+    for s, w in enumerate(steps):
+        first, last = f"mtp.layers.{s * P}", f"mtp.layers.{s * P + P - 1}"
+        eh = w.eh_proj.weight if isinstance(w.eh_proj, DenseWeight) else w.eh_proj
+        out.update({f"{first}.enorm.weight": w.enorm, f"{first}.hnorm.weight": w.hnorm,
+                    f"{first}.eh_proj.weight": eh, f"{last}.final_layernorm.weight": w.final_layernorm})
+    return out
+
+
 def _mlp_weights(tensors, p: str) -> NemotronMlpWeights:
     return NemotronMlpWeights(as_linear(tensors[p + "up_proj.weight"]), as_linear(tensors[p + "down_proj.weight"]),
                               up_bias=tensors.get(p + "up_proj.bias"), down_bias=tensors.get(p + "down_proj.bias"))
@@ -242,7 +318,7 @@ def linear_module(name: str) -> str | None:
     if not name.endswith(".weight"):
         return None
     module = name[:-len(".weight")]
-    return module if module == "lm_head" or module.rsplit(".", 1)[-1] in LINEAR_MODULES else None
+    return module if module == "lm_head" or module.rsplit(".", 1)[-1] in (*LINEAR_MODULES, "eh_proj") else None
 
 
 def layer_tensors(config: ModelConfig, i: int, input_norm, weights) -> dict[str, object]:
@@ -296,8 +372,8 @@ def check_checkpoint(reader, config: ModelConfig, qcfg: QuantConfig | None = Non
     quantized_ckpt = qcfg.method != "none"
     problems = unsupported(config)
     notes: list[str] = []
-    expected = expected_tensors(config)
     present = set(reader.keys())
+    expected = model_tensors(config, present)
     if not quantized_ckpt:
         quantized = sorted(n for n in present if n.rsplit(".", 1)[-1] in QUANTIZED_SUFFIXES
                            or (n in expected and reader.info(n)[0] in QUANTIZED_DTYPES))
@@ -319,9 +395,13 @@ def check_checkpoint(reader, config: ModelConfig, qcfg: QuantConfig | None = Non
             problems.append(f"{name}: shape {list(shape)}, expected {list(spec.shape)}{alts}")
         if dtype not in FLOAT_DTYPES:
             problems.append(f"{name}: dtype {dtype}, expected one of {', '.join(FLOAT_DTYPES)}")
-    ignored = sorted(n for n in present - set(expected) if _IGNORED.match(n))
+    ignored = sorted(n for n in present - set(expected) if _MTP.match(n) and not config.num_nextn_predict_layers)
     if ignored:
-        notes.append(f"ignored {len(ignored)} multi-token-prediction tensors (mtp.*): MTP heads are not used")
+        notes.append(f"ignored {len(ignored)} multi-token-prediction tensors (mtp.*): the config has "
+                     f"num_nextn_predict_layers = 0")
+    if config.num_nextn_predict_layers and not has_mtp(present):
+        notes.append(f"no MTP tensors (mtp.*) although num_nextn_predict_layers = {config.num_nextn_predict_layers}: "
+                     f"loaded without the MTP head (no MTP drafting)")
     kv_scales = sorted(n for n in present - set(expected) if quantized_ckpt and _KV_SCALE.search(n))
     if kv_scales:
         notes.append(f"ignored {len(kv_scales)} KV-cache scales (k_scale / v_scale): the KV pool is not quantized")
@@ -391,7 +471,11 @@ def read_checkpoint(directory: str | os.PathLike, config: ModelConfig, dtype=jnp
         problems, notes = check_checkpoint(reader, config, qcfg)
         if problems:
             raise CheckpointError(problems)
-        expected = expected_tensors(config)
+        expected = model_tensors(config, reader.keys())
+        if mesh is not None and has_mtp(reader.keys()):
+            expected = expected_tensors(config)
+            notes.append("the MTP head (mtp.*) is not loaded on a mesh: tensor parallelism splits the main blocks "
+                         "only")
         tensors: dict[str, object] = {}
         members: dict[str, list] = {}                 # a layer's experts, stacked once the last one is read
         dequantized_experts: collections.Counter = collections.Counter()
@@ -523,7 +607,7 @@ def write_checkpoint(directory: str | os.PathLike, config: ModelConfig, tensors:
     qcfg = qcfg or QuantConfig()
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
-    expected = expected_tensors(config)
+    expected = model_tensors(config, tensors)
     scales = {f"{m}.{s}" for m in filter(None, map(linear_module, expected)) for s in QUANTIZED_SUFFIXES} \
         if qcfg.method != "none" else set()
     missing = sorted(set(expected) - set(tensors))

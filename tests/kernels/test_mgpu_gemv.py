@@ -50,9 +50,12 @@ def _finite(y):
 
 # (M, N, K, config): N = 192 with 128-row tiles leaves a half-empty last tile; M = 17 pads x rows to 24;
 # split_k=2 takes the float32-partials output path, bf16 outputs the direct (transposed-store) path.
+# "perm" = K-permuted integer widening, overlap = two step accumulators (session 3).
 W8_CASES = [(3, 192, 384, GemvConfig(64, 2)),
             (5, 192, 512, GemvConfig(128, 3, 2)),
-            (17, 128, 256, GemvConfig(64, 4, load="direct"))]
+            (17, 128, 256, GemvConfig(64, 4, load="direct")),
+            (3, 192, 1024, GemvConfig(128, 2, 2, widen="perm", overlap=True)),
+            (17, 64, 512, GemvConfig(64, 2, widen="perm"))]
 
 
 @pytest.mark.parametrize("M,N,K,config", W8_CASES, ids=lambda v: str(v))
@@ -70,7 +73,8 @@ def test_w8a16_mosaic_matches_reference(rng, interpret, M, N, K, config):
 
 W4_CASES = [(3, 192, 1024, GemvConfig(128, 2)),
             (6, 128, 1024, GemvConfig(64, 1, 2, load="direct")),
-            (17, 64, 512, GemvConfig(64, 2))]
+            (17, 64, 512, GemvConfig(64, 2)),
+            (5, 192, 1024, GemvConfig(128, 3, 2, widen="perm"))]
 
 
 @pytest.mark.parametrize("M,N,K,config", W4_CASES, ids=lambda v: str(v))
@@ -85,7 +89,8 @@ def test_w4a16_mosaic_matches_reference(rng, interpret, M, N, K, config):
     assert yb.dtype == jnp.bfloat16 and rel_err(yb, ref) < 4e-3
 
 
-def test_every_e2m1_code_and_scale_decodes(rng, interpret):
+@pytest.mark.parametrize("widen", ["jnp", "perm"])
+def test_every_e2m1_code_and_scale_decodes(rng, interpret, widen):
     """All 16 codes in both nibbles, scales across the E4M3 range (subnormals included), one-hot activations:
     each output is one dequantized weight times the global scale, so it must match exactly."""
     N, K = 64, 512
@@ -95,22 +100,25 @@ def test_every_e2m1_code_and_scale_decodes(rng, interpret):
     g = jnp.float32(0.75)
     cols = rng.choice(K, 16, replace=False)
     x = jnp.zeros((16, K), jnp.bfloat16).at[np.arange(16), cols].set(1.0)
-    y = mg.w4a16_gemv_mosaic(x, packed, scale, g, out_dtype=F32, interpret=interpret, config=GemvConfig(64, 1))
+    cfg = GemvConfig(64, 2, widen=widen) if widen == "perm" else GemvConfig(64, 1)
+    y = mg.w4a16_gemv_mosaic(x, packed, scale, g, out_dtype=F32, interpret=interpret, config=cfg)
     want = np.asarray(qf.dequantize_nvfp4(packed, scale, g))[:, cols].T
     np.testing.assert_array_equal(np.asarray(y), want)
 
 
-@pytest.mark.parametrize("kernel", ["w8a16", "w4a16"])
-def test_rows_are_batch_invariant(rng, interpret, kernel):
+@pytest.mark.parametrize("kernel,config", [("w8a16", None), ("w4a16", None),
+                                           ("w8a16", GemvConfig(64, 2, widen="perm", overlap=True)),
+                                           ("w4a16", GemvConfig(64, 2, widen="perm"))], ids=str)
+def test_rows_are_batch_invariant(rng, interpret, kernel, config):
     """Row i of an M=16 (and M=3) batch is bit-identical to the same row computed alone."""
     N, K = 128, 512
     x16 = _x(rng, 16, K)
     if kernel == "w8a16":
         args = _fp8(rng, N, K)
-        run = lambda x: mg.w8a16_gemv_mosaic(x, *args, out_dtype=F32, interpret=interpret)
+        run = lambda x: mg.w8a16_gemv_mosaic(x, *args, out_dtype=F32, interpret=interpret, config=config)
     else:
         args = _nvfp4(rng, N, K)
-        run = lambda x: mg.w4a16_gemv_mosaic(x, *args, out_dtype=F32, interpret=interpret)
+        run = lambda x: mg.w4a16_gemv_mosaic(x, *args, out_dtype=F32, interpret=interpret, config=config)
     y16, y3 = np.asarray(run(x16)), np.asarray(run(x16[5:8]))
     for i in (0, 6, 15):
         np.testing.assert_array_equal(np.asarray(run(x16[i:i + 1]))[0], y16[i])
@@ -144,11 +152,19 @@ def test_bad_inputs_raise_typed_errors(rng):
         mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(block_n=32))
     with pytest.raises(ShapeError, match="split_k=3"):
         mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(split_k=3), interpret=True)
+    with pytest.raises(ShapeError, match="even number of K steps"):                      # 3 steps of 128
+        mg.w8a16_gemv_mosaic(_x(rng, 2, 384), *_fp8(rng, 64, 384), config=GemvConfig(64, 2, overlap=True),
+                             interpret=True)
+    with pytest.raises(ShapeError, match="overlap"):
+        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(64, 1, overlap=True))
     p, s4, g = _nvfp4(rng, 64, 768)
     with pytest.raises(ShapeError, match="K % 512"):
         mg.w4a16_gemv_mosaic(_x(rng, 2, 768), p, s4, g)
     with pytest.raises(ShapeError, match="scale expected"):
         mg.w4a16_gemv_mosaic(_x(rng, 2, 768), p, s4.astype(F32), g)
+    p, s4, g = _nvfp4(rng, 64, 512)
+    with pytest.raises(ShapeError, match="overlap"):
+        mg.w4a16_gemv_mosaic(_x(rng, 2, 512), p, s4, g, config=GemvConfig(64, 2, overlap=True))
 
 
 def test_registry_serves_the_mosaic_arm():
@@ -159,7 +175,8 @@ def test_registry_serves_the_mosaic_arm():
         assert registry.resolve(name, "auto", platform="cpu").impl == "reference"
         with pytest.raises(Exception, match="no mosaic implementation"):
             registry.resolve(name, "mosaic", platform="cpu")
-    # GPU defaults from the H200 benchmark: Mosaic won w8a16_gemv, Triton kept w4a16_gemv.
+    # GPU defaults from the H200 benchmark: Mosaic won w8a16_gemv; w4a16_gemv stays on Triton until the fixed
+    # perm kernel has run on the GPU (pallas_kernels/mgpu_gemv.py, registry comment).
     assert registry.resolve("w8a16_gemv", "auto", platform="gpu").impl == "mosaic"
     assert registry.resolve("w4a16_gemv", "auto", platform="gpu").impl == "pallas"
 
@@ -181,17 +198,155 @@ def test_split_k_partials_sum_in_a_fixed_order():
         np.testing.assert_array_equal(np.asarray(mg._finish(parts, False, m, F32)), np.asarray(want[:m]))
 
 
+# ---- the "perm" decoders' PTX, run by a small PTX emulator, and their register maps against Mosaic's layouts ----
+def _run_ptx(asm: str, outs: int, *ins):
+    """Emulate the PTX subset of the decoders on uint32 numpy arrays (one lane per array element): mov, prmt
+    (default mode, msb-replicating selectors), shl / shr, and, mul.lo.u32, fma.rn.bf16x2 (float64 math rounded
+    once to bf16, subnormals kept, as the GPU's bf16 FMA does)."""
+    import ml_dtypes
+    regs = {f"${i + outs}": np.asarray(v, np.uint64) for i, v in enumerate(ins)}
+    val = lambda t: regs[t] if t in regs else np.uint64(int(t, 0))
+    bf = lambda u: (u & 0xFFFF).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+    to_bits = lambda f: f.astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint64)
+    for line in asm.replace("{", "").replace("}", "").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *a = [t.strip() for t in args.split(",")]
+        if op == "mov.b32":
+            r = val(a[0])
+        elif op == "prmt.b32":
+            src = val(a[0]) | (val(a[1]) << np.uint64(32))
+            sel, r = int(a[2], 0), np.uint64(0)
+            for k in range(4):
+                nib = (sel >> (4 * k)) & 0xF
+                byte = (src >> np.uint64(8 * (nib & 7))) & np.uint64(0xFF)
+                if nib & 8:
+                    byte = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
+                r = r | (byte << np.uint64(8 * k))
+        elif op == "shl.b32":
+            r = val(a[0]) << np.uint64(int(a[1]))
+        elif op == "shr.b32":
+            r = val(a[0]) >> np.uint64(int(a[1]))
+        elif op == "and.b32":
+            r = val(a[0]) & val(a[1])
+        elif op == "mul.lo.u32":
+            r = val(a[0]) * val(a[1])
+        elif op == "fma.rn.bf16x2":
+            x, y, z = np.broadcast_arrays(*(np.asarray(val(t), np.uint64) for t in a))
+            r = sum(to_bits(bf(x >> np.uint64(16 * h)) * bf(y >> np.uint64(16 * h)) + bf(z >> np.uint64(16 * h)))
+                    << np.uint64(16 * h) for h in range(2))
+        else:
+            raise AssertionError(f"emulator lacks {op}")
+        regs[d] = np.asarray(r, np.uint64) & np.uint64(0xFFFFFFFF)
+    return [regs[f"${i}"] for i in range(outs)]
+
+
+def _bf16_pairs(u):
+    import ml_dtypes
+    u = np.asarray(u, np.uint32)
+    return np.stack([u & 0xFFFF, u >> 16], -1).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
+
+
+def test_perm_e4m3_ptx_is_exact_for_every_code():
+    codes = np.arange(256, dtype=np.uint32)
+    words = codes | (np.roll(codes, 1) << 8) | (np.roll(codes, 2) << 16) | (np.roll(codes, 3) << 24)
+    a, b = _run_ptx(mg._E4M3X4_TO_BF16, 2, words)
+    got = np.concatenate([_bf16_pairs(a), _bf16_pairs(b)], -1)                 # bytes 0, 1, 2, 3 of each word
+    want = np.stack([np.roll(codes, r) for r in range(4)], -1).astype(np.uint8).view(jnp.float8_e4m3fn)
+    want = want.astype(np.float64)
+    ok = np.isnan(want) | (got == want)
+    assert ok.all() and np.array_equal(np.signbit(got[~np.isnan(want)]), np.signbit(want[~np.isnan(want)]))
+
+
+def test_perm_e2m1_ptx_is_exact_for_every_code_and_scale():
+    """Every packed byte (two E2M1 codes) times every finite E4M3 scale: value * scale * 2^-8, exactly."""
+    scales = np.arange(256, dtype=np.uint32)
+    (sc,) = _run_ptx(mg._E4M3_TO_BF16X2_SCALE, 1, scales)
+    sv = scales.astype(np.uint8).view(jnp.float8_e4m3fn).astype(np.float64)
+    fin = ~np.isnan(sv)
+    np.testing.assert_array_equal(_bf16_pairs(sc)[fin], np.stack([sv, sv], -1)[fin] * 2.0 ** 118)
+    b = np.arange(256, dtype=np.uint32)
+    words = b | (np.roll(b, 1) << 8) | (np.roll(b, 2) << 16) | (np.roll(b, 3) << 24)
+    outs = _run_ptx(mg._E2M1X8_TO_BF16, 4, words[:, None], sc[None, fin])    # [256 words, finite scales]
+    e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
+    for k, o in enumerate(outs):
+        byte = np.roll(b, k)[:, None]
+        want = np.stack([e2m1[byte & 15], e2m1[byte >> 4]], -1) * sv[fin][None, :, None] * 2.0 ** -8
+        np.testing.assert_array_equal(_bf16_pairs(o), want)
+
+
+def _element_map(layout, shape):
+    """[128 threads, *registers_shape, vector] -> linear element index: a numpy mirror of Mosaic's
+    TiledLayout.thread_idxs (the map a layout's loads and stores use)."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    contig = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    strides = layout.tiling.tile_strides(contig)
+    tshape, tstr = layout.tiled_tiling_shape, strides[-layout.tiled_tiling_rank:]
+
+    def offset(idx, dims):
+        sizes = [d.times if isinstance(d, fa.Replicated) else tshape[d] for d in dims]
+        out = 0
+        for j, (d, size) in enumerate(zip(dims, sizes)):
+            if not isinstance(d, fa.Replicated):
+                out += (idx // int(np.prod(sizes[j + 1:]))) % size * tstr[d]
+        return out
+
+    rs = layout.registers_shape(shape)
+    res = np.zeros((128, *rs, layout.vector_length), np.int64)
+    for t in range(128):
+        base = offset(t // 32, layout.warp_dims) + offset(t % 32, layout.lane_dims)
+        for ridx in np.ndindex(rs):
+            start = base + sum(i * st for i, st in zip(ridx, strides))
+            res[(t, *ridx)] = start + np.arange(layout.vector_length) * tstr[layout.vector_dim]
+    assert np.array_equal(np.sort(res.ravel()), np.arange(int(np.prod(shape))))   # a bijection
+    return res
+
+
+def test_perm_register_maps_match_the_permutations():
+    """The decoders re-label registers without moving data: for every thread, the element they place at logical
+    column L (WGMMA layout) must be the loaded element at physical column perm[L], in the same row."""
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    src, dst = _element_map(fa.WGMMA_LAYOUT_UPCAST_4X, (64, 128)), _element_map(fa.WGMMA_LAYOUT, (64, 128))
+    perm = mg.perm_cols(np.arange(128)[None])[0]
+    for c, h, wi, half, u in np.ndindex(4, 2, 2, 2, 2):                        # w8: vector (c, h), pair 2wi + half
+        prow, pcol = np.divmod(src[:, 0, c, 0, 0, h, 0, 0, 0, 0, 4 * wi + 2 * half + u], 128)
+        lrow, lcol = np.divmod(dst[:, 0, 4 * c + 2 * wi + half, 0, 0, h, 0, 0, 0, 0, u], 128)
+        assert np.array_equal(prow, lrow) and np.array_equal(perm[lcol], pcol)
+    dst4 = _element_map(fa.WGMMA_LAYOUT, (64, 256))
+    scl = _element_map(mg.W4_SCALE_LAYOUT.to_mgpu(), (64, 16))
+    perm = mg.perm64(np.arange(256)[None])[0]
+    for c, h, i, u in np.ndindex(4, 2, 8, 2):                                    # w4: vector (c, h), byte i, nibble u
+        prow, pbyte = np.divmod(src[:, 0, c, 0, 0, h, 0, 0, 0, 0, i], 128)
+        srow, sgroup = np.divmod(scl[:, 0, 0, 0, 0, h, 0, 0, c, 0, 0, 0, 0], 16)
+        lrow, lcol = np.divmod(dst4[:, 0, 8 * c + i, 0, 0, h, 0, 0, 0, 0, u], 256)
+        assert np.array_equal(prow, lrow) and np.array_equal(prow, srow)
+        assert np.array_equal(perm[lcol], 2 * pbyte + u) and np.array_equal(pbyte // 8, sgroup)
+
+
+def test_perm_cols_is_an_involution_and_perm64_a_permutation():
+    k = np.arange(256)[None]
+    assert np.array_equal(mg.perm_cols(mg.perm_cols(k)), k) and not np.array_equal(mg.perm_cols(k), k)
+    assert np.array_equal(np.sort(mg.perm64(k)), k) and not np.array_equal(mg.perm64(k), k)
+
+
 # ---- compiled on the GPU at the 8B shapes ------------------------------------------------------------------------
 SHAPES_8B = [(18560, 4096), (4096, 8192)]
 
 
+W8_GPU_CONFIGS = [GemvConfig(64, 6), GemvConfig(64, 3, widen="perm", overlap=True)]
+# None = the default for the shape. perm 64/4 gave wrong, M-dependent rows in call s3-1 before the wait fix in
+# _w4p_kernel (ptxas had not serialized its wgmmas): kept as the regression case.
+W4_GPU_CONFIGS = [GemvConfig(128, 3, widen="ptx"), None, GemvConfig(64, 4, widen="perm")]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("widen", ["ptx", "jnp"])
+@pytest.mark.parametrize("cfg", W8_GPU_CONFIGS, ids=str)
 @pytest.mark.parametrize("N,K", SHAPES_8B)
-def test_w8a16_mosaic_8b_shapes_on_gpu(rng, N, K, widen):
+def test_w8a16_mosaic_8b_shapes_on_gpu(rng, N, K, cfg):
     (q, s) = _fp8(rng, N, K)
     x16 = _x(rng, 16, K)
-    cfg = dataclasses.replace(mg.w8a16_gemv_blocks(N, K), widen=widen)
     y16 = mg.w8a16_gemv_mosaic(x16, q, s, out_dtype=F32, config=cfg)
     assert rel_err(y16, w8a16.w8a16_reference(x16, q, s, out_dtype=F32)) < 1e-5
     for m in (1, 4):
@@ -203,25 +358,26 @@ def test_w8a16_mosaic_8b_shapes_on_gpu(rng, N, K, widen):
 
 
 @pytest.mark.gpu
-def test_ptx_widening_is_exact_for_every_e4m3_code():
-    """All 256 E4M3 codes (NaN codes excepted) through the PTX widening: one-hot x picks single weights."""
-    n, k = np.meshgrid(np.arange(128), np.arange(128), indexing="ij")
-    w = jnp.asarray(((k + 16 * n) % 256).astype(np.uint8)).view(jnp.float8_e4m3fn)   # rows 0-15, cols 0-15: all codes
+def test_gpu_widenings_are_exact_for_every_e4m3_code():
+    """All 256 E4M3 codes (NaN codes excepted) through the PTX and perm widenings: one-hot x picks single weights."""
+    n, k = np.meshgrid(np.arange(128), np.arange(256), indexing="ij")
+    w = jnp.asarray(((k + 16 * n) % 256).astype(np.uint8)).view(jnp.float8_e4m3fn)   # every row: all codes
     w = jnp.where(jnp.isnan(w.astype(F32)), jnp.zeros_like(w), w)
-    s = jnp.full((1, 1), 0.75, F32)
-    x = jnp.eye(16, 128, dtype=jnp.bfloat16)
-    for cfg in (GemvConfig(64, 1, widen="ptx"), GemvConfig(128, 1, widen="ptx", load="direct")):
+    s = jnp.asarray([[0.75, 1.5]], F32)
+    x = jnp.eye(16, 256, dtype=jnp.bfloat16)
+    for cfg in (GemvConfig(64, 1, widen="ptx"), GemvConfig(128, 1, widen="ptx", load="direct"),
+                GemvConfig(64, 2, widen="perm"), GemvConfig(128, 2, widen="perm", overlap=True)):
         y = mg.w8a16_gemv_mosaic(x, w, s, out_dtype=F32, config=cfg)
         np.testing.assert_array_equal(np.asarray(y), np.asarray(w.astype(F32)[:, :16].T * 0.75))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("widen", ["ptx", "jnp"])
+@pytest.mark.parametrize("cfg", W4_GPU_CONFIGS, ids=str)
 @pytest.mark.parametrize("N,K", SHAPES_8B)
-def test_w4a16_mosaic_8b_shapes_on_gpu(rng, N, K, widen):
+def test_w4a16_mosaic_8b_shapes_on_gpu(rng, N, K, cfg):
+    cfg = cfg or mg.w4a16_gemv_blocks(N, K)
     p, s, g = _nvfp4(rng, N, K)
     x16 = _x(rng, 16, K)
-    cfg = dataclasses.replace(mg.w4a16_gemv_blocks(N, K), widen=widen)
     y16 = mg.w4a16_gemv_mosaic(x16, p, s, g, out_dtype=F32, config=cfg)
     assert rel_err(y16, w4a16.w4a16_reference(x16, p, s, g, out_dtype=F32)) < 1e-5
     for m in (1, 4):

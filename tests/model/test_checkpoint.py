@@ -13,7 +13,10 @@ import pytest
 from metrale_jax.config import ModelConfig
 from metrale_jax.errors import CheckpointError, ConfigError
 from metrale_jax.model import NemotronH
-from metrale_jax.weights.checkpoint import expected_tensors
+from metrale_jax.runtime import Engine, SpeculativeConfig
+from metrale_jax.weights.checkpoint import expected_tensors, mtp_tensors
+from metrale_jax.weights.containers import Fp8Weight, StackedExperts
+from metrale_jax.weights.quantize import quantize_checkpoint
 from metrale_jax.weights.safetensors_io import SafetensorsFile, save_safetensors
 from tests import numpy_refs_model as ref
 from tests.numpy_refs import rel_err
@@ -120,13 +123,77 @@ def test_every_problem_is_listed_at_once(tmp_path, rng):
     assert "mtp" not in text
 
 
-def test_mtp_tensors_are_skipped_with_a_note(tmp_path, rng):
+def test_mtp_tensors_of_a_config_without_mtp_layers_are_skipped_with_a_note(tmp_path, rng):
     t = _random_checkpoint(rng)
     t["mtp.layers.0.mixer.q_proj.weight"] = np.ones((4, 4), np.float32)
     _write(tmp_path, CFG, t)
     model = NemotronH.from_pretrained(tmp_path, dtype=jnp.float32)
-    assert any("mtp" in n for n in model.load_notes)
-    assert not any(k.startswith("mtp") for k in model.state_dict())
+    assert any("mtp" in n and "num_nextn_predict_layers = 0" in n for n in model.load_notes)
+    assert model.mtp is None and not any(k.startswith("mtp") for k in model.state_dict())
+
+
+MTP_CFG = dataclasses.replace(CFG, num_nextn_predict_layers=1)      # MTP step "*E" (biases: attention, latent MoE)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_mtp_head_loads_and_round_trips(tmp_path, dtype):
+    model = NemotronH.from_config(MTP_CFG, jax.random.key(5), dtype=dtype)
+    model.save_pretrained(tmp_path)
+    f = SafetensorsFile(tmp_path / "model.safetensors")
+    names = set(f.keys())
+    f.close()
+    assert set(mtp_tensors(MTP_CFG)) <= names and set(expected_tensors(MTP_CFG)) <= names
+    for n in ("mtp.layers.0.eh_proj.weight", "mtp.layers.0.enorm.weight", "mtp.layers.0.hnorm.weight",
+              "mtp.layers.0.mixer.q_proj.bias", "mtp.layers.1.mixer.experts.3.down_proj.weight",
+              "mtp.layers.1.mixer.gate.e_score_correction_bias", "mtp.layers.1.final_layernorm.weight"):
+        assert n in names, n
+    again = NemotronH.from_pretrained(tmp_path, dtype=dtype)
+    assert again.mtp is not None and again.config.num_nextn_predict_layers == 1
+    _assert_same_state(model.state_dict(), again.state_dict())
+    assert again.state_dict()["mtp.layers.1.mixer.gate.weight"].dtype == np.float32      # router stays f32
+
+
+def test_missing_or_misshaped_mtp_tensors_are_named(tmp_path, rng):
+    t = _random_checkpoint(rng, MTP_CFG)
+    t.update({n: (rng.standard_normal(s.shape) * 0.3).astype(np.float32) for n, s in mtp_tensors(MTP_CFG).items()})
+    del t["mtp.layers.1.mixer.experts.2.up_proj.weight"]
+    t["mtp.layers.0.eh_proj.weight"] = t["mtp.layers.0.eh_proj.weight"][:, :16]
+    t["mtp.layers.0.extra.weight"] = np.ones(3, np.float32)
+    _write(tmp_path, MTP_CFG, t)
+    with pytest.raises(CheckpointError) as e:
+        NemotronH.from_pretrained(tmp_path, dtype=jnp.float32)
+    text = str(e.value)
+    assert len(e.value.problems) == 3, e.value.problems
+    assert "mtp.layers.1.mixer.experts.2.up_proj.weight: missing (expected shape [8, 8])" in text
+    assert "mtp.layers.0.eh_proj.weight: shape [16, 16], expected [16, 32]" in text
+    assert "mtp.layers.0.extra.weight: unexpected" in text
+    given = {n: v for n, v in t.items() if n != "mtp.layers.0.extra.weight"}
+    with pytest.raises(CheckpointError, match=r"mtp\.layers\.1\.mixer\.experts\.2\.up_proj\.weight: missing"):
+        NemotronH(MTP_CFG, given, dtype=jnp.float32)                  # built from tensors: the same check
+    with pytest.raises(CheckpointError, match="num_nextn_predict_layers = 0"):
+        NemotronH(CFG, {**_random_checkpoint(rng), "mtp.layers.0.enorm.weight": np.ones(16, np.float32)})
+
+
+def test_a_checkpoint_without_mtp_tensors_loads_without_the_head(tmp_path, rng):
+    _write(tmp_path, MTP_CFG, _random_checkpoint(rng, MTP_CFG))
+    model = NemotronH.from_pretrained(tmp_path, dtype=jnp.float32)
+    assert model.mtp is None and any("no MTP tensors" in n for n in model.load_notes)
+    with pytest.raises(ConfigError, match="no MTP head"):
+        model.new_mtp_cache(2, 8)
+    with pytest.raises(ConfigError, match="no mtp.* tensors"):
+        Engine(model, speculative=SpeculativeConfig(method="mtp"))
+
+
+def test_a_quantized_mtp_head_loads_quantized_and_round_trips(tmp_path):
+    NemotronH.from_config(MTP_CFG, jax.random.key(6), dtype=jnp.bfloat16).save_pretrained(tmp_path / "dense")
+    quantize_checkpoint(tmp_path / "dense", tmp_path / "q", "fp8-block")
+    model = NemotronH.from_pretrained(tmp_path / "q")
+    assert isinstance(model.mtp.layers[0].q_proj.base_weight(), Fp8Weight)
+    assert isinstance(model.mtp.layers[1].moe_weights().experts_up, StackedExperts)
+    state = model.state_dict()
+    assert "mtp.layers.0.q_proj.weight_scale_inv" not in state and "mtp.layers.0.mixer.q_proj.weight_scale_inv" in state
+    model.save_pretrained(tmp_path / "again")
+    _assert_same_state(state, NemotronH.from_pretrained(tmp_path / "again").state_dict())
 
 
 def test_quantized_checkpoints_are_refused_with_a_pointer(tmp_path, rng):

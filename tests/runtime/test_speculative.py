@@ -11,7 +11,8 @@ import pytest
 from metrale_jax.config import ModelConfig
 from metrale_jax.errors import ConfigError
 from metrale_jax.runtime.sampling import sample_tokens
-from metrale_jax.runtime.speculative import NgramIndex, SpeculativeConfig, accept_drafts, make_drafter
+from metrale_jax.runtime.speculative import (MtpDrafter, NgramIndex, SpeculativeConfig, accept_drafts,
+                                             make_drafter)
 from tests.runtime.conftest import CFG
 
 
@@ -33,14 +34,16 @@ def test_ngram_continuation_may_run_into_the_suffix_and_stops_at_the_end():
     assert NgramIndex([4, 5], 1, 2).propose(3) == []
 
 
-def test_drafter_factory_and_the_mtp_hook():
+def test_drafter_factory_and_the_mtp_checks():
     assert isinstance(make_drafter(None, SpeculativeConfig()).new_sequence([1, 2]), NgramIndex)
     with pytest.raises(ConfigError, match="num_nextn_predict_layers = 0"):
         make_drafter(types.SimpleNamespace(config=CFG), SpeculativeConfig(method="mtp"))
     mtp = ModelConfig.from_hf({**{"vocab_size": 96, "hidden_size": 32, "hybrid_override_pattern": "M-"},
                                "num_nextn_predict_layers": 1})
-    with pytest.raises(ConfigError, match="not implemented"):
-        make_drafter(types.SimpleNamespace(config=mtp), SpeculativeConfig(method="mtp"))
+    with pytest.raises(ConfigError, match="no mtp.* tensors"):           # MTP layers in the config, no weights
+        make_drafter(types.SimpleNamespace(config=mtp, mtp=None), SpeculativeConfig(method="mtp"))
+    drafter = make_drafter(types.SimpleNamespace(config=mtp, mtp=object()), SpeculativeConfig(method="mtp"))
+    assert isinstance(drafter, MtpDrafter) and drafter.new_sequence([1, 2]) is None   # drafts come from the device
     for bad in (dict(method="eagle"), dict(num_draft=0), dict(min_ngram=3, max_ngram=2)):
         with pytest.raises(ConfigError, match="speculative"):
             SpeculativeConfig(**bad)
