@@ -147,9 +147,10 @@ def main():
     ap.add_argument("--decode-only", action="store_true", help="decode GEMVs only (no prefill GEMMs)")
     ap.add_argument("--mosaic", action="store_true", help="also check and time the Mosaic GPU GEMV arms")
     ap.add_argument("--mosaic-sweep", action="store_true", help="time alternative Mosaic GEMV configs (M=1, 16)")
-    ap.add_argument("--mosaic-set", default="defaults", choices=("defaults", "s3"),
-                    help="Mosaic GEMV configs checked and timed at M = 1, 16, 4: the registry defaults, or the "
-                         "session-3 set (old defaults + the perm / overlap variants, see S3_CONFIGS)")
+    ap.add_argument("--mosaic-set", default="defaults", choices=("defaults", "s3", "w8grid"),
+                    help="Mosaic GEMV configs checked and timed at M = 1, 16, 4: the registry defaults, the "
+                         "session-3 set (old defaults + the perm / overlap variants, see S3_CONFIGS), or the "
+                         "w8 launch-shape grid (W8_GRID: CTAs per SM, waves, split-K; in_proj only)")
     ap.add_argument("--tag", default="", help="suffix of the result file names")
     ap.add_argument("--no-copy", action="store_true", help="skip the copy-bandwidth measurement (use an earlier run's)")
     ap.add_argument("--no-triton", action="store_true",
@@ -461,6 +462,14 @@ S3_CONFIGS = [("w8a16_gemv", GemvConfig(64, 6, widen="jnp")),
               ("w4a16_gemv", GemvConfig(64, 3, widen="perm")),
               ("w8a16_gemv", GemvConfig(128, 2, widen="perm", overlap=True))]
 S3_BOTH_SHAPES = [S3_CONFIGS[i] for i in (0, 1, 2, 3, 6, 9)]       # out_proj: defaults and the main candidates
+# The w8 launch shape at in_proj (290 row tiles of 64: 2.2 CTAs per SM, a partial second wave at 2 per SM):
+# stages set the CTAs per SM (12 KB per stage: 4 -> 4 CTAs, 6 -> 3, 8 -> 2), split-K doubles the CTAs,
+# 128-row tiles halve them; the w4 perm default for the registry flip check.
+W8_GRID = [("w8a16_gemv", GemvConfig(64, 6)), ("w4a16_gemv", GemvConfig(64, 3, widen="perm")),
+           ("w8a16_gemv", GemvConfig(64, 4)), ("w8a16_gemv", GemvConfig(64, 8)),
+           ("w8a16_gemv", GemvConfig(64, 6, split_k=2)), ("w8a16_gemv", GemvConfig(64, 4, split_k=2)),
+           ("w8a16_gemv", GemvConfig(64, 3, split_k=4)), ("w8a16_gemv", GemvConfig(128, 4)),
+           ("w8a16_gemv", GemvConfig(128, 4, split_k=2)), ("w8a16_gemv", GemvConfig(64, 6, load="direct"))]
 
 
 def mosaic_configs(N, K, sweep: bool) -> list[tuple[str, GemvConfig]]:
@@ -468,6 +477,8 @@ def mosaic_configs(N, K, sweep: bool) -> list[tuple[str, GemvConfig]]:
     --mosaic-set s3 the session-3 set instead."""
     if MOSAIC_SET == "s3" and not sweep:
         return [c for c in S3_CONFIGS if (N, K) == SHAPES["in_proj"] or c in S3_BOTH_SHAPES]
+    if MOSAIC_SET == "w8grid" and not sweep:
+        return W8_GRID if (N, K) == SHAPES["in_proj"] else W8_GRID[:2]
     d8, d4 = mgpu_gemv.w8a16_gemv_blocks(N, K), mgpu_gemv.w4a16_gemv_blocks(N, K)
     out = [("w8a16_gemv", d8), ("w4a16_gemv", d4)]
     if sweep:

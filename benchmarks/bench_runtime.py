@@ -13,7 +13,8 @@ Sections (each against a floor or baseline measured in the same run):
   tokens/s, draft acceptance, and whether the outputs are identical. With random weights the acceptance
   comes from the model's own loops, not from language.
 - spec_builtin: the same comparison on the built-in trained model (held-out KJV passages repeated), where
-  the drafts are accepted for the reason speculation exists: the model copies.
+  the drafts are accepted for the reason speculation exists: the model copies; and beside it (key "mtp"),
+  on the same prompts, drafting with the model's trained MTP head instead of n-gram lookup.
 Times: wall clock around block_until_ready; median of repeats; compiles happen in warm-up, never timed.
 
     PYTHONPATH=. python benchmarks/bench_runtime.py [--out DIR] [--sections decode,prefill,ttft,spec,spec_builtin]
@@ -260,17 +261,17 @@ def bucket_of(n: int) -> int:
     return b
 
 
-def spec_compare(model, prompts_by_batch: dict, new: int, exe, num_draft: int = 3) -> dict:
-    """Greedy generation with speculation off vs on, per batch: tokens/s (the second of two runs, so
-    nothing one-off is timed), acceptance of that run's drafts, and whether the outputs are identical."""
+def spec_compare(model, prompts_by_batch: dict, new: int, exe, num_draft: int = 3, method: str = "ngram") -> dict:
+    """Greedy generation with speculation (`method` drafts) off vs on, per batch: tokens/s (the second of two
+    runs, so nothing one-off is timed), acceptance of that run's drafts, and whether the outputs are identical."""
     batches = sorted(prompts_by_batch)
     plen = max(len(p) for ps in prompts_by_batch.values() for p in ps)
     common = dict(max_slots=max(batches), max_len=plen + new + num_draft + 8, batch_buckets=batches,
                   prefill_batch_buckets=(max(batches),), token_buckets=(bucket_of(plen),),
                   prefill_token_budget=bucket_of(plen) * max(batches), executables=exe, eos_ids=[])
     plain = Engine(model, **common)
-    spec = Engine(model, speculative=SpeculativeConfig(num_draft=num_draft), **common)
-    log(f"spec: warm-up compiles {plain.warmup() + spec.warmup()}")
+    spec = Engine(model, speculative=SpeculativeConfig(method=method, num_draft=num_draft), **common)
+    log(f"spec ({method}): warm-up compiles {plain.warmup() + spec.warmup()}")
     res = {}
     for B in batches:
         prompts, row = prompts_by_batch[B], {}
@@ -288,9 +289,9 @@ def spec_compare(model, prompts_by_batch: dict, new: int, exe, num_draft: int = 
         res[B] = {"off_tokens_per_s": row["off"][0], "on_tokens_per_s": row["on"][0],
                   "speedup": row["on"][0] / row["off"][0], "identical_outputs": f"{same}/{B}",
                   "drafted": drafted, "accepted": accepted, "acceptance": accepted / max(drafted, 1)}
-        log(f"spec B={B}: {res[B]['speedup']:.2f}x ({row['off'][0]:,.0f} -> {row['on'][0]:,.0f} tok/s), "
+        log(f"spec ({method}) B={B}: {res[B]['speedup']:.2f}x ({row['off'][0]:,.0f} -> {row['on'][0]:,.0f} tok/s), "
             f"acceptance {res[B]['acceptance']:.0%}, identical outputs {same}/{B}")
-    return {"num_draft": num_draft, "new_tokens": new, "by_batch": res}
+    return {"method": method, "num_draft": num_draft, "new_tokens": new, "by_batch": res}
 
 
 def bench_spec(model, sz, exe, out):
@@ -317,9 +318,15 @@ def bench_spec_builtin(sz, out):
         return model.tokenizer.encode(passage) + model.tokenizer.encode(passage, add_bos=False)
 
     prompts = {B: [prompt() for _ in range(B)] for B in sz["spec_batches"]}
+    exe = Executables()
     out["spec_builtin"] = {"model": "built-in tiny (metrale_jax/assets/tiny)", "dtype": str(model.dtype),
                            "prompt": f"{seg} bytes of held-out KJV x 2",
-                           **spec_compare(model, prompts, sz["spec_new"], Executables())}
+                           **spec_compare(model, prompts, sz["spec_new"], exe)}
+    if model.mtp is None:
+        out["spec_builtin"]["mtp"] = {"skipped": "the built-in checkpoint has no MTP head"}
+    else:
+        out["spec_builtin"]["mtp"] = {"pattern": model.config.mtp_hybrid_override_pattern,
+                                      **spec_compare(model, prompts, sz["spec_new"], exe, method="mtp")}
 
 
 # ---- main -------------------------------------------------------------------------------------------

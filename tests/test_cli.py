@@ -204,7 +204,9 @@ def test_quantize_writes_a_checkpoint_info_reads_and_bad_input_is_one_line(capsy
     f = SafetensorsFile(out / "model.safetensors")
     tensors = {n: f.get(n) for n in f.keys()}
     packed = sorted(n for n, t in tensors.items() if n.endswith(".weight") and t.dtype == np.uint8)
-    assert f"{len(packed)} linear modules in nvfp4" in text and len(packed) == 19      # 22 linear, 3 excluded
+    # 19 of the main blocks' 22 linears (q/k/v excluded) + the MTP head's o_proj, up_proj, down_proj
+    # (its q/k/v excluded by the same patterns; eh_proj and lm_head stay bf16)
+    assert f"{len(packed)} linear modules in nvfp4" in text and len(packed) == 22
     assert not any(p in n for n in packed for p in ("q_proj", "k_proj", "v_proj", "lm_head"))
     assert tensors["backbone.layers.1.mixer.q_proj.weight"].dtype == ml_dtypes.bfloat16
     assert (out / "byte_tokenizer.json").is_file()

@@ -9,11 +9,20 @@ baseline, the time taken, a greedy sample) to --out (default metrale_jax/assets/
 
     python tools/train_tiny.py                       # the shipped model (~20 min on 2 cores)
     python tools/train_tiny.py --steps 20 --out /tmp/tiny --eval-every 10     # a smoke run
+
+--mtp-only trains an MTP head (one step of --mtp-pattern blocks, drafting tok_{t+2}) onto the model in
+--base (default the shipped one) with its main weights, embeddings and lm_head frozen, through the MTP path
+the engine serves (NemotronMTP.prefill on a throw-away MtpCache), and saves the model with the head to --out
+(main tensors unchanged bit for bit; train_log.json gets an "mtp" section):
+
+    python tools/train_tiny.py --mtp-only --steps 1000 --eval-every 100 --out /tmp/tiny_mtp    # ~8 min, 2 cores
+    (the shipped head: then copy config.json, model.safetensors, train_log.json into metrale_jax/assets/tiny/)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import math
@@ -28,7 +37,8 @@ import optax
 from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
-from metrale_jax.model import NemotronH, forward_step, random_tensors
+from metrale_jax.layers.mtp import MtpCache
+from metrale_jax.model import NemotronH, _hidden_no_cache, _logits, forward_step, random_tensors
 from metrale_jax.tokenizer import ByteTokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,6 +208,154 @@ def refinish(args) -> dict:
     return finish(model, args, log, held_eval)
 
 
+# ---- the MTP head (--mtp-only) -------------------------------------------------------------------
+def with_mtp_head(base: NemotronH, pattern: str, seed: int) -> NemotronH:
+    """`base` (f32) plus a fresh one-step MTP head of blocks `pattern` (the library's initialiser)."""
+    config = dataclasses.replace(base.config, num_nextn_predict_layers=1, mtp_hybrid_override_pattern=pattern)
+    tensors = dict(base.state_dict())
+    fresh = random_tensors(config, jax.random.key(seed), jnp.float32)
+    tensors.update({n: jnp.zeros_like(v) if n.endswith("e_score_correction_bias") else v
+                    for n, v in fresh.items() if n.startswith("mtp.")})
+    return NemotronH(config, tensors, dtype=jnp.float32, levers=base.levers, tokenizer=ByteTokenizer())
+
+
+def mtp_draft_logits(model: NemotronH, mtp, rows: jax.Array) -> jax.Array:
+    """Draft logits [B, L-2, V] of tok_{t+2} for rows [B, L]: the frozen model's final-normed h_t and
+    embed(tok_{t+1}) through mtp.prefill (the engine's call in steps.mtp_prefill, for new sequences) on a
+    throw-away MtpCache, then the shared lm_head."""
+    B, L = rows.shape
+    T = L - 2
+    h = jax.lax.stop_gradient(_hidden_no_cache(model, rows[:, :T], jnp.full((B,), T, jnp.int32)))   # [B, T, D]
+    emb = jax.lax.stop_gradient(model.embeddings[...][rows[:, 1:T + 1]])                          # [B, T, D]
+    kv = MtpCache.for_config(model.config, B, T, h.dtype).kv
+    g, _ = mtp.prefill(kv, jnp.arange(B, dtype=jnp.int32), emb, h, jnp.full((B,), T, jnp.int32),
+                       jnp.zeros((B,), jnp.int32))
+    return _logits(model, g.reshape(B * T, -1)).reshape(B, T, -1)
+
+
+def train_mtp(args) -> dict:
+    """Train only the MTP head of --base's model plus a fresh head (cross-entropy of its drafts against
+    ids[t+2]); log train / held-out loss and the held-out top-1 draft accuracy; save to --out."""
+    train_ids = load_split(args.data / "train.txt")
+    held_ids = load_split(args.data / "heldout.txt")
+    T = args.seq_len
+    starts = line_starts(train_ids, T)
+    train_eval = eval_windows(train_ids, args.eval_rows, T)
+    held_eval = eval_windows(held_ids, args.eval_rows, T)
+    base = NemotronH.from_pretrained(args.base, dtype=jnp.float32, levers=ModelLevers(kernels="reference"),
+                                     progress=False)
+    model = with_mtp_head(base, args.mtp_pattern, args.seed)
+    graphdef, params, rest = nnx.split(model.mtp, nnx.Param, ...)
+    n_params = sum(int(x.size) for x in jax.tree.leaves(params))
+
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, max(args.steps, args.warmup + 1),
+                                                  end_value=args.lr * 0.05)
+    decay_mask = jax.tree.map(lambda x: x.ndim >= 2, params)
+    opt = optax.chain(optax.clip_by_global_norm(1.0),
+                      optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=args.weight_decay, mask=decay_mask))
+    opt_state = opt.init(params)
+
+    def loss_fn(p, m, rows):
+        logits = mtp_draft_logits(m, nnx.merge(graphdef, p, rest), rows)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, rows[:, 2:]).mean(), logits
+
+    @jax.jit
+    def step(p, s, m, rows):
+        (loss, _), grads = jax.value_and_grad(loss_fn, has_aux=True)(p, m, rows)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    @jax.jit
+    def evaluate(p, m, rows):
+        loss, logits = loss_fn(p, m, rows)
+        return loss, (jnp.argmax(logits, -1) == rows[:, 2:]).mean()
+
+    rng = np.random.default_rng(args.seed + 1)
+    log = {"args": {k: _rel(v) if isinstance(v, Path) else v for k, v in vars(args).items()
+                    if k in ("base", "mtp_pattern", "seq_len", "batch", "steps", "lr", "warmup", "weight_decay",
+                             "eval_rows", "seed", "save_dtype")},
+           "pattern": args.mtp_pattern, "params": n_params, "target": "tok_{t+2} (one MTP step)", "evals": []}
+    print(f"MTP head {args.mtp_pattern!r}: {n_params:,} trained parameters (main model frozen)", flush=True)
+    t0 = time.perf_counter()
+    done = 0
+    for it in range(1, args.steps + 1):
+        rows = windows(train_ids, rng.choice(starts, args.batch), T)
+        params, opt_state, loss = step(params, opt_state, model, jnp.asarray(rows))
+        done = it
+        out_of_time = time.perf_counter() - t0 > args.max_minutes * 60
+        if it % args.eval_every == 0 or it == args.steps or it == 1 or out_of_time:
+            tr, _ = evaluate(params, model, jnp.asarray(train_eval))
+            he, acc = evaluate(params, model, jnp.asarray(held_eval))
+            entry = {"step": it, "seconds": round(time.perf_counter() - t0, 1), "lr": float(schedule(it)),
+                     "batch_loss_bits": float(loss) / LN2, "train_bits_per_byte": float(tr) / LN2,
+                     "heldout_bits_per_byte": float(he) / LN2, "heldout_top1_draft_accuracy": float(acc)}
+            log["evals"].append(entry)
+            print(f"step {it:5d}  {entry['seconds']:7.1f}s  lr {entry['lr']:.2e}  batch "
+                  f"{entry['batch_loss_bits']:.3f}  train {entry['train_bits_per_byte']:.3f}  held-out "
+                  f"{entry['heldout_bits_per_byte']:.3f} bits/byte  top-1 {float(acc):.1%}", flush=True)
+        if out_of_time:
+            print(f"stopping at step {it}: --max-minutes {args.max_minutes} reached", flush=True)
+            break
+    log.update(steps_done=done, train_seconds=round(time.perf_counter() - t0, 1), final=log["evals"][-1])
+    nnx.update(model.mtp, params)
+    log["engine_path_check"] = check_engine_path(model, held_eval[:2, :65])
+    return finish_mtp(model, args, log)
+
+
+def check_engine_path(model: NemotronH, rows: np.ndarray, cuts=(5, 17, 40, 63)) -> str:
+    """The engine's first MTP draft after prefilling rows[b, :n] (steps.prefill_step with an MtpCache, then
+    steps.mtp_draft_step from the pending token rows[b, n]) must be the argmax of mtp_draft_logits at n - 1:
+    the trained function is the served one. Raises if any differs."""
+    from metrale_jax.runtime import steps
+
+    logits = np.asarray(jax.jit(mtp_draft_logits)(model, model.mtp, jnp.asarray(rows)))         # [B, L-2, V]
+    slot = jnp.zeros((1,), jnp.int32)
+    bad = []
+    for b in range(rows.shape[0]):
+        for n in cuts:
+            out = steps.prefill_step(model, model.new_cache(1, rows.shape[1]), slot, jnp.asarray(rows[b:b + 1, :n]),
+                                     jnp.array([n]), mtp=model.new_mtp_cache(1, rows.shape[1]))
+            draft, _ = steps.mtp_draft_step(model, out.cache, out.mtp, slot, jnp.asarray(rows[b, n:n + 1]),
+                                            num_draft=1)
+            if int(draft[0, 0]) != int(np.argmax(logits[b, n - 1])):
+                bad.append((b, n))
+    if bad:
+        raise RuntimeError(f"the engine's MTP drafts differ from the trained function's at (row, length) {bad}")
+    return f"{rows.shape[0] * len(cuts)}/{rows.shape[0] * len(cuts)} engine drafts == argmax of the trained logits"
+
+
+def finish_mtp(model: NemotronH, args, log: dict) -> dict:
+    """Save the base checkpoint's own main tensors with the trained head (in --save-dtype) to --out, check
+    that every main tensor is byte-identical to --base's, and add log as the "mtp" section of --base's log."""
+    dtype = jnp.dtype(args.save_dtype)
+    before = read_raw_tensors(args.base / "model.safetensors")
+    main = NemotronH.from_pretrained(args.base, dtype=dtype, progress=False).state_dict()
+    head = {n: v for n, v in model.state_dict().items() if n.startswith("mtp.")}
+    saved = NemotronH(model.config, {**main, **head}, dtype=dtype, tokenizer=ByteTokenizer())
+    args.out.mkdir(parents=True, exist_ok=True)
+    train_log = json.loads((args.base / "train_log.json").read_text())
+    saved.save_pretrained(args.out)
+    after = read_raw_tensors(args.out / "model.safetensors")
+    changed = [n for n in before if after.get(n) != before[n]]
+    if changed or set(after) - set(before) != set(head):
+        raise RuntimeError(f"main tensors changed or missing: {changed[:5]}")
+    log["main_tensors_byte_identical"] = f"{len(before)}/{len(before)}"
+    train_log["mtp"] = log
+    (args.out / "train_log.json").write_text(json.dumps(train_log, indent=1) + "\n")
+    print(f"saved to {args.out}: {len(head)} mtp.* tensors ({dtype.name}); {len(before)} main tensors "
+          f"byte-identical to {args.base}", flush=True)
+    return log
+
+
+def read_raw_tensors(path: Path) -> dict[str, tuple]:
+    """name -> (dtype, shape, raw bytes) of a safetensors file, read from its header (no conversion)."""
+    blob = path.read_bytes()
+    n = int.from_bytes(blob[:8], "little")
+    header = json.loads(blob[8:8 + n])
+    return {k: (v["dtype"], tuple(v["shape"]), blob[8 + n + v["data_offsets"][0]:8 + n + v["data_offsets"][1]])
+            for k, v in header.items() if k != "__metadata__"}
+
+
 def _rel(path: Path) -> str:
     """A path relative to the repo root when it lies inside it (the log ships in the package)."""
     path = path.resolve()
@@ -228,10 +386,17 @@ def parse_args(argv=None):
                    help="a safety stop: save after this much training time even if --steps are not done")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-dtype", default="bfloat16", choices=("float32", "bfloat16"))
+    p.add_argument("--mtp-only", action="store_true", help="train only an MTP head onto --base (frozen)")
+    p.add_argument("--base", type=Path, default=ROOT / "metrale_jax" / "assets" / "tiny",
+                   help="--mtp-only: the trained model to add the head to")
+    p.add_argument("--mtp-pattern", default="*-", help="--mtp-only: the MTP step's blocks (*, -, E)")
     p.add_argument("--finish-from", type=Path, help="skip training: re-save the f32 run saved in this folder")
     return p.parse_args(argv)
 
 
 if __name__ == "__main__":
     _args = parse_args()
-    refinish(_args) if _args.finish_from else train(_args)
+    if _args.mtp_only:
+        train_mtp(_args)
+    else:
+        refinish(_args) if _args.finish_from else train(_args)
