@@ -27,8 +27,8 @@ from pallas_kernels import mgpu_gemm
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHAPES = {"in_proj": (4096, 4096, 18560), "out_proj": (4096, 8192, 4096)}      # M, K, N
-ROWS = [(e, w) for e in (4096, 8192, 16384, 32768) for w in (4, 8, 16)]
-BLOCKS = [(r, w) for r in (32, 64, 128, 256) for w in (4, 8)]
+ROWS = [(4096, 4), (4096, 8), (8192, 4), (8192, 8), (16384, 8), (16384, 16), (32768, 8), (32768, 16)]  # elems, warps
+BLOCKS = [(32, 4), (64, 4), (128, 4), (128, 8), (256, 8)]                                        # rows, warps
 
 
 def _same_bits(got, want) -> bool:
@@ -128,11 +128,15 @@ def main():
                                  dataclasses.replace(mgpu_gemm.QUANT_BLOCKS, blocks_rows=c["rows_per_program"],
                                                      blocks_warps=c["warps"]))
         result["shapes"][name]["gemms"] = _gemms(sets, N, best_qb, dry, reps)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"act_quant_{result['date']}{'_dry' if dry else ''}.json")
+        _save(result, args.out, dry)
+
+
+def _save(result, out, dry):
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, f"act_quant_{result['date']}{'_dry' if dry else ''}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
-    print("wrote", path)
+    print("wrote", path, flush=True)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ before), warmed up twice, best of 3 trials of `reps` executions; the time per ca
 activation quantization (an XLA pass), as the layer pays it. Baseline: XLA BF16 matmul in the same run.
 
     PYTHONPATH=. python3 benchmarks/bench_prefill.py --out $OUT --tag s2_call1 [--sweep] [--deadline 150]
-writes OUT/prefill_<date>_<tag>.json and .md.
+writes OUT/prefill_<date>_<tag>.json and .md. `--nvfp4` runs the NVFP4 transposed set instead (w4a16_gemm_t:
+Mosaic arm and variants, Triton arm, dequantize-to-bf16 + XLA dot, the Mosaic arm's XLA layout passes alone).
 """
 
 from __future__ import annotations
@@ -23,9 +24,11 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import timing
+from metrale_jax.errors import ShapeError
 from metrale_jax.weights import quant_formats as qf
-from pallas_kernels import fp8_gemm, mgpu_gemm, w8a16
+from pallas_kernels import fp8_gemm, mgpu_gemm, mgpu_gemm_nvfp4, w4a16, w8a16
 from pallas_kernels.mgpu_gemm import MgpuTiles
+from pallas_kernels.mgpu_gemm_nvfp4 import Nvfp4Tiles
 
 T0 = time.time()
 M = 4096
@@ -109,6 +112,7 @@ def main():
     ap.add_argument("--shapes", default="in_proj,out_proj")
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--no-xla-fp8", action="store_true")
+    ap.add_argument("--nvfp4", action="store_true", help="the NVFP4 transposed GEMMs (w4a16_gemm_t) only")
     ap.add_argument("--quick-quant", action="store_true",
                     help="only XLA BF16, the quantization passes (XLA vs fused) and the Mosaic arms with each")
     args = ap.parse_args()
@@ -135,6 +139,10 @@ def main():
             fh.write(markdown(result))
 
     key = jax.random.key(0)
+    if args.nvfp4:
+        nvfp4_main(args, result, save, key)
+        print(markdown(result))
+        return
     for shape in args.shapes.split(","):
         N, K = SHAPES[shape]
         flops = 2 * M * N * K
@@ -250,6 +258,119 @@ def main():
         result["errors"].append({"stage": "torch", "traceback": traceback.format_exc()[-2000:]})
     save()
     print(markdown(result))
+
+
+# ---- NVFP4 transposed (w4a16_gemm_t / _m128) ------------------------------------------------------------------
+def nvfp4_weights(key, N, K):
+    """Random NVFP4 transposed weights: packed_t uint8 [K/2, N] (all 256 codes), scale_t E4M3 [K/16, N] in
+    [0.25, 4), global 0.01 (timing and accuracy do not need a real quantized matrix)."""
+    kp, ks = jax.random.split(key)
+    pt = jax.random.randint(kp, (K // 2, N), 0, 256, jnp.int32).astype(jnp.uint8)
+    st = jax.random.uniform(ks, (K // 16, N), minval=0.25, maxval=4.0).astype(jnp.float8_e4m3fn)
+    return pt, st, jnp.float32(0.01)
+
+
+def dequant_xla_dot(x, pt, st, g):
+    """Baseline: dequantize the whole weight to bf16 with XLA (one pass), then XLA's bf16 dot."""
+    w = qf.dequantize_nvfp4(pt.T, st.T, g).astype(jnp.bfloat16)          # [N, K] (exact in bf16 up to g)
+    return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
+
+
+def nvfp4_variants(sweep: bool) -> list:
+    out = [None]
+    if sweep:
+        out += [Nvfp4Tiles(tile_m=256, stages=2), Nvfp4Tiles(tile_m=128, stages=3),
+                Nvfp4Tiles(decode="skip_decode"), Nvfp4Tiles(decode="skip_scales"),     # timing probes (wrong results)
+                Nvfp4Tiles(tile_m=128, stages=4, decode="jnp")]
+    return out
+
+
+def short_nv(t) -> str:
+    if t is None:
+        return "default"
+    return f"tm{t.tile_m} st{t.stages} {t.grid_minor}{t.grid_tile_width} {t.decode}"
+
+
+def nvfp4_main(args, result, save, key):
+    """Per shape: reference check (f32 out vs dequantize + f32 HIGHEST matmul), then 4 distinct calls per timing."""
+    result["nvfp4"] = True
+    for shape in args.shapes.split(","):
+        N, K = SHAPES[shape]
+        flops = 2 * M * N * K
+        result["shapes"][shape] = {"N": N, "K": K, "M": M, "flops": flops,
+                                   "default_tiles": short_nv(mgpu_gemm_nvfp4.default_tiles(M, N, K))}
+        log(f"== nvfp4 {shape} N={N} K={K} M={M}")
+        try:
+            kx, kw, key = jax.random.split(key, 3)
+            xs = [jax.random.normal(k, (M, K), jnp.bfloat16) for k in jax.random.split(kx, 4)]
+            W = [nvfp4_weights(k, N, K) for k in jax.random.split(kw, 2)]
+            wb = [(qf.dequantize_nvfp4(pt.T, st.T, 1.0).astype(jnp.bfloat16),) for pt, st, _ in W]
+            P = [mgpu_gemm_nvfp4.prepare_weights(pt, st) + (g,) for pt, st, g in W]
+            x0 = xs[0]
+            ref = w4a16.w4a16_t_reference(x0, *W[0], out_dtype=jnp.float32)
+            jax.block_until_ready((xs, W, wb, P, ref))
+        except Exception:  # noqa: BLE001
+            result["errors"].append({"shape": shape, "stage": "setup", "traceback": traceback.format_exc()})
+            log(traceback.format_exc())
+            save()
+            continue
+        sets = {"w": lambda i: (xs[i], *W[i % 2]), "bf16": lambda i: (xs[i], *wb[i % 2]),
+                "prep": lambda i: (xs[i], *P[i % 2]), "x": lambda i: (xs[i],)}
+        arms = [("xla_bf16", "xla", "bf16 weight [N, K]", "bf16", xla_bf16),
+                ("dequant+xla_dot", "xla", "dequantize to bf16, then dot", "w", dequant_xla_dot)]
+        if not args.no_triton:
+            arms.append(("w4a16_gemm_t_m128", "triton", "default", "w",
+                         lambda x, p, s, g, **kw: w4a16.w4a16_gemm_t_m128_pallas(x, p, s, g, interpret=DRY, **kw)))
+        arms += [("w4a16_gemm_t prepared", "mosaic", "default; weights relaid out once (not timed)", "prep",
+                  lambda x, p, s, g, **kw: mgpu_gemm_nvfp4.w4a16_gemm_t_prepared(x, p, s, g, interpret=DRY, **kw)),
+                 ("x even/odd split (part of the Mosaic arm)", "xla", "", "x",
+                  lambda x: mgpu_gemm_nvfp4.split_x(x, x.shape[0])),
+                 ("weight relayout (part of the Mosaic arm)", "xla", "", "w",
+                  lambda x, p, s, g: mgpu_gemm_nvfp4.prepare_weights(p, s))]
+        for i, t in enumerate(nvfp4_variants(args.sweep)):        # the default first, then the sweep
+            arms.insert(len(arms) - 3 if i == 0 else len(arms),
+                        ("w4a16_gemm_t", "mosaic", short_nv(t), "w",
+                         lambda x, p, s, g, t=t, **kw: mgpu_gemm_nvfp4.w4a16_gemm_t_mosaic(x, p, s, g, tiles=t,
+                                                                                            interpret=DRY, **kw)))
+        base_us = None
+        for name, impl, cfg, fmt, fn in arms:
+            row = {"shape": shape, "name": name, "impl": impl, "config": cfg, "format": "nvfp4_t/" + fmt, "N": N,
+                   "K": K, "M": M, "flops": flops}
+            if time.time() - T0 > args.deadline:
+                row["skipped"] = "deadline"
+                result["rows"].append(row)
+                continue
+            try:
+                part = "part of" in name
+                if not part:
+                    kw = {} if impl == "xla" else {"out_dtype": jnp.float32}
+                    try:
+                        y = jax.block_until_ready(jax.jit(lambda *a: fn(*a, **kw))(*sets[fmt](0)))
+                    except ShapeError:     # f32 staging does not fit these tiles' shared memory: check in bf16
+                        row["check_dtype"] = "bfloat16"
+                        y = jax.block_until_ready(jax.jit(fn)(*sets[fmt](0)))
+                    if fmt != "bf16":
+                        row["rel_err"] = rel_err(y, ref)
+                    row["finite"] = bool(jnp.all(jnp.isfinite(y.astype(jnp.float32))))
+                tm = time_calls(fn, [sets[fmt](i) for i in range(4)])
+                row.update(tm)
+                row["TFLOPs"] = flops / tm["us"] / 1e6
+                if name == "xla_bf16":
+                    base_us = tm["us"]
+                row["ratio_vs_xla_bf16"] = base_us / tm["us"] if base_us and not part else None
+                log(f"{shape:8s} {name:42s} {impl:7s} {cfg[:44]:44s} {tm['us']:8.1f} us "
+                    f"x{row['ratio_vs_xla_bf16'] or 0:.2f} err {row.get('rel_err', 0):.2e}")
+            except Exception:  # noqa: BLE001
+                row["error"] = traceback.format_exc()[-3000:]
+                log(f"{shape} {name} {impl} {cfg} FAILED\n{row['error']}")
+            result["rows"].append(row)
+            save()
+    try:
+        if not DRY:
+            torch_context(result)
+    except Exception:  # noqa: BLE001
+        result["errors"].append({"stage": "torch", "traceback": traceback.format_exc()[-2000:]})
+    save()
 
 
 def torch_context(result):

@@ -7,4 +7,5 @@ from pallas_kernels import conv1d, dense, fp8_gemm, grouped, norms, ssd, state_u
 from pallas_kernels import ssd_mgpu  # noqa: F401,E402  (registration of the Mosaic GPU arm of ssd_scan)
 from pallas_kernels import mgpu_gemv  # noqa: F401,E402  (registration of the Mosaic GPU arms of the decode GEMVs)
 from pallas_kernels import mgpu_gemm  # noqa: F401,E402  (registration of the Mosaic GPU arms of the FP8 prefill GEMMs)
+from pallas_kernels import mgpu_gemm_nvfp4  # noqa: F401,E402  (registration of the Mosaic GPU arms of the NVFP4 prefill GEMMs)
 from pallas_kernels.registry import get, report, resolve, resolved  # noqa: F401

@@ -249,15 +249,16 @@ def _mgpu_call(xq, xs, w, ws, *, per_block: bool, tiles: MgpuTiles, out_dtype, i
 # XLA quantizes x in ~2 passes (row amax, then divide + convert): 40 us in_proj / 70 us out_proj at M = 4096
 # (call 2 of benchmarks/notes/quant_prefill.md), 8-28% of the arm. These kernels read x once and write the
 # E4M3 copy and its scales once, with the same formulas as quant_formats.quantize_rows_fp8[_blocks]
-# (same bits). H200, session 3: 39 / 40 us (in_proj / out_proj) against XLA's 46 / 76 us.
+# (same bits). H200, session 3: 21 / 35 us (in_proj / out_proj, rows) against XLA's 37 / 68 us
+# (benchmarks/results/act_quant_2026-11-30_s3.json).
 ACT_QUANT = "fused"        # "xla" | "fused"
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantBlocks:
     """Rows per program and warps of the fused quantizers (rows: whole rows; blocks: [rows, 128] per program)."""
-    rows_elems: int = 16384          # rows kernel: rows per program = rows_elems // K
-    rows_warps: int = 8
+    rows_elems: int = 8192           # rows kernel: rows per program = rows_elems // K (H200 sweep, session 3)
+    rows_warps: int = 4
     blocks_rows: int = 64
     blocks_warps: int = 4
 

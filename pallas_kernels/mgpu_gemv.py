@@ -732,11 +732,12 @@ def w4a16_gemv_mosaic(x, packed, scale, global_scale, *, out_dtype=None, interpr
 
 # Registered beside the Triton arms; shapes the Mosaic arms do not take go to the Triton arm (registry).
 # H200, 2026-11-30 (benchmarks/notes/quant.md): the Mosaic w8a16_gemv beat the Triton one (in_proj 27.5 vs 34.7 us,
-# out_proj 14.8 vs 16.6 us at M=1), so it is the GPU default. w4a16_gemv stays on Triton by default: the Mosaic
-# perm decoder measured 24.8 us (in_proj) in call s3-1, but the code here adds a wait the measured build lacked
-# (see _w4p_kernel) and has not run on the GPU yet; switch to gpu_default="mosaic" once it has.
+# out_proj 14.8 vs 16.6 us at M=1), so it is the GPU default. w4a16_gemv: the Mosaic perm decoder measured
+# 24.8 us (in_proj) against Triton's 53.4 in call s3-1; the build here (each step waits for its own wgmmas, see
+# _w4p_kernel) passed tests/kernels/test_mgpu_gemv.py on the H200 (8B shapes, batch invariance, the race case)
+# in the session-3 release check, so Mosaic is its GPU default too.
 registry.register("w8a16_gemv", reference=w8a16_reference, mosaic=w8a16_gemv_mosaic, gpu_default="mosaic",
                   mosaic_supports=lambda x, w, scale, **_: supports("w8a16_gemv", *w.shape, x.dtype))
-registry.register("w4a16_gemv", reference=w4a16_reference, mosaic=w4a16_gemv_mosaic,
+registry.register("w4a16_gemv", reference=w4a16_reference, mosaic=w4a16_gemv_mosaic, gpu_default="mosaic",
                   mosaic_supports=lambda x, packed, *_, **__: supports("w4a16_gemv", packed.shape[0],
                                                                         2 * packed.shape[1], x.dtype))

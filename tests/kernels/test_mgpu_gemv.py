@@ -175,10 +175,9 @@ def test_registry_serves_the_mosaic_arm():
         assert registry.resolve(name, "auto", platform="cpu").impl == "reference"
         with pytest.raises(Exception, match="no mosaic implementation"):
             registry.resolve(name, "mosaic", platform="cpu")
-    # GPU defaults from the H200 benchmark: Mosaic won w8a16_gemv; w4a16_gemv stays on Triton until the fixed
-    # perm kernel has run on the GPU (pallas_kernels/mgpu_gemv.py, registry comment).
+    # GPU defaults from the H200 benchmark: Mosaic won both (pallas_kernels/mgpu_gemv.py, registry comment)
     assert registry.resolve("w8a16_gemv", "auto", platform="gpu").impl == "mosaic"
-    assert registry.resolve("w4a16_gemv", "auto", platform="gpu").impl == "pallas"
+    assert registry.resolve("w4a16_gemv", "auto", platform="gpu").impl == "mosaic"
 
 
 def test_supports_matches_the_typed_errors():

@@ -1,0 +1,105 @@
+"""Mosaic GPU arm of the NVFP4 transposed prefill GEMMs (pallas_kernels/mgpu_gemm_nvfp4.py) against
+`w4a16_t_reference` and float64 numpy.
+
+On the CPU the kernel runs in GPU interpret mode (tiny shapes, a 2-SM persistent grid so each CTA loops over
+several output tiles, the jnp nibble decoder); on a GPU the same tests run compiled (METRALE_TEST_GPU=1) with
+the PTX decoder."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from metrale_jax.errors import ShapeError
+from metrale_jax.weights import quant_formats as qf
+from pallas_kernels import mgpu_gemm_nvfp4 as mn
+from pallas_kernels import registry
+from pallas_kernels.w4a16 import w4a16_t_reference
+from tests.numpy_refs import rel_err
+
+TOL = 2e-5      # bf16 products are exact; only the f32 summation order differs
+
+
+@pytest.fixture(autouse=True)
+def _reset_interpreter():
+    yield
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call as ipc
+    ipc.reset_gpu_interpret_mode_state()
+
+
+def _operands(rng, m, n, k):
+    x = jnp.asarray(rng.standard_normal((m, k)) * rng.uniform(0.2, 4.0, (m, 1)), jnp.bfloat16)
+    w = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3.0, (n, 1))).astype(np.float32)
+    p, s, g = qf.quantize_nvfp4(w)
+    return x, jnp.asarray(p.T), jnp.asarray(s.T), g
+
+
+def _want(x, pt, st, g):
+    """float64 numpy: dequantize (exact) then matmul."""
+    w = np.asarray(qf.dequantize_nvfp4(np.asarray(pt).T, np.asarray(st).T, g), np.float64)
+    return np.asarray(x, np.float64) @ w.T
+
+
+def _check(y, want, m, n, tol):
+    y = np.asarray(jnp.asarray(y, jnp.float32))
+    assert y.shape == (m, n)
+    assert np.all(np.isfinite(y)), "unwritten or non-finite outputs"
+    assert rel_err(y, want) < tol
+
+
+# M ragged (padded to tile_m inside); 2 SMs x 2-4 output tiles; both output dtypes
+CASES = [(100, 256, 512, mn.Nvfp4Tiles(tile_m=64, stages=2), jnp.float32),
+         (200, 128, 256, mn.Nvfp4Tiles(tile_m=128, stages=3, grid_minor="n", grid_tile_width=2), jnp.bfloat16)]
+
+
+@pytest.mark.parametrize("m,n,k,tiles,out_dtype", CASES)
+def test_w4a16_gemm_t_mosaic(rng, interpret, m, n, k, tiles, out_dtype):
+    x, pt, st, g = _operands(rng, m, n, k)
+    y = mn.w4a16_gemm_t_mosaic(x, pt, st, g, out_dtype=out_dtype, interpret=interpret, tiles=tiles)
+    ref = w4a16_t_reference(x, pt, st, g, out_dtype=jnp.float32)
+    tol = TOL if out_dtype == jnp.float32 else 1e-2
+    _check(y, np.asarray(ref, np.float64), m, n, tol)
+    _check(y, _want(x, pt, st, g), m, n, tol)
+
+
+def test_prepared_weights_same_result(rng, interpret):
+    """The prepared-weights entry (weights relaid out once) gives the same bits as the per-call arm."""
+    x, pt, st, g = _operands(rng, 64, 128, 256)
+    t = mn.Nvfp4Tiles(tile_m=64, stages=2)
+    p, s = mn.prepare_weights(pt, st)
+    assert p.shape == (128, 128) and s.shape == (128, 32) and s.dtype == jnp.bfloat16
+    a = mn.w4a16_gemm_t_mosaic(x, pt, st, g, out_dtype=jnp.float32, interpret=interpret, tiles=t)
+    b = mn.w4a16_gemm_t_prepared(x, p, s, g, out_dtype=jnp.float32, interpret=interpret, tiles=t)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    _check(a, _want(x, pt, st, g), 64, 128, TOL)
+
+
+def test_argument_errors(rng):
+    x, pt, st, g = _operands(rng, 64, 128, 256)
+    with pytest.raises(ShapeError, match=r"N=64 .* not a multiple of 128"):
+        mn.w4a16_gemm_t_mosaic(x, pt[:, :64], st[:, :64], g, interpret=True)
+    x2, pt2, st2, g2 = _operands(rng, 64, 128, 128)
+    with pytest.raises(ShapeError, match=r"K=128 .* not a multiple of 256"):
+        mn.w4a16_gemm_t_mosaic(x2, pt2, st2, g2, interpret=True)
+    with pytest.raises(ShapeError, match="scale expected float8_e4m3fn"):
+        mn.w4a16_gemm_t_mosaic(x, pt, st.astype(jnp.float32), g, interpret=True)
+    with pytest.raises(ShapeError, match="tile_m=96 must be one of"):
+        mn.w4a16_gemm_t_mosaic(x, pt, st, g, interpret=True, tiles=mn.Nvfp4Tiles(tile_m=96))
+    with pytest.raises(ShapeError, match="bytes of shared memory"):
+        mn.w4a16_gemm_t_mosaic(x, pt, st, g, interpret=True, tiles=mn.Nvfp4Tiles(tile_m=256, stages=4))
+    with pytest.raises(ShapeError, match="prepared weights expected"):
+        mn.w4a16_gemm_t_prepared(x, pt.T, st.T, g, interpret=True)
+
+
+def test_registered_beside_triton():
+    """Both names carry the Mosaic arm; shapes it does not take go to the Triton arm."""
+    for name in ("w4a16_gemm_t", "w4a16_gemm_t_m128"):
+        spec = registry._KERNELS[name]
+        assert spec.pallas is not None and spec.mosaic is not None
+        assert registry.resolve(name, "mosaic", platform="gpu").impl == "mosaic"
+        assert registry.resolve(name, "triton", platform="gpu").impl == "pallas"
+        assert registry.resolve(name, "auto", platform="gpu").impl == "mosaic"         # the GPU default
+        x = jnp.zeros((7, 4096), jnp.bfloat16)
+        for (n, k), ok in (((18560, 4096), True), ((4096, 8192), True), ((200, 4096), False), ((256, 400), False)):
+            pt = jnp.zeros((k // 2, n), jnp.uint8)
+            st = jnp.zeros((k // 16, n), jnp.float8_e4m3fn)
+            assert spec.mosaic_supports(x[:, :k], pt, st, 1.0) is ok
