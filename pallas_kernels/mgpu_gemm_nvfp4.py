@@ -43,6 +43,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from metrale_jax.errors import ShapeError
 from pallas_kernels import registry
+from pallas_kernels.mgpu_gemv import _ptx_e2m1_to_bf16
 from pallas_kernels.w4a16 import check_nvfp4_args, w4a16_gemm_t_m128_pallas, w4a16_gemm_t_pallas, w4a16_t_reference
 
 ROWS = 64            # weight rows (N) per compute warpgroup: the wgmma M
@@ -118,53 +119,10 @@ def _nibble_f32(p16, high: bool):
     return lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
 
 
-# Two packed bytes (one 16-bit register: columns j, j+1 of the plane) and their bf16 scale pair -> the low
-# nibbles and the high nibbles as bf16 pairs. Each byte goes to its own 16-bit lane (prmt); a nibble's sign goes
-# to bit 15 and its magnitude bits to bits 8:6, i.e. a bf16 of value * 2^-126 (code 1: the subnormal 2^-127);
-# one bf16x2 multiply by 2^126 and one by the scale restore it, both exact.
-_DECODE_ASM = """{
-.reg .b32 t, u, a, b, k, z, n;
-mov.b32 k, 0x7E807E80;
-mov.b32 z, 0x80008000;
-mov.b32 n, 0;
-cvt.u32.u16 t, $2;
-prmt.b32 t, t, n, 0x4140;
-shr.b32 u, t, 4;
-shl.b32 a, t, 12; and.b32 a, a, 0x80008000; shl.b32 b, t, 6; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
-fma.rn.bf16x2 a, a, k, z; fma.rn.bf16x2 $0, a, $3, z;
-shl.b32 a, u, 12; and.b32 a, a, 0x80008000; shl.b32 b, u, 6; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
-fma.rn.bf16x2 a, a, k, z; fma.rn.bf16x2 $1, a, $3, z;
-}"""
-
-
-def _decode_ptx(p, s_bf16):
-    """Packed bytes [64, c] uint8 and bf16 scales [64, c] (WGMMA layout) -> (lo, hi) bf16 planes (GPU only)."""
-    ty = plgpu.ShapeDtypeStruct(p.shape, BF16, plgpu.Layout.WGMMA)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA), return_type=(ty, ty))
-    def decode(ctx, fp, fs):
-        from jax.experimental.mosaic import gpu as mgpu
-        from jax.experimental.mosaic.gpu import utils as mu
-        from jaxlib.mlir import ir
-        from jaxlib.mlir.dialects import llvm
-        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-        bf2 = ir.VectorType.get((2,), ir.BF16Type.get())
-        pair = ir.Type.parse("!llvm.struct<(i32, i32)>")
-        lo, hi = np.empty_like(fp.registers), np.empty_like(fp.registers)
-        for idx, r in np.ndenumerate(fp.registers):
-            out = llvm.inline_asm(pair, [mu.bitcast(r, i16), mu.bitcast(fs.registers[idx], i32)], _DECODE_ASM,
-                                  "=r,=r,h,r")
-            lo[idx] = mu.bitcast(llvm.extractvalue(i32, out, [0]), bf2)
-            hi[idx] = mu.bitcast(llvm.extractvalue(i32, out, [1]), bf2)
-        return (mgpu.FragmentedArray(_registers=lo, _layout=fp.layout, _is_signed=None),
-                mgpu.FragmentedArray(_registers=hi, _layout=fp.layout, _is_signed=None))
-    return decode(p, s_bf16)
-
-
 def _decode(p, sexp, how: str):
     """p uint8 [64, 64], sexp f32 [64, 64] (expanded scales; x 2^14 for jnp) -> (lo, hi) bf16 [64, 64]."""
     if how == "ptx":
-        return _decode_ptx(p, sexp.astype(BF16))
+        return _ptx_e2m1_to_bf16(p, sexp.astype(BF16))     # the GEMV's exact decoder (mgpu_gemv.py)
     p16 = p.astype(jnp.uint16)
     return (_nibble_f32(p16, False) * sexp).astype(BF16), (_nibble_f32(p16, True) * sexp).astype(BF16)
 
