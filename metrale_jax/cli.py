@@ -430,6 +430,10 @@ def checkpoint_summary(directory: Path) -> dict:
                              f"top {c.topk_group}), intermediate {c.moe_intermediate_size}, "
                              f"{c.n_shared_experts} shared ({c.moe_shared_expert_intermediate_size})"
                              + (f", latent {c.moe_latent_size}" if c.moe_latent_size else ""))
+    if c.num_nextn_predict_layers:
+        mtp = sum(1 for n in infos if n.startswith("mtp."))
+        highlights["mtp"] = (f"{c.num_nextn_predict_layers} step(s) of {c.mtp_hybrid_override_pattern!r}, "
+                             + (f"{mtp} tensors (speculative method 'mtp')" if mtp else "no mtp.* tensors"))
     if c.quantization_config is not None:
         highlights["quantization"] = dict(c.quantization_config).get("quant_method", "?")
     tokenizer = ("tokenizer.json" if (directory / "tokenizer.json").is_file()

@@ -103,8 +103,10 @@ def test_info_matches_safetensors(capsys):
                                 "mlp": s["pattern"].count("-"), "moe": s["pattern"].count("E")}
     assert sum(s["weight_formats"].values()) == sum(t.ndim >= 2 for t in tensors.values())
     assert s["tokenizer"] == "bytes"
+    mtp = sum(1 for n in tensors if n.startswith("mtp."))                # the built-in model's trained MTP head
+    assert mtp > 0 and s["config"]["mtp"] == f"1 step(s) of '*-', {mtp} tensors (speculative method 'mtp')"
     rc, out, err = run(capsys, "info")
-    assert rc == 0 and "pattern" in out and "formats:" in out
+    assert rc == 0 and "pattern" in out and "formats:" in out and "mtp: 1 step(s)" in out
 
 
 def test_info_counts_quantized_formats_from_headers(capsys, tmp_path, rng):
