@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import timing
+from benchmarks.bench_prefill import xla_bf16
 from metrale_jax.weights import quant_formats as qf
 from pallas_kernels import mgpu_gemm
 
@@ -47,7 +48,7 @@ def _gemms(sets, N, best_qb, dry, reps):
     # on the H200 it is correct at the 8B shapes, and tests/kernels/test_mgpu_gemm.py interprets it alone)
     t_rows = mgpu_gemm.MgpuTiles(64, 64, "m", stages=2) if dry else None
     t_blocks = mgpu_gemm.MgpuTiles(64, 128, "m", stages=2) if dry else None
-    arms = [("xla_bf16", "", lambda x: jnp.dot(x, wd.T, preferred_element_type=jnp.float32).astype(x.dtype))]
+    arms = [("xla_bf16", "", lambda x: xla_bf16(x, wd))]             # bench_prefill's baseline (bf16 out)
     for aq, qb in (("xla", None), ("fused", None), ("fused", best_qb.get("rows"))):
         arms.append(("fp8_gemm_t", f"act_quant={aq} qb={qb}",
                      lambda x, aq=aq, qb=qb: mgpu_gemm.fp8_gemm_t_mosaic(x, wq, ws, act_quant=aq, qb=qb,
@@ -92,11 +93,11 @@ def main():
         arms = [("rows", "xla", None, qf.quantize_rows_fp8, None),
                 ("blocks", "xla", None, qf.quantize_rows_fp8_blocks, None)]
         for e, w in rows_cfgs:
-            qb = dataclasses.replace(mgpu_gemm.QUANT_BLOCKS, rows_elems=e, rows_warps=w)
+            qb = dataclasses.replace(mgpu_gemm.ACT_QUANT_BLOCKS, rows_elems=e, rows_warps=w)
             arms.append(("rows", "fused", {"rows_per_program": max(1, e // K), "warps": w},
                          lambda x, qb=qb: mgpu_gemm.quantize_rows_fused(x, qb=qb, interpret=dry), rows_ref))
         for r, w in block_cfgs:
-            qb = dataclasses.replace(mgpu_gemm.QUANT_BLOCKS, blocks_rows=r, blocks_warps=w)
+            qb = dataclasses.replace(mgpu_gemm.ACT_QUANT_BLOCKS, blocks_rows=r, blocks_warps=w)
             arms.append(("blocks", "fused", {"rows_per_program": r, "warps": w},
                          lambda x, qb=qb: mgpu_gemm.quantize_blocks_fused_t(x, qb=qb, interpret=dry), blocks_ref))
         rows = []
@@ -123,9 +124,9 @@ def main():
                   f"{best and round(best['us'], 1)} us ({best and round(best['gbps'])} GB/s)", flush=True)
             if best is not None:
                 c = best["config"]
-                best_qb[kind] = (dataclasses.replace(mgpu_gemm.QUANT_BLOCKS, rows_elems=c["rows_per_program"] * K,
+                best_qb[kind] = (dataclasses.replace(mgpu_gemm.ACT_QUANT_BLOCKS, rows_elems=c["rows_per_program"] * K,
                                                      rows_warps=c["warps"]) if kind == "rows" else
-                                 dataclasses.replace(mgpu_gemm.QUANT_BLOCKS, blocks_rows=c["rows_per_program"],
+                                 dataclasses.replace(mgpu_gemm.ACT_QUANT_BLOCKS, blocks_rows=c["rows_per_program"],
                                                      blocks_warps=c["warps"]))
         result["shapes"][name]["gemms"] = _gemms(sets, N, best_qb, dry, reps)
         _save(result, args.out, dry)

@@ -71,10 +71,14 @@ def default_tiles(N: int, K: int, *, per_block: bool) -> MgpuTiles:
     return MgpuTiles(tile_m=128, tile_n=128, wg_dim="m", stages=4)
 
 
-def _num_sms(interpret) -> int:
+def _num_sms(interpret: bool) -> int:
+    """Persistent CTAs: one per SM (132 on the H200 when lowering without a GPU, e.g. for CPU checks)."""
     if interpret:
         return 2
-    return jax.devices()[0].core_count
+    try:
+        return jax.devices()[0].core_count
+    except AttributeError:
+        return 132
 
 
 def _fp8_transforms():
@@ -255,7 +259,7 @@ ACT_QUANT = "fused"        # "xla" | "fused"
 
 
 @dataclasses.dataclass(frozen=True)
-class QuantBlocks:
+class ActQuantBlocks:
     """Rows per program and warps of the fused quantizers (rows: whole rows; blocks: [rows, 128] per program)."""
     rows_elems: int = 8192           # rows kernel: rows per program = rows_elems // K (H200 sweep, session 3)
     rows_warps: int = 4
@@ -263,7 +267,7 @@ class QuantBlocks:
     blocks_warps: int = 4
 
 
-QUANT_BLOCKS = QuantBlocks()
+ACT_QUANT_BLOCKS = ActQuantBlocks()
 
 
 def _quant_rows_kernel(x_ref, q_ref, s_ref):
@@ -282,22 +286,22 @@ def _quant_blocks_kernel(x_ref, q_ref, s_ref):
     s_ref[...] = scale[None, :]
 
 
-def fused_quant_ok(M: int, K: int, qb: QuantBlocks | None = None) -> bool:
+def fused_quant_ok(M: int, K: int, qb: ActQuantBlocks | None = None) -> bool:
     """The fused passes take K a power of two >= 128 and M a multiple of their row blocks."""
-    qb = qb or QUANT_BLOCKS
+    qb = qb or ACT_QUANT_BLOCKS
     return (K >= TILE_K and K & (K - 1) == 0 and M % _quant_rows_block(K, qb) == 0
             and M % qb.blocks_rows == 0)
 
 
-def _quant_rows_block(K: int, qb: QuantBlocks) -> int:
+def _quant_rows_block(K: int, qb: ActQuantBlocks) -> int:
     return max(1, qb.rows_elems // K)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "qb"))
-def quantize_rows_fused(x, *, interpret: bool = False, qb: QuantBlocks | None = None):
+def quantize_rows_fused(x, *, interpret: bool = False, qb: ActQuantBlocks | None = None):
     """x [M, K] -> (E4M3 [M, K], f32 scale [M]), as quant_formats.quantize_rows_fp8, in one pass."""
     from jax.experimental.pallas import triton as pltr
-    qb = qb or QUANT_BLOCKS
+    qb = qb or ACT_QUANT_BLOCKS
     M, K = x.shape
     if not fused_quant_ok(M, K, qb):
         raise ShapeError(f"fused E4M3 quantization: x [{M}, {K}] needs K a power of two >= 128, M a multiple of "
@@ -313,11 +317,11 @@ def quantize_rows_fused(x, *, interpret: bool = False, qb: QuantBlocks | None = 
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "qb"))
-def quantize_blocks_fused_t(x, *, interpret: bool = False, qb: QuantBlocks | None = None):
+def quantize_blocks_fused_t(x, *, interpret: bool = False, qb: ActQuantBlocks | None = None):
     """x [M, K] -> (E4M3 [M, K], f32 scale transposed [K/128, M]): quant_formats.quantize_rows_fp8_blocks
     with the scales already in the layout the block-scaled kernel reads."""
     from jax.experimental.pallas import triton as pltr
-    qb = qb or QUANT_BLOCKS
+    qb = qb or ACT_QUANT_BLOCKS
     M, K = x.shape
     if not fused_quant_ok(M, K, qb):
         raise ShapeError(f"fused E4M3 quantization: x [{M}, {K}] needs K a power of two >= 128, M a multiple of "
@@ -337,7 +341,7 @@ def _pad_rows(a, rows: int):
 
 
 def fp8_gemm_t_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False, tiles: MgpuTiles | None = None,
-                      act_quant: str | None = None, qb: QuantBlocks | None = None):
+                      act_quant: str | None = None, qb: ActQuantBlocks | None = None):
     """Mosaic arm of fp8_gemm_t: same call and result as `fp8_gemm_t_reference` (x [M, K], w E4M3 [N, K],
     scale f32 [N]). act_quant: "xla" or "fused" activation quantization (default ACT_QUANT; qb its blocks)."""
     _check_fp8_rows(x, w, scale)
@@ -355,7 +359,7 @@ def fp8_gemm_t_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False, t
 
 def w8a16_gemm_pipelined_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False,
                                 tiles: MgpuTiles | None = None, act_quant: str | None = None,
-                                qb: QuantBlocks | None = None):
+                                qb: ActQuantBlocks | None = None):
     """Mosaic arm of w8a16_gemm_pipelined: same call and result as `w8a16_pipelined_reference` (x [M, K],
     w E4M3 [N, K], scale f32 [ceil(N/128), ceil(K/128)]). act_quant as for fp8_gemm_t_mosaic."""
     _check_w8a16("w8a16_gemm_pipelined", x, w, scale)

@@ -43,8 +43,10 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from metrale_jax.errors import ShapeError
 from pallas_kernels import registry
-from pallas_kernels.mgpu_gemv import _ptx_e2m1_to_bf16
-from pallas_kernels.w4a16 import check_nvfp4_args, w4a16_gemm_t_m128_pallas, w4a16_gemm_t_pallas, w4a16_t_reference
+from pallas_kernels.mgpu_gemm import _num_sms
+from pallas_kernels.mgpu_gemv import _ptx_e2m1_to_bf16, _tf
+from pallas_kernels.w4a16 import (check_nvfp4_args, split_even_odd, w4a16_gemm_t_m128_pallas, w4a16_gemm_t_pallas,
+                                  w4a16_t_reference)
 
 ROWS = 64            # weight rows (N) per compute warpgroup: the wgmma M
 CTA_N = 2 * ROWS     # weight rows per CTA (two compute warpgroups)
@@ -80,26 +82,10 @@ def default_tiles(M: int, N: int, K: int, out_dtype=BF16) -> Nvfp4Tiles:
     return t
 
 
-def _tf(row_bytes: int, itemsize: int):
-    """Tiling + swizzle for a tile whose rows are `row_bytes` wide (32, 64 or 128)."""
-    sw = min(row_bytes, 128)
-    return plgpu.TilingTransform((8, sw // itemsize)), plgpu.SwizzleTransform(sw)
-
-
 def _smem_bytes(t: Nvfp4Tiles, out_dtype) -> int:
     stage = 2 * t.tile_m * (STEP_K // 2) * 2 + CTA_N * (STEP_K // 2) + CTA_N * GROUPS * 2
     fixed = 2 * t.tile_m * ROWS * jnp.dtype(out_dtype).itemsize + 2 * GROUPS * ROWS * 2
     return t.stages * stage + fixed
-
-
-def _num_sms(interpret: bool) -> int:
-    """Persistent CTAs: one per SM (132 on the H200 when lowering without a GPU, e.g. for CPU checks)."""
-    if interpret:
-        return 2
-    try:
-        return jax.devices()[0].core_count
-    except AttributeError:
-        return 132
 
 
 def expander(value: float) -> np.ndarray:
@@ -249,9 +235,8 @@ def prepare_weights(packed_t, scale_t):
 
 def split_x(x, rows: int):
     """x [M, K] -> [2, rows, K/2]: even and odd columns (rows >= M zero-padded)."""
-    M, K = x.shape
-    x2 = jnp.moveaxis(x.astype(BF16).reshape(M, K // 2, 2), 2, 0)
-    return x2 if rows == M else jnp.pad(x2, ((0, 0), (0, rows - M), (0, 0)))
+    x2 = jnp.stack(split_even_odd(x.astype(BF16)))
+    return x2 if rows == x.shape[0] else jnp.pad(x2, ((0, 0), (0, rows - x.shape[0]), (0, 0)))
 
 
 def _check(name: str, N: int, K: int, t: Nvfp4Tiles, out_dtype) -> None:
