@@ -110,13 +110,27 @@ def mean_nll(model: NemotronH, rows: jax.Array) -> jax.Array:
 
 
 # ---- training ------------------------------------------------------------------------------------
-def train(args) -> dict:
+def load_data(args):
+    """(train ids, held-out ids, window length T, train window starts, train / held-out eval windows)."""
     train_ids = load_split(args.data / "train.txt")
     held_ids = load_split(args.data / "heldout.txt")
     T = args.seq_len
-    starts = line_starts(train_ids, T)
-    train_eval = eval_windows(train_ids, args.eval_rows, T)
-    held_eval = eval_windows(held_ids, args.eval_rows, T)
+    return (train_ids, held_ids, T, line_starts(train_ids, T), eval_windows(train_ids, args.eval_rows, T),
+            eval_windows(held_ids, args.eval_rows, T))
+
+
+def optimizer(args, params):
+    """(AdamW with warm-up + cosine decay, clipped, decay on matrices only; its schedule)."""
+    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, max(args.steps, args.warmup + 1),
+                                                  end_value=args.lr * 0.05)
+    decay_mask = jax.tree.map(lambda x: x.ndim >= 2, params)
+    opt = optax.chain(optax.clip_by_global_norm(1.0),
+                      optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=args.weight_decay, mask=decay_mask))
+    return opt, schedule
+
+
+def train(args) -> dict:
+    train_ids, held_ids, T, starts, train_eval, held_eval = load_data(args)
     unigram = unigram_bits_per_byte(train_ids, held_eval[:, 1:].ravel())
 
     config = tiny_config(args.hidden, args.pattern, args.chunk_size)
@@ -127,11 +141,7 @@ def train(args) -> dict:
     probe = held_eval[:2, :-1]
     np.testing.assert_array_equal(np.asarray(model.forward(probe)), np.asarray(jax.jit(forward_step)(model, probe)))
 
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, max(args.steps, args.warmup + 1),
-                                                  end_value=args.lr * 0.05)
-    decay_mask = jax.tree.map(lambda x: x.ndim >= 2, params)
-    opt = optax.chain(optax.clip_by_global_norm(1.0),
-                      optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=args.weight_decay, mask=decay_mask))
+    opt, schedule = optimizer(args, params)
     opt_state = opt.init(params)
 
     def loss_fn(p, rows):
@@ -236,23 +246,14 @@ def mtp_draft_logits(model: NemotronH, mtp, rows: jax.Array) -> jax.Array:
 def train_mtp(args) -> dict:
     """Train only the MTP head of --base's model plus a fresh head (cross-entropy of its drafts against
     ids[t+2]); log train / held-out loss and the held-out top-1 draft accuracy; save to --out."""
-    train_ids = load_split(args.data / "train.txt")
-    held_ids = load_split(args.data / "heldout.txt")
-    T = args.seq_len
-    starts = line_starts(train_ids, T)
-    train_eval = eval_windows(train_ids, args.eval_rows, T)
-    held_eval = eval_windows(held_ids, args.eval_rows, T)
+    train_ids, held_ids, T, starts, train_eval, held_eval = load_data(args)
     base = NemotronH.from_pretrained(args.base, dtype=jnp.float32, levers=ModelLevers(kernels="reference"),
                                      progress=False)
     model = with_mtp_head(base, args.mtp_pattern, args.seed)
     graphdef, params, rest = nnx.split(model.mtp, nnx.Param, ...)
     n_params = sum(int(x.size) for x in jax.tree.leaves(params))
 
-    schedule = optax.warmup_cosine_decay_schedule(0.0, args.lr, args.warmup, max(args.steps, args.warmup + 1),
-                                                  end_value=args.lr * 0.05)
-    decay_mask = jax.tree.map(lambda x: x.ndim >= 2, params)
-    opt = optax.chain(optax.clip_by_global_norm(1.0),
-                      optax.adamw(schedule, b1=0.9, b2=0.98, weight_decay=args.weight_decay, mask=decay_mask))
+    opt, schedule = optimizer(args, params)
     opt_state = opt.init(params)
 
     def loss_fn(p, m, rows):
@@ -328,7 +329,8 @@ def finish_mtp(model: NemotronH, args, log: dict) -> dict:
     """Save the base checkpoint's own main tensors with the trained head (in --save-dtype) to --out, check
     that every main tensor is byte-identical to --base's, and add log as the "mtp" section of --base's log."""
     dtype = jnp.dtype(args.save_dtype)
-    before = read_raw_tensors(args.base / "model.safetensors")
+    before = {n: v for n, v in read_raw_tensors(args.base / "model.safetensors").items()   # a base's own MTP
+              if not n.startswith("mtp.")}                                                  # head is replaced
     main = NemotronH.from_pretrained(args.base, dtype=dtype, progress=False).state_dict()
     head = {n: v for n, v in model.state_dict().items() if n.startswith("mtp.")}
     saved = NemotronH(model.config, {**main, **head}, dtype=dtype, tokenizer=ByteTokenizer())
