@@ -36,7 +36,7 @@ SHAPES = {"in_proj": (18560, 4096), "out_proj": (4096, 8192)}
 # CPU dry run of this script (tiny shapes, every Pallas arm in interpret mode): PREFILL_DRY=1
 DRY = os.environ.get("PREFILL_DRY") == "1"
 if DRY:
-    M, SHAPES = 256, {"in_proj": (384, 256), "out_proj": (256, 384)}
+    M, SHAPES = 256, {"in_proj": (384, 256), "out_proj": (256, 512)}
 
 
 def log(*a):
@@ -115,6 +115,10 @@ def main():
     ap.add_argument("--nvfp4", action="store_true", help="the NVFP4 transposed GEMMs (w4a16_gemm_t) only")
     ap.add_argument("--quick-quant", action="store_true",
                     help="only XLA BF16, the quantization passes (XLA vs fused) and the Mosaic arms with each")
+    ap.add_argument("--norm-fp8", action="store_true",
+                    help="with --quick-quant: also the norm in front of each projection (gated RMSNorm before "
+                         "out_proj, RMSNorm before in_proj) + GEMM, bf16 norm + XLA BF16 vs the fused E4M3 norm "
+                         "(norm_fp8) + Mosaic FP8 arms, and the FP8 arms alone on pre-quantized x")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     date = datetime.date.today().isoformat()
@@ -251,6 +255,9 @@ def main():
             result["rows"].append(row)
             save()
 
+        if args.norm_fp8 and time.time() - T0 < args.deadline:
+            norm_fused_rows(result, save, shape, N, K, flops, xs, W, args.deadline)
+
     try:
         if not DRY and not args.quick_quant:
             torch_context(result)
@@ -261,6 +268,109 @@ def main():
 
 
 # ---- NVFP4 transposed (w4a16_gemm_t / _m128) ------------------------------------------------------------------
+GATED_GROUP = 1024     # Nemotron-H 8B: d_inner 8192 over n_groups 8
+# fused norm configs timed alone (the first: session 4's first build, one reshaped [1, 8192] tile per program)
+NORM_SWEEP = None
+
+
+def _norm_sweep():
+    from pallas_kernels.norm_fp8 import NORM_FP8_BLOCKS, NormFp8Blocks
+    return [NormFp8Blocks(8192, 8, False), NORM_FP8_BLOCKS, NormFp8Blocks(8192, 4, True),
+            NormFp8Blocks(16384, 8, True), NormFp8Blocks(4096, 4, True)]
+
+
+def norm_fused_rows(result, save, shape, N, K, flops, xs, W, deadline):
+    """Norm + projection as the Mamba layer runs them at M rows: out_proj behind the gated RMSNorm (z: another
+    of the 4 activation sets), in_proj behind the RMSNorm. bf16 norm + XLA BF16 (the baseline of this block),
+    bf16 norm + FP8 arm (which quantizes), fused E4M3 norm + FP8 arm; then each FP8 arm alone on pre-quantized
+    x (the GEMM the fused path leaves). Bits of the fused norm checked against norm + quant_formats."""
+    from pallas_kernels import norm_fp8, norms
+    global NORM_SWEEP
+    NORM_SWEEP = NORM_SWEEP or list(dict.fromkeys(_norm_sweep()))
+    nw = jax.random.uniform(jax.random.key(7), (K,), jnp.float32, 0.5, 1.5).astype(jnp.bfloat16)
+    gated = shape == "out_proj"
+    group = GATED_GROUP if gated and not DRY else K
+    if gated:
+        bf16_norm = lambda x, z: norms.gated_rmsnorm_pallas(x, z, nw, group_size=group, eps=1e-5, interpret=DRY)
+        fp8_norm = lambda x, z, pb: norm_fp8.gated_rmsnorm_fp8_pallas(x, z, nw, group_size=group, eps=1e-5,
+                                                                      per_block=pb, interpret=DRY)
+    else:
+        bf16_norm = lambda x, z: norms.rmsnorm_pallas(x, nw, eps=1e-5, interpret=DRY)
+        fp8_norm = lambda x, z, pb: norm_fp8.rmsnorm_fp8_pallas(x, nw, eps=1e-5, per_block=pb, interpret=DRY)
+    gemm = {"rows": lambda x, q, s: mgpu_gemm.fp8_gemm_t_mosaic(x, q, s, interpret=DRY),
+            "blocks": lambda x, q, s: mgpu_gemm.w8a16_gemm_pipelined_mosaic(x, q, s, interpret=DRY)}
+    name = {"rows": "fp8_gemm_t", "blocks": "w8a16_gemm_pipelined"}
+    zs = [xs[(i + 1) % 4] for i in range(4)]
+    prefix = "gated_rmsnorm" if gated else "rmsnorm"
+    arms = [(f"{prefix} + xla_bf16", "bf16", lambda x, z, w: xla_bf16(bf16_norm(x, z), w))]
+    for fmt in ("rows", "blocks"):
+        arms += [(f"{prefix} + {name[fmt]}", fmt, lambda x, z, q, s, f=fmt: gemm[f](bf16_norm(x, z), q, s)),
+                 (f"{prefix}_fp8 + {name[fmt]}", fmt,
+                  lambda x, z, q, s, f=fmt: gemm[f](fp8_norm(x, z, f == "blocks"), q, s))]
+    try:
+        x0, z0 = xs[0], zs[0]
+        for pb in (False, True):
+            got, ref = fp8_norm(x0, z0, pb), (qf.quantize_rows_fp8_blocks if pb else qf.quantize_rows_fp8)(
+                bf16_norm(x0, z0))
+            result["shapes"][shape][f"norm_fp8_check_{'blocks' if pb else 'rows'}"] = {
+                "q_mismatch": float(jnp.mean(got.q.view(jnp.uint8) != ref[0].view(jnp.uint8))),
+                "scale_max_rel_diff": float(jnp.max(jnp.abs(got.scale - ref[1]) / ref[1]))}
+        pre = {f: [jax.block_until_ready(fp8_norm(xs[i], zs[i], f == "blocks")) for i in range(4)]
+               for f in ("rows", "blocks")}
+    except Exception:  # noqa: BLE001
+        result["errors"].append({"shape": shape, "stage": "norm_fp8 setup", "traceback": traceback.format_exc()})
+        log(traceback.format_exc())
+        return
+    base = None
+    rows = [(f"{prefix} alone (bf16 out)", "bf16", lambda x, z, w: bf16_norm(x, z), None)]
+    for nb in NORM_SWEEP:                         # the fused norm alone, per kernel config (rows; default: blocks too)
+        for pb in ((False, True) if nb == norm_fp8.NORM_FP8_BLOCKS else (False,)):
+            if gated:
+                f = lambda x, z, w, nb=nb, pb=pb: norm_fp8.gated_rmsnorm_fp8_pallas(
+                    x, z, nw, group_size=group, eps=1e-5, per_block=pb, interpret=DRY, nb=nb)
+            else:
+                f = lambda x, z, w, nb=nb, pb=pb: norm_fp8.rmsnorm_fp8_pallas(x, nw, eps=1e-5, per_block=pb,
+                                                                            interpret=DRY, nb=nb)
+            rows.append((f"{prefix}_fp8 alone ({'blocks' if pb else 'rows'}) {nb}", "bf16", f, None))
+    rows = [(n, fmt, fn, [(xs[i], zs[i], *W[fmt][i % 2]) for i in range(4)]) for n, fmt, fn, _ in rows]
+    rows += [(n, fmt, fn, [(xs[i], zs[i], *W[fmt][i % 2]) for i in range(4)]) for n, fmt, fn in arms]
+    rows += [(f"{name[f]} on pre-quantized x (Fp8Activations)", f, gemm[f],
+              [(pre[f][i], *W[f][i % 2]) for i in range(4)]) for f in ("rows", "blocks")]
+    outs = {}
+    for n, fmt, fn, sets in rows:
+        row = {"shape": shape, "name": n, "impl": "layer" if "+" in n else "norm" if "alone" in n else "mosaic",
+               "config": "norm_fp8",
+               "format": fmt, "N": N, "K": K, "M": M, "flops": flops}
+        if time.time() - T0 > deadline:
+            row["skipped"] = "deadline"
+            result["rows"].append(row)
+            continue
+        try:
+            outs[n] = y = jax.block_until_ready(jax.jit(fn)(*sets[0]))
+            twin = f"{prefix} + {name.get(fmt, '')}"
+            if n != twin and twin in outs:
+                row["rel_err_vs_unfused"] = rel_err(y, outs[twin])
+            tm = time_calls(fn, sets)
+            row.update(tm)
+            row["TFLOPs"] = flops / tm["us"] / 1e6
+            base = tm["us"] if n.endswith("xla_bf16") else base
+            if "+" in n:
+                row["ratio_vs_norm_xla_bf16"] = base / tm["us"] if base else None
+            elif "alone" in n:
+                row["bytes"] = (2 if gated else 1) * M * K * 2 + M * K * (2 if "bf16" in n else 1)
+                row["GBps"] = row["bytes"] / tm["us"] / 1e3
+            else:                                        # the GEMM alone: against the plain XLA BF16 matmul row
+                gemm_base = [r["us"] for r in result["rows"] if r["shape"] == shape and r["name"] == "xla_bf16"
+                             and "us" in r]
+                row["ratio_vs_xla_bf16"] = gemm_base[0] / tm["us"] if gemm_base else None
+            log(f"{shape:8s} {n:50s} {tm['us']:8.1f} us", {k: v for k, v in row.items() if k.startswith("ratio")})
+        except Exception:  # noqa: BLE001
+            row["error"] = traceback.format_exc()[-3000:]
+            log(f"{shape} {n} FAILED\n{row['error']}")
+        result["rows"].append(row)
+        save()
+
+
 def nvfp4_weights(key, N, K):
     """Random NVFP4 transposed weights: packed_t uint8 [K/2, N] (all 256 codes), scale_t E4M3 [K/16, N] in
     [0.25, 4), global 0.01 (timing and accuracy do not need a real quantized matrix)."""
@@ -400,9 +510,11 @@ def markdown(result) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         if "us" in r:
+            ratio = (f"{r['ratio_vs_xla_bf16']:.2f}" if r.get("ratio_vs_xla_bf16") else
+                     f"{r['ratio_vs_norm_xla_bf16']:.2f} vs norm + XLA BF16" if r.get("ratio_vs_norm_xla_bf16") else "")
+            err = r.get("rel_err", r.get("rel_err_vs_unfused", float("nan")))
             lines.append(f"| {r['shape']} | {r['name']} | {r['impl']} | {r['config']} | {r['us']:.1f} | "
-                         f"{r['TFLOPs']:.0f} | {r['ratio_vs_xla_bf16'] or 0:.2f} | "
-                         f"{r.get('rel_err', float('nan')):.2e} |")
+                         f"{r['TFLOPs']:.0f} | {ratio} | {err:.2e} |")
         else:
             lines.append(f"| {r['shape']} | {r['name']} | {r['impl']} | {r['config']} | "
                          f"{r.get('skipped') or 'FAILED'} | | | |")

@@ -17,8 +17,8 @@ from metrale_jax.state import (  # noqa: F401
     CacheSlotState, KvPool, KvSlotState, ModelCache, SlotAllocator, SlotState, SsmPool)
 from metrale_jax.tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer  # noqa: F401
 from metrale_jax.weights import (  # noqa: F401
-    DenseWeight, Fp8PrefillWeight, Fp8Weight, Nvfp4Weight, Nvfp4WeightT, QuantizedWeight, StackedExperts,
-    W4a4Weight, WeightQuantFormat, quantize_checkpoint, stack_experts)
+    DenseWeight, Fp8Activations, Fp8PrefillWeight, Fp8Weight, Nvfp4Weight, Nvfp4WeightT, QuantizedWeight,
+    StackedExperts, W4a4Weight, WeightQuantFormat, quantize_checkpoint, stack_experts)
 from metrale_jax import sharding  # noqa: F401,E402
 from metrale_jax.sharding import make_mesh  # noqa: F401,E402
 from metrale_jax.runtime import Engine, Executables, PrefixCache, SpeculativeConfig  # noqa: F401,E402

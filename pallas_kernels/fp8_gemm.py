@@ -8,7 +8,8 @@ Activations arrive in bf16 and are quantized to E4M3 first (one XLA pass over x)
                    scale per row [M], so the matrix units accumulate the whole K and the scales are
                    applied once at the end.  ("_t": the seed's name; the copy is stored [N, K], the
                    K-major operand layout Hopper's FP8 matrix instructions read.)
-Both references quantize the activations the same way, dequantize both operands and matmul in f32.
+Both references quantize the activations the same way, dequantize both operands and matmul in f32. Every arm
+also takes x already quantized by its producer (quant_formats.Fp8Activations, e.g. from norm_fp8).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from metrale_jax.errors import ShapeError
-from metrale_jax.weights.quant_formats import FP8_BLOCK, quantize_rows_fp8, quantize_rows_fp8_blocks
+from metrale_jax.weights.quant_formats import FP8_BLOCK, blocks_fp8, rows_fp8
 from pallas_kernels import registry
 from pallas_kernels.triton_util import compiler_params, dot
 from pallas_kernels.w8a16 import (QuantBlocks, check_activations, check_array, fit_blocks, grid_ids, matmul_f32,
@@ -29,14 +30,14 @@ from pallas_kernels.w8a16 import (QuantBlocks, check_activations, check_array, f
 
 
 def quantized_activations_block(x: jax.Array) -> jax.Array:
-    """x rounded through E4M3 with one scale per row per 128 columns, as float32."""
-    q, s = quantize_rows_fp8_blocks(x)
+    """x rounded through E4M3 with one scale per row per 128 columns (or as its producer quantized it), float32."""
+    q, s = blocks_fp8(x)
     return q.astype(jnp.float32) * jnp.repeat(s, FP8_BLOCK, axis=1)[:, :x.shape[1]]
 
 
 def quantized_activations_rows(x: jax.Array) -> jax.Array:
-    """x rounded through E4M3 with one scale per row, as float32."""
-    q, s = quantize_rows_fp8(x)
+    """x rounded through E4M3 with one scale per row (or as its producer quantized it), as float32."""
+    q, s = rows_fp8(x)
     return q.astype(jnp.float32) * s[:, None]
 
 
@@ -95,7 +96,7 @@ def _fp8_call(x, w, wscale, *, out_dtype, blocks: QuantBlocks, interpret: bool, 
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
     if per_block and (FP8_BLOCK % bn or FP8_BLOCK % bk):
         raise ShapeError(f"{name}: block_n={bn} and block_k={bk} must divide the 128-wide scale blocks")
-    xq, xs = quantize_rows_fp8_blocks(x) if per_block else quantize_rows_fp8(x)
+    xq, xs = blocks_fp8(x) if per_block else rows_fp8(x)
     num_m, num_n = pl.cdiv(M, bm), pl.cdiv(N, bn)
     kernel = functools.partial(_fp8_kernel, M=M, N=N, K=K, bm=bm, bn=bn, bk=bk, num_m=num_m,
                                per_block=per_block, upcast=interpret, swap=blocks.swap)

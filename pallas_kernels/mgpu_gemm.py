@@ -32,7 +32,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from metrale_jax.errors import ShapeError
-from metrale_jax.weights.quant_formats import E4M3_MAX, FP8_BLOCK, quantize_rows_fp8, quantize_rows_fp8_blocks
+from metrale_jax.weights.quant_formats import (E4M3_MAX, FP8_BLOCK, Fp8Activations, blocks_fp8, quantize_rows_fp8,
+                                              rows_fp8)
 from pallas_kernels import registry
 from pallas_kernels.fp8_gemm import _check_fp8_rows, fp8_gemm_t_reference
 from pallas_kernels.w8a16 import _check_w8a16, w8a16_pipelined_reference
@@ -342,16 +343,21 @@ def _pad_rows(a, rows: int):
 
 def fp8_gemm_t_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False, tiles: MgpuTiles | None = None,
                       act_quant: str | None = None, qb: ActQuantBlocks | None = None):
-    """Mosaic arm of fp8_gemm_t: same call and result as `fp8_gemm_t_reference` (x [M, K], w E4M3 [N, K],
-    scale f32 [N]). act_quant: "xla" or "fused" activation quantization (default ACT_QUANT; qb its blocks)."""
+    """Mosaic arm of fp8_gemm_t: same call and result as `fp8_gemm_t_reference` (x [M, K] or per-row
+    Fp8Activations, w E4M3 [N, K], scale f32 [N]). act_quant: "xla" or "fused" quantization of a bf16 x (default
+    ACT_QUANT; qb its blocks)."""
     _check_fp8_rows(x, w, scale)
     M, K = x.shape
     N = w.shape[0]
     t = tiles or default_tiles(N, K, per_block=False)
     _check_tiles("fp8_gemm_t", M, N, K, t, per_block=False)
     Mp = pl.cdiv(M, t.cta[0]) * t.cta[0]
-    fused = (act_quant or ACT_QUANT) == "fused" and fused_quant_ok(M, K, qb)
-    xq, xs = quantize_rows_fused(x, interpret=interpret, qb=qb) if fused else quantize_rows_fp8(x)
+    if isinstance(x, Fp8Activations):                     # quantized by its producer (a fused norm)
+        xq, xs = rows_fp8(x)
+    elif (act_quant or ACT_QUANT) == "fused" and fused_quant_ok(M, K, qb):
+        xq, xs = quantize_rows_fused(x, interpret=interpret, qb=qb)
+    else:
+        xq, xs = quantize_rows_fp8(x)
     y = _mgpu_call(_pad_rows(xq, Mp), _pad_rows(xs, Mp), w, scale, per_block=False, tiles=t,
                    out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=interpret, name="fp8_gemm_t")
     return y[:M] if Mp != M else y
@@ -360,18 +366,20 @@ def fp8_gemm_t_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False, t
 def w8a16_gemm_pipelined_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False,
                                 tiles: MgpuTiles | None = None, act_quant: str | None = None,
                                 qb: ActQuantBlocks | None = None):
-    """Mosaic arm of w8a16_gemm_pipelined: same call and result as `w8a16_pipelined_reference` (x [M, K],
-    w E4M3 [N, K], scale f32 [ceil(N/128), ceil(K/128)]). act_quant as for fp8_gemm_t_mosaic."""
+    """Mosaic arm of w8a16_gemm_pipelined: same call and result as `w8a16_pipelined_reference` (x [M, K] or
+    per-block Fp8Activations, w E4M3 [N, K], scale f32 [ceil(N/128), ceil(K/128)]). act_quant as for
+    fp8_gemm_t_mosaic."""
     _check_w8a16("w8a16_gemm_pipelined", x, w, scale)
     M, K = x.shape
     N = w.shape[0]
     t = tiles or default_tiles(N, K, per_block=True)
     _check_tiles("w8a16_gemm_pipelined", M, N, K, t, per_block=True)
     Mp = pl.cdiv(M, t.cta[0]) * t.cta[0]
-    if (act_quant or ACT_QUANT) == "fused" and fused_quant_ok(M, K, qb) and Mp == M:
+    if (not isinstance(x, Fp8Activations) and (act_quant or ACT_QUANT) == "fused" and fused_quant_ok(M, K, qb)
+            and Mp == M):
         xq, xs_t = quantize_blocks_fused_t(x, interpret=interpret, qb=qb)  # [M, K], [K/128, M]
     else:
-        xq, xs = quantize_rows_fp8_blocks(x)                              # [M, K], [M, K/128]
+        xq, xs = blocks_fp8(x)                            # [M, K], [M, K/128] (quantized here or by the producer)
         xq, xs_t = _pad_rows(xq, Mp), _pad_rows(xs, Mp).T
     ws_rows = jnp.repeat(scale.T, t.tile_m, axis=1)        # [K/128, N/128 * tile_m]: each block scale tile_m times
     y = _mgpu_call(xq, xs_t, w, ws_rows, per_block=True, tiles=t,

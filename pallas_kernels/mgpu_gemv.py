@@ -18,8 +18,9 @@ the weight tile is loaded in WGMMA_UPCAST_4X layout (8 consecutive bytes per thr
 PTX straight into the registers of the same thread's WGMMA A fragment, which amounts to a fixed permutation of
 K; x's columns get the same permutation (`perm_cols`, `perm64`, done by XLA), so the dot product is unchanged.
 For NVFP4 each 8-byte vector is one scale group, so scales are applied during the decode (no expansion wgmma).
-GPU defaults (H200 runs of 2026-11-30, benchmarks/notes/quant.md): w8 jnp 64/6 (perm and overlap were no
-faster); w4 perm 64/3 for the Mosaic arm (24.8 us in_proj vs 63.6 for the PTX planes decoder).
+GPU defaults (H200 runs of 2026-11-30, benchmarks/notes/quant.md): w8 jnp 64 rows x 2 stages, split-K to ~4.5
+CTAs per SM (perm and overlap were no faster); w4 perm 64 rows, split 2 x 4 stages at in_proj. A "probe" config
+(benchmarks only) skips the compute to time the TMA pipeline alone: 20-23 us at in_proj, the floor of this design.
 
 Tiles never depend on M (x rows in tiles of 16, split-K chosen from (N, K) only, split partials added in a
 fixed order), so a row's result is meant to be bit-identical whatever the batch. Interpret mode (CPU tests)
@@ -64,6 +65,8 @@ class GemvConfig:
     widen: str = "jnp"        # weights -> bf16: jnp conversions ("jnp"), inline PTX ("ptx"), or the K-permuted
                               # integer recipes ("perm"; 8-byte loads, no conversion instructions)
     overlap: bool = False     # w8: two step accumulators, step k's wgmma runs while step k+1 is widened
+    probe: str = ""           # benchmark probe, WRONG results: "stream" skips the widening and the wgmma, "mma"
+                              # the widening only (w8: a constant A operand)
 
 
 def _tf(cols_bytes: int, itemsize: int):
@@ -395,7 +398,8 @@ def _widen8(w_ref, load: str, widen: str, interpret: bool):
     return perm_cols(a) if widen == "perm" else a        # interpret: the same permuted product, in jnp
 
 
-def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, load, widen, interpret):
+def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, load, widen, interpret,
+               probe):
     """One wgmma per 128-wide K step into a fresh accumulator, waited for before the block scale is applied."""
     n_blk, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
     k_first = split * steps
@@ -406,9 +410,14 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, sta
         (k,) = idx
         s = s_gmem[s_row, k_first + k]
         xt = x_smem.transpose((1, 0))                   # [128, BM]: the B operand
+        if probe == "stream":
+            return acc
         out = []
         for g in range(groups):
-            a = _widen8(w_smem.at[pl.ds(g * ROWS, ROWS)], load, widen, interpret)
+            if probe == "mma":
+                a = plgpu.layout_cast(jnp.full((ROWS, W8_BK), 1.0, jnp.bfloat16), plgpu.Layout.WGMMA)
+            else:
+                a = _widen8(w_smem.at[pl.ds(g * ROWS, ROWS)], load, widen, interpret)
             out.append(acc[g] + _mma_value(a, xt, a_smem, BM) * s)
         return tuple(out)
 
@@ -499,6 +508,8 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
     M, K = x.shape
     N = w.shape[0]
     bn, nb, mb, split, steps = _grid("w8a16_gemv", M, N, K, W8_BK, config)
+    if config.probe and config.overlap:
+        raise ShapeError("w8a16_gemv(mosaic): probes take the plain kernel (overlap=False)")
     if config.overlap and steps % 2:
         raise ShapeError(f"w8a16_gemv(mosaic): overlap=True needs an even number of K steps per split, got {steps}")
     xp = _pad_rows(x)
@@ -508,6 +519,8 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
     kernel = functools.partial(_w8_kernel_overlap if config.overlap else _w8_kernel, bn=bn, steps=steps,
                                stages=config.stages if config.overlap else min(config.stages, steps), direct=direct,
                                load=config.load, widen=config.widen, interpret=bool(interpret))
+    if not config.overlap:
+        kernel = functools.partial(kernel, probe=config.probe)
     f = plgpu.kernel(
         kernel, out_type=out_type, grid=(nb, mb, split), grid_names=("n", "m", "s"),
         scratch_types=dict(o_smem=o_smem,
@@ -541,9 +554,12 @@ def _check_x_bf16(name: str, x):
 
 
 def w8a16_gemv_blocks(N: int, K: int) -> GemvConfig:
-    """H200 2026-11-30 (benchmarks/notes/quant.md): jnp widening beat the PTX recipe (27.5 vs 33.2 us, in_proj);
-    call s3-1: the perm widening (27.4 us) and overlap (27.5) were no faster than this (27.9), within noise."""
-    return GemvConfig(block_n=64, stages=6, widen="jnp")
+    """H200 2026-11-30, session 4 (benchmarks/notes/quant.md): 64 rows x 2 stages with K split until ~4.5 CTAs
+    per SM: in_proj split 2, 25.7 us (64/6 unsplit, the session-2..3 default: 27.8); out_proj split 8, 12.6 us
+    (64/6 split 4: 14.9). jnp widening (perm and overlap were no faster in session 3)."""
+    steps = K // W8_BK
+    return GemvConfig(block_n=64, stages=2, widen="jnp",
+                      split_k=auto_split(pl.cdiv(N, ROWS), steps, target=int(4.5 * H200_SMS)))
 
 
 def w8a16_gemv_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False, config: GemvConfig | None = None):
@@ -651,7 +667,8 @@ def _w4_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, i
 W4P_BK = 256      # K per step of the "perm" NVFP4 kernel (128 packed bytes, 16 scale groups)
 
 
-def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, interpret):
+def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, interpret,
+                probe):
     """NVFP4 GEMV with the "perm" decoder: scales are multiplied in during the decode, so one accumulator per
     64 rows runs over all K. Each step waits for its own wgmmas (wait_group 0) before the next step's decode
     rewrites the A registers: PTX makes touching an in-flight wgmma's A registers undefined, and the loop body
@@ -665,6 +682,8 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, s
     def scoped(*accs):
         def body(idx, p_smem, s_smem, x_smem):
             xt = x_smem.transpose((1, 0))                             # [256, BM]
+            if probe == "stream":
+                return
             for g in range(groups):
                 rows = pl.ds(g * ROWS, ROWS)
                 if interpret:
@@ -697,7 +716,7 @@ def _w4p_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, 
     xp = perm64(_pad_rows(x))                          # the decoded tiles' columns arrive in this order
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype)
     kernel = functools.partial(_w4p_kernel, bn=bn, steps=steps, stages=config.stages, direct=direct,
-                               interpret=bool(interpret))
+                               interpret=bool(interpret), probe=config.probe)
     f = plgpu.kernel(
         kernel, out_type=out_type, grid=(nb, mb, split), grid_names=("n", "m", "s"),
         scratch_types=dict(o_smem=o_smem,
@@ -709,10 +728,14 @@ def _w4p_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, 
 
 
 def w4a16_gemv_blocks(N: int, K: int) -> GemvConfig:
-    """H200 2026-11-30, call s3-1, perm decoder (the planes decoder: 63.6 / 27.2 us; Triton 53.4 / 24.5 in
-    session 2): in_proj (N=18560) 64 rows x 3 stages 24.8 us (128 x 3: 29.0); out_proj (N=4096, split-K) 128 x 3
-    12.9 us (64 x 3 not run there). So 64 rows when N alone gives >= 2 waves of 64-row tiles, else 128."""
-    return GemvConfig(block_n=64 if N // ROWS >= 2 * H200_SMS else 128, stages=3, widen="perm")
+    """H200 2026-11-30, perm decoder, 64-row tiles. Session 4: in_proj (N=18560, 290 row tiles) split 2 x 4 stages
+    24.6 / 23.6 us at M = 1 / 16 (unsplit 64/3, session 3's default: 25.1 / 25.0); out_proj (N=4096) 64 x 3 with
+    the auto split (4) 12.5 us (128 x 3: 12.9; split 8: 13.7). So: split 2 when the rows alone fill two CTAs per
+    SM, else the auto split."""
+    nb, steps = pl.cdiv(N, ROWS), K // W4P_BK
+    if nb >= 2 * H200_SMS and steps % 2 == 0:
+        return GemvConfig(block_n=64, stages=4, split_k=2, widen="perm")
+    return GemvConfig(block_n=64, stages=3, split_k=auto_split(nb, steps), widen="perm")
 
 
 def w4a16_gemv_mosaic(x, packed, scale, global_scale, *, out_dtype=None, interpret: bool = False,

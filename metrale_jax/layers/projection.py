@@ -22,6 +22,7 @@ from metrale_jax.errors import KernelUnavailableError, ShapeError, WeightFormatE
 from metrale_jax.weights.containers import (DenseWeight, Fp8PrefillWeight, Fp8Weight, Nvfp4Weight, Nvfp4WeightT,
                                             W4a4Weight, WeightQuantFormat, as_dense, check_fp8, check_fp8_prefill,
                                             check_nvfp4, check_nvfp4_t, fp8_to_block_scaled)
+from metrale_jax.weights.quant_formats import Fp8Activations
 from pallas_kernels import registry
 
 DECODE_ORDER = ("bf16_native", "fp8_native", "w4a4", "nvfp4")
@@ -36,6 +37,8 @@ ARM_KERNELS = {
     "nvfp4_t": ("w4a16_gemm_t",),
     "nvfp4": ("w4a16_gemv", "w4a16_gemm"),
 }
+# kernels that quantize their activations to E4M3 (and so also take Fp8Activations): how
+INPUT_QUANT = {"fp8_gemm_t": "rows", "w8a16_gemm_pipelined": "blocks"}
 M128_ABOVE = 128   # prefill tokens above which the transposed NVFP4 arm takes w4a16_gemm_t_m128
 # the layer's own ("base") weights: the first installed of these (what ssm_weights() reports)
 BASE_PRIORITY = ("nvfp4", "w4a4", "bf16_native", "fp8_native")
@@ -205,13 +208,24 @@ class Projection(nnx.Module):
             return "w4a16_gemm_t_m128" if big else "w4a16_gemm_t"
         return "w4a16_gemv" if decode else "w4a16_gemm"
 
+    def input_quant(self, phase: str, tokens: int) -> str | None:
+        """How the kernel serving this call quantizes its activations to E4M3 ("rows": one scale per row,
+        fp8_gemm_t; "blocks": per row per 128 columns, w8a16_gemm_pipelined), i.e. the Fp8Activations it also
+        takes from a producer that quantized them already (norm_fp8); None: it takes unquantized x only."""
+        return INPUT_QUANT.get(self.active_kernel(phase, tokens))
+
     # ---- calling -----------------------------------------------------------------------------------------
-    def __call__(self, x: jax.Array, *, phase: str = "prefill", out_dtype=None) -> jax.Array:
-        """x [M, K] -> [M, N] in out_dtype (default x.dtype)."""
+    def __call__(self, x: jax.Array | Fp8Activations, *, phase: str = "prefill", out_dtype=None) -> jax.Array:
+        """x [M, K] (or Fp8Activations where `input_quant` says so) -> [M, N] in out_dtype (default x.dtype)."""
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise ShapeError(f"{self.name}: input must be [M, {self.in_features}], got {tuple(x.shape)}")
         arm = self.active_arm(phase, x.shape[0])
         kernel = self.active_kernel(phase, x.shape[0])
+        if isinstance(x, Fp8Activations):
+            want = "blocks" if x.per_block else "rows"
+            if INPUT_QUANT.get(kernel) != want:
+                raise ShapeError(f"{self.name}: input is E4M3 quantized per {want} but {kernel} ({phase}, arm {arm}) "
+                                 f"takes {INPUT_QUANT.get(kernel) or 'unquantized'} activations")
         fn = registry.get(kernel, self.kernels)
         w = self.arm_weight(arm)
         out_dtype = out_dtype or x.dtype

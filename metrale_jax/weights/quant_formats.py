@@ -11,6 +11,7 @@ activation quantization at run time). Conventions, as ModelOpt / DeepSeek checkp
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
@@ -212,3 +213,57 @@ def quantize_rows_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     amax = jnp.max(jnp.abs(xf), axis=1)
     scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
     return jnp.clip(xf / scale[:, None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn), scale
+
+
+# ---- activations quantized by their producer ------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Activations:
+    """Activations already quantized to E4M3 by the kernel that produced them (a fused norm), in the layout
+    the FP8-matrix-unit arms read: q E4M3 [M, K]; scale f32 [M] (per row: fp8_gemm_t) or [M, ceil(K/128)]
+    (per row per 128 columns: w8a16_gemm_pipelined). `dtype` is the unquantized activations' dtype (the
+    arms' default output dtype); shape / ndim are q's, so shape checks of x apply unchanged."""
+
+    q: jax.Array
+    scale: jax.Array
+    dtype: jnp.dtype = dataclasses.field(default=jnp.dtype(jnp.bfloat16), metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.q.shape)
+
+    @property
+    def ndim(self) -> int:
+        return self.q.ndim
+
+    @property
+    def per_block(self) -> bool:
+        return self.scale.ndim == 2
+
+    def dequantize(self) -> jax.Array:
+        """float32 [M, K]: q times its scales."""
+        s = jnp.repeat(self.scale, FP8_BLOCK, axis=1)[:, :self.q.shape[1]] if self.per_block else self.scale[:, None]
+        return self.q.astype(jnp.float32) * s
+
+
+def _producer_quantized(x: Fp8Activations, per_block: bool) -> tuple[jax.Array, jax.Array]:
+    from metrale_jax.errors import ShapeError
+    m, k = x.q.shape
+    want = (m, math.ceil(k / FP8_BLOCK)) if per_block else (m,)
+    if (jnp.dtype(x.q.dtype) != jnp.dtype(jnp.float8_e4m3fn) or jnp.dtype(x.scale.dtype) != jnp.dtype(jnp.float32)
+            or tuple(x.scale.shape) != want):
+        raise ShapeError(f"x (Fp8Activations): expected q float8_e4m3fn [M, K] and scale float32 {list(want)} "
+                         f"({'per row per 128 columns' if per_block else 'per row'}), got q "
+                         f"{jnp.dtype(x.q.dtype).name}{list(x.q.shape)}, scale "
+                         f"{jnp.dtype(x.scale.dtype).name}{list(x.scale.shape)}")
+    return x.q, x.scale
+
+
+def rows_fp8(x) -> tuple[jax.Array, jax.Array]:
+    """(E4M3 [M, K], f32 [M]): x quantized per row, or the producer's quantization when x is Fp8Activations."""
+    return _producer_quantized(x, False) if isinstance(x, Fp8Activations) else quantize_rows_fp8(x)
+
+
+def blocks_fp8(x) -> tuple[jax.Array, jax.Array]:
+    """(E4M3 [M, K], f32 [M, K/128]): as rows_fp8, one scale per row per 128 columns."""
+    return _producer_quantized(x, True) if isinstance(x, Fp8Activations) else quantize_rows_fp8_blocks(x)

@@ -1,0 +1,195 @@
+"""RMSNorm and the gated group RMSNorm with E4M3 output: the norm in front of a projection served by an
+FP8-matrix-unit arm (fp8_gemm_t, w8a16_gemm_pipelined) quantizes its own output, so the arm skips its
+activation-quantization pass (one read of x and one write of E4M3 + scales: ~35-40 us per out_proj call at
+the 8B shape, M = 4096, on the H200; benchmarks/notes/quant_prefill.md).
+
+Results are `Fp8Activations`: exactly what the unfused path gives, i.e. the norm's output rounded to its
+output dtype (bf16), then quantized per row (`per_block=False`) or per row per 128 columns (`True`) with
+quant_formats' formulas. One program holds whole rows (every group) in registers: read once, write once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from metrale_jax.weights.quant_formats import (E4M3_MAX, FP8_BLOCK, Fp8Activations, quantize_rows_fp8,
+                                              quantize_rows_fp8_blocks)
+from pallas_kernels import registry
+from pallas_kernels.norms import gated_rmsnorm_reference, rmsnorm_reference
+from pallas_kernels.triton_util import check_floating, check_shape, compiler_params
+
+@dataclasses.dataclass(frozen=True)
+class NormFp8Blocks:
+    """rows_elems: elements per program (rows = rows_elems // width); warps; loop: normalise group by group in
+    [rows, group] tiles (no 3-D reshape of the whole row; used when the groups are few and whole 128-column
+    blocks), else one [rows, width] tile reshaped to [rows, groups, group]."""
+    rows_elems: int = 8192
+    warps: int = 8
+    loop: bool = True
+
+
+# H200 sweep, session 4 (benchmarks/results/prefill_2026-11-30_s4c4_norm_fp8.*): RMSNorm of in_proj (width 4096)
+# 26.3 us with 4096 elements / 4 warps per program (the bf16 RMSNorm: 25.5 us; 8192 / 8 reshaped: 34.1).
+NORM_FP8_BLOCKS = NormFp8Blocks(rows_elems=4096, warps=4, loop=True)
+# The layer feeds out_proj from gated_rmsnorm_fp8 only with FUSE_GATED: on the H200 the fused gated kernel (98-132 us
+# at width 8192, every config of the sweep) costs as much as the bf16 gated norm (61 us) + the arm's fused quantizer
+# (38 us), so the fused path was slower end to end (290 vs 276 us with fp8_gemm_t). The plain RMSNorm is fused.
+FUSE_GATED = False
+
+
+def _quantize(y, per_block: bool) -> Fp8Activations:
+    q, s = (quantize_rows_fp8_blocks if per_block else quantize_rows_fp8)(y.reshape(-1, y.shape[-1]))
+    return Fp8Activations(q, s, jnp.dtype(y.dtype))
+
+
+def rmsnorm_fp8_reference(x, weight, *, eps: float, per_block: bool, out_dtype=None) -> Fp8Activations:
+    """rmsnorm_reference, rounded to out_dtype, then quantized to E4M3.  x [M, D] -> Fp8Activations."""
+    return _quantize(rmsnorm_reference(x, weight, eps=eps, out_dtype=out_dtype), per_block)
+
+
+def gated_rmsnorm_fp8_reference(y, z, weight, *, group_size: int, eps: float, per_block: bool,
+                                out_dtype=None) -> Fp8Activations:
+    """gated_rmsnorm_reference, rounded to out_dtype, then quantized to E4M3.  y, z [M, I] -> Fp8Activations."""
+    g = gated_rmsnorm_reference(y, z, weight, group_size=group_size, eps=eps, out_dtype=out_dtype)
+    return _quantize(g, per_block)
+
+
+def supports(width: int, group_size: int, per_block: bool) -> bool:
+    """Shapes the Pallas kernel takes: width (16..16384) and group a power of two; per_block: whole 128-column
+    blocks."""
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0
+    return (pow2(width) and pow2(group_size) and width % group_size == 0 and 16 <= width <= 16384
+            and (not per_block or width % FP8_BLOCK == 0))
+
+
+def _scale(amax):
+    return jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+
+
+def _e4m3(v):
+    return jnp.clip(v, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
+
+
+def _kernel_loop(x_ref, z_ref, w_ref, q_ref, s_ref, *, M, W, GS, BM, eps, gated, per_block, cdt):
+    """Group by group: each [BM, GS] tile normalised and rounded to the output dtype, kept in registers; then
+    per row (amax over every tile) or per 128-column block (within each tile) scaled and stored."""
+    f32 = jnp.float32
+    rows = pl.program_id(0) * BM + jnp.arange(BM)
+    rm = (rows < M)[:, None]
+    tiles = []
+    for g in range(W // GS):
+        cols = g * GS + jnp.arange(GS)
+        h = plgpu.load(x_ref.at[rows[:, None], cols[None, :]], mask=rm, other=0.0).astype(f32)       # [BM, GS]
+        if gated:
+            z = plgpu.load(z_ref.at[rows[:, None], cols[None, :]], mask=rm, other=0.0).astype(f32)
+            h = h * (z * jax.nn.sigmoid(z))
+        var = jnp.sum(h * h, axis=1) / GS
+        w = plgpu.load(w_ref.at[cols]).astype(f32)
+        tiles.append((cols, (h * jax.lax.rsqrt(var + eps)[:, None] * w[None, :]).astype(cdt).astype(f32)))
+    if per_block:
+        nb = GS // FP8_BLOCK
+        for g, (cols, v) in enumerate(tiles):
+            vb = v.reshape(BM, nb, FP8_BLOCK)
+            scale = _scale(jnp.max(jnp.abs(vb), axis=2))                                             # [BM, nb]
+            plgpu.store(q_ref.at[rows[:, None], cols[None, :]], _e4m3((vb / scale[:, :, None]).reshape(BM, GS)),
+                        mask=rm)
+            blocks = g * nb + jnp.arange(nb)
+            plgpu.store(s_ref.at[rows[:, None], blocks[None, :]], scale, mask=rm)
+        return
+    amax = jnp.max(jnp.abs(tiles[0][1]), axis=1)
+    for _, v in tiles[1:]:
+        amax = jnp.maximum(amax, jnp.max(jnp.abs(v), axis=1))
+    scale = _scale(amax)                                                                             # [BM]
+    for cols, v in tiles:
+        plgpu.store(q_ref.at[rows[:, None], cols[None, :]], _e4m3(v / scale[:, None]), mask=rm)
+    plgpu.store(s_ref.at[rows], scale, mask=rows < M)
+
+
+def _kernel(x_ref, z_ref, w_ref, q_ref, s_ref, *, M, W, GS, BM, eps, gated, per_block, cdt):
+    """One [BM, W] tile, reshaped to [BM, W/GS, GS] for the group norm."""
+    f32 = jnp.float32
+    rows = pl.program_id(0) * BM + jnp.arange(BM)
+    cols = jnp.arange(W)
+    m = (rows < M)[:, None] & (cols < W)[None, :]
+    h = plgpu.load(x_ref.at[rows[:, None], cols[None, :]], mask=m, other=0.0).astype(f32)         # [BM, W]
+    if gated:
+        z = plgpu.load(z_ref.at[rows[:, None], cols[None, :]], mask=m, other=0.0).astype(f32)
+        h = h * (z * jax.nn.sigmoid(z))
+    hg = h.reshape(BM, W // GS, GS)
+    var = jnp.sum(hg * hg, axis=2) / GS                                                          # [BM, G]
+    out = (hg * jax.lax.rsqrt(var + eps)[:, :, None]).reshape(BM, W)
+    v = (out * plgpu.load(w_ref.at[cols]).astype(f32)[None, :]).astype(cdt).astype(f32)          # the norm's output
+    if per_block:
+        vb = v.reshape(BM, W // FP8_BLOCK, FP8_BLOCK)
+        amax = jnp.max(jnp.abs(vb), axis=2)                                                      # [BM, W/128]
+        scale = _scale(amax)
+        q = (vb / scale[:, :, None]).reshape(BM, W)
+        blocks = jnp.arange(W // FP8_BLOCK)
+        plgpu.store(s_ref.at[rows[:, None], blocks[None, :]], scale, mask=(rows < M)[:, None])
+    else:
+        amax = jnp.max(jnp.abs(v), axis=1)                                                       # [BM]
+        scale = _scale(amax)
+        q = v / scale[:, None]
+        plgpu.store(s_ref.at[rows], scale, mask=rows < M)
+    plgpu.store(q_ref.at[rows[:, None], cols[None, :]], _e4m3(q), mask=m)
+
+
+def _loops(W: int, GS: int, per_block: bool, nb: NormFp8Blocks) -> bool:
+    return nb.loop and W // GS <= 16 and (not per_block or GS % FP8_BLOCK == 0)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "eps", "out_dtype", "gated", "per_block", "interpret",
+                                             "nb"))
+def _call(x, z, weight, *, group_size, eps, out_dtype, gated, per_block, interpret, nb):
+    M, W = x.shape
+    BM = max(1, nb.rows_elems // W)
+    body = _kernel_loop if _loops(W, group_size, per_block, nb) else _kernel
+    kernel = functools.partial(body, M=M, W=W, GS=group_size, BM=BM, eps=eps, gated=gated,
+                               per_block=per_block, cdt=out_dtype)
+    s_shape = (M, W // FP8_BLOCK) if per_block else (M,)
+    q, s = pl.pallas_call(
+        kernel, grid=(pl.cdiv(M, BM),),
+        out_shape=[jax.ShapeDtypeStruct((M, W), jnp.float8_e4m3fn), jax.ShapeDtypeStruct(s_shape, jnp.float32)],
+        compiler_params=compiler_params(nb.warps), interpret=interpret,
+        name="gated_rmsnorm_fp8" if gated else "rmsnorm_fp8",
+    )(x, x if z is None else z, weight)
+    return Fp8Activations(q, s, jnp.dtype(out_dtype))
+
+
+def _check(name: str, x, z, weight, group_size: int, per_block: bool):
+    check_floating(name, "x" if z is None else "y", x)
+    if x.ndim != 2:
+        raise ValueError(f"{name}: {'x' if z is None else 'y'} must be [M, width], got {list(x.shape)}")
+    if z is not None:
+        check_shape(name, "z", z, x.shape)
+    check_shape(name, "weight", weight, (x.shape[-1],))
+    if not supports(x.shape[-1], group_size, per_block):
+        raise ValueError(f"{name}: the Pallas kernel takes a power-of-two width (16..16384; a multiple of 128 with "
+                         f"per_block) and group size, got width {x.shape[-1]}, group {group_size}, per_block "
+                         f"{per_block}; use the unfused norm")
+
+
+def rmsnorm_fp8_pallas(x, weight, *, eps: float, per_block: bool, out_dtype=None, interpret: bool = False,
+                       nb: NormFp8Blocks | None = None):
+    """The Pallas RMSNorm with E4M3 output; same call and results as `rmsnorm_fp8_reference`."""
+    _check("rmsnorm_fp8", x, None, weight, x.shape[-1], per_block)
+    return _call(x, None, weight, group_size=x.shape[-1], eps=float(eps), out_dtype=jnp.dtype(out_dtype or x.dtype),
+                 gated=False, per_block=per_block, interpret=interpret, nb=nb or NORM_FP8_BLOCKS)
+
+
+def gated_rmsnorm_fp8_pallas(y, z, weight, *, group_size: int, eps: float, per_block: bool, out_dtype=None,
+                             interpret: bool = False, nb: NormFp8Blocks | None = None):
+    """The Pallas gated group RMSNorm with E4M3 output; same call and results as `gated_rmsnorm_fp8_reference`."""
+    _check("gated_rmsnorm_fp8", y, z, weight, group_size, per_block)
+    return _call(y, z, weight, group_size=group_size, eps=float(eps), out_dtype=jnp.dtype(out_dtype or y.dtype),
+                 gated=True, per_block=per_block, interpret=interpret, nb=nb or NORM_FP8_BLOCKS)
+
+
+registry.register("rmsnorm_fp8", reference=rmsnorm_fp8_reference, pallas=rmsnorm_fp8_pallas)
+registry.register("gated_rmsnorm_fp8", reference=gated_rmsnorm_fp8_reference, pallas=gated_rmsnorm_fp8_pallas)
