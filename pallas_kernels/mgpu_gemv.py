@@ -508,8 +508,6 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
     M, K = x.shape
     N = w.shape[0]
     bn, nb, mb, split, steps = _grid("w8a16_gemv", M, N, K, W8_BK, config)
-    if config.probe and config.overlap:
-        raise ShapeError("w8a16_gemv(mosaic): probes take the plain kernel (overlap=False)")
     if config.overlap and steps % 2:
         raise ShapeError(f"w8a16_gemv(mosaic): overlap=True needs an even number of K steps per split, got {steps}")
     xp = _pad_rows(x)
@@ -545,6 +543,10 @@ def _check_config(name: str, config: GemvConfig):
         raise ShapeError(f"{name}(mosaic): config expects block_n in (64, 128), stages >= 1 (>= 2 with overlap or "
                          f"w4 perm: stages are released one step late), split_k >= 0, load 'upcast' or 'direct', "
                          f"widen 'ptx', 'jnp' or 'perm', overlap w8 only; got {config}")
+    probes = ("", "stream", "mma") if name == "w8a16_gemv" else ("", "stream") if config.widen == "perm" else ("",)
+    if config.probe not in probes or (config.probe and config.overlap):
+        raise ShapeError(f"{name}(mosaic): probe {config.probe!r} is not implemented for {config} (w8: 'stream' / "
+                         "'mma' without overlap; w4: 'stream' with widen 'perm')")
 
 
 def _check_x_bf16(name: str, x):

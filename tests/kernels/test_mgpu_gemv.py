@@ -2,7 +2,6 @@
 references: GPU interpret mode on the CPU at tiny shapes (outputs start as NaN there), compiled on a GPU at the
 8B shapes. Rows must be batch-invariant: a row's result is bit-identical whatever M."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -157,6 +156,10 @@ def test_bad_inputs_raise_typed_errors(rng):
                              interpret=True)
     with pytest.raises(ShapeError, match="overlap"):
         mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(64, 1, overlap=True))
+    with pytest.raises(ShapeError, match="probe 'stram' is not implemented"):      # a typo never times real work
+        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(probe="stram"))
+    with pytest.raises(ShapeError, match="probe 'mma' is not implemented"):
+        mg.w4a16_gemv_mosaic(_x(rng, 2, 512), *_nvfp4(rng, 64, 512), config=GemvConfig(widen="perm", probe="mma"))
     p, s4, g = _nvfp4(rng, 64, 768)
     with pytest.raises(ShapeError, match="K % 512"):
         mg.w4a16_gemv_mosaic(_x(rng, 2, 768), p, s4, g)
