@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from benchmarks import timing
 from metrale_jax.errors import ShapeError
 from metrale_jax.weights import quant_formats as qf
-from pallas_kernels import fp8_gemm, mgpu_gemm, mgpu_gemm_nvfp4, w4a16, w8a16
+from pallas_kernels import fp8_gemm, mgpu_gemm, mgpu_gemm_nvfp4, norm_fp8, norms, w4a16, w8a16
 from pallas_kernels.mgpu_gemm import MgpuTiles
 from pallas_kernels.mgpu_gemm_nvfp4 import Nvfp4Tiles
 
@@ -54,6 +54,21 @@ def time_calls(fn, arg_sets, *, reps: int = 6) -> dict:
     6 calls and so timed every arm at half its time)."""
     walls = timing.queued_wall_us(fn, arg_sets, reps=reps)
     return {"us": min(walls), "us_all": walls}
+
+
+def timed_row(result, save, row: dict, deadline: float, measure) -> None:
+    """Append `row` to the results (saved): marked skipped past the deadline, else filled in by measure(row),
+    whose failure is recorded in the row (its traceback) instead of stopping the run."""
+    if time.time() - T0 > deadline:
+        row["skipped"] = "deadline"
+    else:
+        try:
+            measure(row)
+        except Exception:  # noqa: BLE001
+            row["error"] = traceback.format_exc()[-3000:]
+            log(f"{row['shape']} {row['name']} {row['impl']} {row['config']} FAILED\n{row['error']}")
+    result["rows"].append(row)
+    save()
 
 
 # ---- weights (quantized on the device; same formulas as metrale_jax.weights.quant_formats) ---------------
@@ -226,13 +241,8 @@ def main():
                 log(traceback.format_exc())
         base_us = None
         for name, impl, cfg, fmt, fn in arms:
-            row = {"shape": shape, "name": name, "impl": impl, "config": cfg if isinstance(cfg, str) else short(cfg),
-                   "format": fmt, "N": N, "K": K, "M": M, "flops": flops}
-            if time.time() - T0 > args.deadline:
-                row["skipped"] = "deadline"
-                result["rows"].append(row)
-                continue
-            try:
+            def measure(row, name=name, impl=impl, fmt=fmt, fn=fn):
+                nonlocal base_us
                 # accuracy with a float32 output where the arm takes out_dtype (bf16 rounding hides ~1e-3)
                 kw = {} if impl == "xla" or name.startswith("quantize") else {"out_dtype": jnp.float32}
                 y = jax.block_until_ready(jax.jit(lambda *a: fn(*a, **kw))(x0, *W[fmt][0]))
@@ -249,11 +259,10 @@ def main():
                 row["ratio_vs_xla_bf16"] = base_us / tm["us"] if base_us else None
                 log(f"{shape:8s} {name:22s} {impl:7s} {row['config'][:60]:60s} {tm['us']:8.1f} us "
                     f"{row['TFLOPs']:6.0f} TF/s x{row['ratio_vs_xla_bf16'] or 0:.2f} err {row.get('rel_err', 0):.2e}")
-            except Exception:  # noqa: BLE001
-                row["error"] = traceback.format_exc()[-3000:]
-                log(f"{shape} {name} {impl} {cfg} FAILED\n{row['error']}")
-            result["rows"].append(row)
-            save()
+
+            timed_row(result, save, {"shape": shape, "name": name, "impl": impl,
+                                     "config": cfg if isinstance(cfg, str) else short(cfg), "format": fmt,
+                                     "N": N, "K": K, "M": M, "flops": flops}, args.deadline, measure)
 
         if args.norm_fp8 and time.time() - T0 < args.deadline:
             norm_fused_rows(result, save, shape, N, K, flops, xs, W, args.deadline)
@@ -267,16 +276,12 @@ def main():
     print(markdown(result))
 
 
-# ---- NVFP4 transposed (w4a16_gemm_t / _m128) ------------------------------------------------------------------
+# ---- norm + projection (norm_fp8) -------------------------------------------------------------------------
 GATED_GROUP = 1024     # Nemotron-H 8B: d_inner 8192 over n_groups 8
 # fused norm configs timed alone (the first: session 4's first build, one reshaped [1, 8192] tile per program)
-NORM_SWEEP = None
-
-
-def _norm_sweep():
-    from pallas_kernels.norm_fp8 import NORM_FP8_BLOCKS, NormFp8Blocks
-    return [NormFp8Blocks(8192, 8, False), NORM_FP8_BLOCKS, NormFp8Blocks(8192, 4, True),
-            NormFp8Blocks(16384, 8, True), NormFp8Blocks(4096, 4, True)]
+NORM_SWEEP = list(dict.fromkeys([
+    norm_fp8.NormFp8Blocks(8192, 8, False), norm_fp8.NORM_FP8_BLOCKS, norm_fp8.NormFp8Blocks(8192, 4, True),
+    norm_fp8.NormFp8Blocks(16384, 8, True), norm_fp8.NormFp8Blocks(4096, 4, True)]))
 
 
 def norm_fused_rows(result, save, shape, N, K, flops, xs, W, deadline):
@@ -284,9 +289,6 @@ def norm_fused_rows(result, save, shape, N, K, flops, xs, W, deadline):
     of the 4 activation sets), in_proj behind the RMSNorm. bf16 norm + XLA BF16 (the baseline of this block),
     bf16 norm + FP8 arm (which quantizes), fused E4M3 norm + FP8 arm; then each FP8 arm alone on pre-quantized
     x (the GEMM the fused path leaves). Bits of the fused norm checked against norm + quant_formats."""
-    from pallas_kernels import norm_fp8, norms
-    global NORM_SWEEP
-    NORM_SWEEP = NORM_SWEEP or list(dict.fromkeys(_norm_sweep()))
     nw = jax.random.uniform(jax.random.key(7), (K,), jnp.float32, 0.5, 1.5).astype(jnp.bfloat16)
     gated = shape == "out_proj"
     group = GATED_GROUP if gated and not DRY else K
@@ -321,7 +323,6 @@ def norm_fused_rows(result, save, shape, N, K, flops, xs, W, deadline):
         result["errors"].append({"shape": shape, "stage": "norm_fp8 setup", "traceback": traceback.format_exc()})
         log(traceback.format_exc())
         return
-    base = None
     rows = [(f"{prefix} alone (bf16 out)", "bf16", lambda x, z, w: bf16_norm(x, z), None)]
     for nb in NORM_SWEEP:                         # the fused norm alone, per kernel config (rows; default: blocks too)
         for pb in ((False, True) if nb == norm_fp8.NORM_FP8_BLOCKS else (False,)):
@@ -336,16 +337,10 @@ def norm_fused_rows(result, save, shape, N, K, flops, xs, W, deadline):
     rows += [(n, fmt, fn, [(xs[i], zs[i], *W[fmt][i % 2]) for i in range(4)]) for n, fmt, fn in arms]
     rows += [(f"{name[f]} on pre-quantized x (Fp8Activations)", f, gemm[f],
               [(pre[f][i], *W[f][i % 2]) for i in range(4)]) for f in ("rows", "blocks")]
-    outs = {}
+    outs, base = {}, None
     for n, fmt, fn, sets in rows:
-        row = {"shape": shape, "name": n, "impl": "layer" if "+" in n else "norm" if "alone" in n else "mosaic",
-               "config": "norm_fp8",
-               "format": fmt, "N": N, "K": K, "M": M, "flops": flops}
-        if time.time() - T0 > deadline:
-            row["skipped"] = "deadline"
-            result["rows"].append(row)
-            continue
-        try:
+        def measure(row, n=n, fmt=fmt, fn=fn, sets=sets):
+            nonlocal base
             outs[n] = y = jax.block_until_ready(jax.jit(fn)(*sets[0]))
             twin = f"{prefix} + {name.get(fmt, '')}"
             if n != twin and twin in outs:
@@ -364,13 +359,13 @@ def norm_fused_rows(result, save, shape, N, K, flops, xs, W, deadline):
                              and "us" in r]
                 row["ratio_vs_xla_bf16"] = gemm_base[0] / tm["us"] if gemm_base else None
             log(f"{shape:8s} {n:50s} {tm['us']:8.1f} us", {k: v for k, v in row.items() if k.startswith("ratio")})
-        except Exception:  # noqa: BLE001
-            row["error"] = traceback.format_exc()[-3000:]
-            log(f"{shape} {n} FAILED\n{row['error']}")
-        result["rows"].append(row)
-        save()
+
+        impl = "layer" if "+" in n else "norm" if "alone" in n else "mosaic"
+        timed_row(result, save, {"shape": shape, "name": n, "impl": impl, "config": "norm_fp8", "format": fmt,
+                                 "N": N, "K": K, "M": M, "flops": flops}, deadline, measure)
 
 
+# ---- NVFP4 transposed (w4a16_gemm_t / _m128) ------------------------------------------------------------------
 def nvfp4_weights(key, N, K):
     """Random NVFP4 transposed weights: packed_t uint8 [K/2, N] (all 256 codes), scale_t E4M3 [K/16, N] in
     [0.25, 4), global 0.01 (timing and accuracy do not need a real quantized matrix)."""
@@ -444,13 +439,8 @@ def nvfp4_main(args, result, save, key):
                                                                                             interpret=DRY, **kw)))
         base_us = None
         for name, impl, cfg, fmt, fn in arms:
-            row = {"shape": shape, "name": name, "impl": impl, "config": cfg, "format": "nvfp4_t/" + fmt, "N": N,
-                   "K": K, "M": M, "flops": flops}
-            if time.time() - T0 > args.deadline:
-                row["skipped"] = "deadline"
-                result["rows"].append(row)
-                continue
-            try:
+            def measure(row, name=name, impl=impl, cfg=cfg, fmt=fmt, fn=fn):
+                nonlocal base_us
                 part = "part of" in name
                 if not part:
                     kw = {} if impl == "xla" else {"out_dtype": jnp.float32}
@@ -470,11 +460,10 @@ def nvfp4_main(args, result, save, key):
                 row["ratio_vs_xla_bf16"] = base_us / tm["us"] if base_us and not part else None
                 log(f"{shape:8s} {name:42s} {impl:7s} {cfg[:44]:44s} {tm['us']:8.1f} us "
                     f"x{row['ratio_vs_xla_bf16'] or 0:.2f} err {row.get('rel_err', 0):.2e}")
-            except Exception:  # noqa: BLE001
-                row["error"] = traceback.format_exc()[-3000:]
-                log(f"{shape} {name} {impl} {cfg} FAILED\n{row['error']}")
-            result["rows"].append(row)
-            save()
+
+            timed_row(result, save, {"shape": shape, "name": name, "impl": impl, "config": cfg,
+                                     "format": "nvfp4_t/" + fmt, "N": N, "K": K, "M": M, "flops": flops},
+                      args.deadline, measure)
     try:
         if not DRY:
             torch_context(result)

@@ -174,11 +174,10 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
     def _fp8_input(self, proj, norm: str, phase: str, tokens: int, width: int, group: int) -> str | None:
         """"rows" / "blocks" when `proj`'s arm quantizes its activations to E4M3 and the fused norm kernel `norm`
         (norm_fp8) can hand them over quantized; else None (norm in bf16, the arm quantizes)."""
-        kind = proj.input_quant(phase, tokens)
-        if kind is None or self.tp_axis is not None or not registry.resolved(norm, self.kernels):
-            return None
         from pallas_kernels import norm_fp8      # not at import: pallas_kernels imports this package (errors)
-        if norm == "gated_rmsnorm_fp8" and not norm_fp8.FUSE_GATED:
+        kind = proj.input_quant(phase, tokens)
+        if (kind is None or self.tp_axis is not None or not registry.resolved(norm, self.kernels)
+                or (norm == "gated_rmsnorm_fp8" and not norm_fp8.FUSE_GATED)):
             return None
         impl = registry.resolve(norm, self.kernels).impl
         return kind if impl == "reference" or norm_fp8.supports(width, group, kind == "blocks") else None

@@ -19,6 +19,8 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
+from metrale_jax.errors import ShapeError
+
 E4M3 = np.dtype(ml_dtypes.float8_e4m3fn)
 E4M3_MAX = 448.0
 E2M1_MAX = 6.0
@@ -247,7 +249,6 @@ class Fp8Activations:
 
 
 def _producer_quantized(x: Fp8Activations, per_block: bool) -> tuple[jax.Array, jax.Array]:
-    from metrale_jax.errors import ShapeError
     m, k = x.q.shape
     want = (m, math.ceil(k / FP8_BLOCK)) if per_block else (m,)
     if (jnp.dtype(x.q.dtype) != jnp.dtype(jnp.float8_e4m3fn) or jnp.dtype(x.scale.dtype) != jnp.dtype(jnp.float32)
