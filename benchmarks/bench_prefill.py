@@ -105,17 +105,17 @@ def mosaic_variants(name: str, N: int, sweep: bool) -> list[MgpuTiles | None]:
         out += [MgpuTiles(128, 128, "m", stages=4, delay_release=1),
                 MgpuTiles(128, 128, "m", stages=3, delay_release=1)]
     else:
-        out += [MgpuTiles(64, 128, "m", stages=2, k_sub=2)]
+        out += [MgpuTiles(128, 128, "m", stages=3), MgpuTiles(64, 128, "m", stages=4)]
     return out
 
 
 def short(t: MgpuTiles | str | None) -> str:
-    """MgpuTiles -> '128x128m st4 m8 dr1 ks1' (per-warpgroup tile, wg_dim, stages, snake order, delay_release,
-    k_sub); None -> 'default'."""
+    """MgpuTiles -> '128x128m st4 m8 dr1 epi64x128B' (per-warpgroup tile, wg_dim, stages, snake order,
+    delay_release, epilogue sub-tile); None -> 'default'."""
     if t is None:
         return "default"
     return (f"{t.tile_m}x{t.tile_n}{t.wg_dim} st{t.stages} {t.grid_minor}{t.grid_tile_width} dr{t.delay_release} "
-            f"ks{t.k_sub}")
+            f"epi{t.epi_m}x{t.epi_bytes}B")
 
 
 def main():
@@ -278,6 +278,9 @@ def main():
 
 # ---- norm + projection (norm_fp8) -------------------------------------------------------------------------
 GATED_GROUP = 1024     # Nemotron-H 8B: d_inner 8192 over n_groups 8
+# the per-group gated kernel (one [rows, group] tile per program): (elements per program, warps, groups first)
+GROUP_SWEEP = [(4096, 4, True), (4096, 4, False), (1024, 1, True), (2048, 1, True), (2048, 2, True), (4096, 2, True),
+               (8192, 8, True)]
 # fused norm configs timed alone (the first: session 4's first build, one reshaped [1, 8192] tile per program)
 NORM_SWEEP = list(dict.fromkeys([
     norm_fp8.NormFp8Blocks(8192, 8, False), norm_fp8.NORM_FP8_BLOCKS, norm_fp8.NormFp8Blocks(8192, 4, True),
@@ -291,11 +294,11 @@ def norm_fused_rows(result, save, shape, N, K, flops, xs, W, deadline):
     x (the GEMM the fused path leaves). Bits of the fused norm checked against norm + quant_formats."""
     nw = jax.random.uniform(jax.random.key(7), (K,), jnp.float32, 0.5, 1.5).astype(jnp.bfloat16)
     gated = shape == "out_proj"
-    group = GATED_GROUP if gated and not DRY else K
+    group = (256 if DRY else GATED_GROUP) if gated else K
     if gated:
         bf16_norm = lambda x, z: norms.gated_rmsnorm_pallas(x, z, nw, group_size=group, eps=1e-5, interpret=DRY)
-        fp8_norm = lambda x, z, pb: norm_fp8.gated_rmsnorm_fp8_pallas(x, z, nw, group_size=group, eps=1e-5,
-                                                                      per_block=pb, interpret=DRY)
+        fp8_norm = lambda x, z, pb, pg=False, nb=None: norm_fp8.gated_rmsnorm_fp8_pallas(
+            x, z, nw, group_size=group, eps=1e-5, per_block=pb, per_group=pg, interpret=DRY, nb=nb)
     else:
         bf16_norm = lambda x, z: norms.rmsnorm_pallas(x, nw, eps=1e-5, interpret=DRY)
         fp8_norm = lambda x, z, pb: norm_fp8.rmsnorm_fp8_pallas(x, nw, eps=1e-5, per_block=pb, interpret=DRY)
@@ -309,16 +312,28 @@ def norm_fused_rows(result, save, shape, N, K, flops, xs, W, deadline):
         arms += [(f"{prefix} + {name[fmt]}", fmt, lambda x, z, q, s, f=fmt: gemm[f](bf16_norm(x, z), q, s)),
                  (f"{prefix}_fp8 + {name[fmt]}", fmt,
                   lambda x, z, q, s, f=fmt: gemm[f](fp8_norm(x, z, f == "blocks"), q, s))]
+        if gated:       # scales per (row, norm group): the norm keeps the bf16 kernel's grid, the GEMM rescales
+            arms += [(f"{prefix}_fp8 per-group + {name[fmt]}", fmt,
+                      lambda x, z, q, s, f=fmt: gemm[f](fp8_norm(x, z, False, True), q, s))]
+    for elems, warps, gfirst in (GROUP_SWEEP[1:] if gated else []):     # the other per-group configs, end to end
+        nb = norm_fp8.NormFp8Blocks(group_rows_elems=elems, group_warps=warps, groups_first=gfirst)
+        arms += [(f"{prefix}_fp8 per-group {elems}/{warps}{'' if gfirst else ' rows first'} + fp8_gemm_t", "rows",
+                  lambda x, z, q, s, nb=nb: gemm["rows"](fp8_norm(x, z, False, True, nb), q, s))]
     try:
         x0, z0 = xs[0], zs[0]
-        for pb in (False, True):
-            got, ref = fp8_norm(x0, z0, pb), (qf.quantize_rows_fp8_blocks if pb else qf.quantize_rows_fp8)(
-                bf16_norm(x0, z0))
-            result["shapes"][shape][f"norm_fp8_check_{'blocks' if pb else 'rows'}"] = {
+        modes = {"rows": (False, False), "blocks": (True, False)} | ({"group": (False, True)} if gated else {})
+        for mode, (pb, pg) in modes.items():
+            got = fp8_norm(x0, z0, pb, pg) if gated else fp8_norm(x0, z0, pb)
+            y = bf16_norm(x0, z0)
+            ref = qf.quantize_rows_fp8(y) if mode == "rows" else qf.quantize_rows_fp8_blocks(
+                y, group if pg else qf.FP8_BLOCK)
+            result["shapes"][shape][f"norm_fp8_check_{mode}"] = {
                 "q_mismatch": float(jnp.mean(got.q.view(jnp.uint8) != ref[0].view(jnp.uint8))),
                 "scale_max_rel_diff": float(jnp.max(jnp.abs(got.scale - ref[1]) / ref[1]))}
         pre = {f: [jax.block_until_ready(fp8_norm(xs[i], zs[i], f == "blocks")) for i in range(4)]
                for f in ("rows", "blocks")}
+        if gated:
+            pre["group"] = [jax.block_until_ready(fp8_norm(xs[i], zs[i], False, True)) for i in range(4)]
     except Exception:  # noqa: BLE001
         result["errors"].append({"shape": shape, "stage": "norm_fp8 setup", "traceback": traceback.format_exc()})
         log(traceback.format_exc())
@@ -333,10 +348,19 @@ def norm_fused_rows(result, save, shape, N, K, flops, xs, W, deadline):
                 f = lambda x, z, w, nb=nb, pb=pb: norm_fp8.rmsnorm_fp8_pallas(x, nw, eps=1e-5, per_block=pb,
                                                                             interpret=DRY, nb=nb)
             rows.append((f"{prefix}_fp8 alone ({'blocks' if pb else 'rows'}) {nb}", "bf16", f, None))
+    for elems, warps, gfirst in (GROUP_SWEEP if gated else []):       # the per-group kernel alone, per config
+        nb = norm_fp8.NormFp8Blocks(group_rows_elems=elems, group_warps=warps, groups_first=gfirst)
+        f = lambda x, z, w, nb=nb: norm_fp8.gated_rmsnorm_fp8_pallas(x, z, nw, group_size=group, eps=1e-5,
+                                                                     per_block=False, per_group=True,
+                                                                     interpret=DRY, nb=nb)
+        rows.append((f"{prefix}_fp8 alone (per group) {elems} elems {warps} warps"
+                     f"{'' if gfirst else ' rows first'}", "bf16", f, None))
     rows = [(n, fmt, fn, [(xs[i], zs[i], *W[fmt][i % 2]) for i in range(4)]) for n, fmt, fn, _ in rows]
     rows += [(n, fmt, fn, [(xs[i], zs[i], *W[fmt][i % 2]) for i in range(4)]) for n, fmt, fn in arms]
     rows += [(f"{name[f]} on pre-quantized x (Fp8Activations)", f, gemm[f],
               [(pre[f][i], *W[f][i % 2]) for i in range(4)]) for f in ("rows", "blocks")]
+    rows += [(f"{name[f]} on pre-quantized x per norm group (Fp8Activations)", f, gemm[f],
+              [(pre["group"][i], *W[f][i % 2]) for i in range(4)]) for f in (("rows", "blocks") if gated else ())]
     outs, base = {}, None
     for n, fmt, fn, sets in rows:
         def measure(row, n=n, fmt=fmt, fn=fn, sets=sets):

@@ -9,7 +9,8 @@ Activations arrive in bf16 and are quantized to E4M3 first (one XLA pass over x)
                    applied once at the end.  ("_t": the seed's name; the copy is stored [N, K], the
                    K-major operand layout Hopper's FP8 matrix instructions read.)
 Both references quantize the activations the same way, dequantize both operands and matmul in f32. Every arm
-also takes x already quantized by its producer (quant_formats.Fp8Activations, e.g. from norm_fp8).
+also takes x already quantized by its producer (quant_formats.Fp8Activations, e.g. from norm_fp8): per row,
+or per row per group of 128k columns, whose scales are then applied per K step.
 """
 
 from __future__ import annotations
@@ -22,30 +23,18 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from metrale_jax.errors import ShapeError
-from metrale_jax.weights.quant_formats import FP8_BLOCK, blocks_fp8, rows_fp8
+from metrale_jax.weights.quant_formats import FP8_BLOCK, fp8_dequantized, fp8_groups
 from pallas_kernels import registry
 from pallas_kernels.triton_util import compiler_params, dot
 from pallas_kernels.w8a16 import (QuantBlocks, check_activations, check_array, fit_blocks, grid_ids, matmul_f32,
                                   store_tile)
 
 
-def quantized_activations_block(x: jax.Array) -> jax.Array:
-    """x rounded through E4M3 with one scale per row per 128 columns (or as its producer quantized it), float32."""
-    q, s = blocks_fp8(x)
-    return q.astype(jnp.float32) * jnp.repeat(s, FP8_BLOCK, axis=1)[:, :x.shape[1]]
-
-
-def quantized_activations_rows(x: jax.Array) -> jax.Array:
-    """x rounded through E4M3 with one scale per row (or as its producer quantized it), as float32."""
-    q, s = rows_fp8(x)
-    return q.astype(jnp.float32) * s[:, None]
-
-
 def fp8_gemm_t_reference(x, w, scale, *, out_dtype=None):
-    """x [M, K] (quantized per row to E4M3), w E4M3 [N, K] with row scale f32 [N] -> [M, N]."""
+    """x [M, K] (quantized per row to E4M3, or Fp8Activations), w E4M3 [N, K] with row scale f32 [N] -> [M, N]."""
     _check_fp8_rows(x, w, scale)
     wd = w.astype(jnp.float32) * scale[:, None]
-    return matmul_f32(quantized_activations_rows(x), wd).astype(out_dtype or x.dtype)
+    return matmul_f32(fp8_dequantized(x, None), wd).astype(out_dtype or x.dtype)
 
 
 def _check_fp8_rows(x, w, scale):
@@ -56,12 +45,16 @@ def _check_fp8_rows(x, w, scale):
     check_array(name, "scale", scale, jnp.float32, (w.shape[0],))
 
 
-def _fp8_kernel(xq_ref, xs_ref, w_ref, ws_ref, o_ref, *, M, N, K, bm, bn, bk, num_m, per_block, upcast, swap):
+def _fp8_kernel(xq_ref, xs_ref, w_ref, ws_ref, o_ref, *, M, N, K, bm, bn, bk, num_m, width, per_block, upcast,
+                swap):
+    """xs [M, K/width]: per step when x is quantized per group (width < K), else once at the end; ws per
+    128x128 block per step (per_block) or per row at the end."""
     pid_n, pid_m = grid_ids(num_m)
     n0, m0 = pid_n * bn, pid_m * bm
     n_mask = (n0 + jnp.arange(bn)) < N
     m_mask = (m0 + jnp.arange(bm)) < M
     ragged_k = K % bk != 0
+    x_steps = width < K
 
     def body(i, acc):
         k0 = i * bk
@@ -75,16 +68,18 @@ def _fp8_kernel(xq_ref, xs_ref, w_ref, ws_ref, o_ref, *, M, N, K, bm, bn, bk, nu
         if upcast:  # interpret mode on the CPU: E4M3 -> bf16 is exact
             xq, wq = xq.astype(jnp.bfloat16), wq.astype(jnp.bfloat16)
         part = dot(wq, xq, trans_b=True) if swap else dot(xq, wq, trans_b=True)   # [bn, bm] / [bm, bn] f32
-        if not per_block:
+        if not (x_steps or per_block):
             return acc + part
-        xs = plgpu.load(xs_ref.at[pl.ds(m0, bm), k0 // FP8_BLOCK], mask=m_mask, other=0.0)
-        ws = ws_ref[n0 // FP8_BLOCK, k0 // FP8_BLOCK]
+        xs = (plgpu.load(xs_ref.at[pl.ds(m0, bm), k0 // width], mask=m_mask, other=0.0) if x_steps
+              else jnp.ones((bm,), jnp.float32))
+        ws = ws_ref[n0 // FP8_BLOCK, k0 // FP8_BLOCK] if per_block else 1.0
         return acc + part * (xs[None, :] * ws if swap else xs[:, None] * ws)
 
     acc = jax.lax.fori_loop(0, pl.cdiv(K, bk), body, jnp.zeros((bn, bm) if swap else (bm, bn), jnp.float32))
-    if not per_block:
-        xs = plgpu.load(xs_ref.at[pl.ds(m0, bm)], mask=m_mask, other=0.0)
-        ws = plgpu.load(ws_ref.at[pl.ds(n0, bn)], mask=n_mask, other=0.0)
+    xs = (jnp.ones((bm,), jnp.float32) if x_steps
+          else plgpu.load(xs_ref.at[pl.ds(m0, bm), jnp.int32(0)], mask=m_mask, other=0.0))
+    ws = jnp.ones((bn,), jnp.float32) if per_block else plgpu.load(ws_ref.at[pl.ds(n0, bn)], mask=n_mask, other=0.0)
+    if not (x_steps and per_block):
         acc = acc * (ws[:, None] * xs[None, :] if swap else xs[:, None] * ws[None, :])
     store_tile(o_ref, 0, acc, m0, n0, m_mask, n_mask, swap)
 
@@ -96,9 +91,11 @@ def _fp8_call(x, w, wscale, *, out_dtype, blocks: QuantBlocks, interpret: bool, 
     bm, bn, bk = blocks.block_m, blocks.block_n, blocks.block_k
     if per_block and (FP8_BLOCK % bn or FP8_BLOCK % bk):
         raise ShapeError(f"{name}: block_n={bn} and block_k={bk} must divide the 128-wide scale blocks")
-    xq, xs = blocks_fp8(x) if per_block else rows_fp8(x)
+    xq, xs, width = fp8_groups(x, FP8_BLOCK if per_block else None)     # [M, K], [M, K/width]
+    if width < K and width % bk:
+        raise ShapeError(f"{name}: block_k={bk} must divide the activations' {width}-column scale groups")
     num_m, num_n = pl.cdiv(M, bm), pl.cdiv(N, bn)
-    kernel = functools.partial(_fp8_kernel, M=M, N=N, K=K, bm=bm, bn=bn, bk=bk, num_m=num_m,
+    kernel = functools.partial(_fp8_kernel, M=M, N=N, K=K, bm=bm, bn=bn, bk=bk, num_m=num_m, width=width,
                                per_block=per_block, upcast=interpret, swap=blocks.swap)
     return pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((1, M, N), out_dtype), grid=(num_m * num_n,),

@@ -4,12 +4,13 @@ Mosaic arms of existing registry names (same call, same result as the Triton arm
   fp8_gemm_t            E4M3 activations with one scale per row x the pre-dequantized E4M3 copy [N, K]
                         with one scale per row; the matrix units accumulate all of K and both scales are
                         applied once in the epilogue.
-  w8a16_gemm_pipelined  activations quantized per row per 128 columns x block-scaled E4M3 weights; every
-                        128-wide K step goes into a fresh accumulator that is scaled and added into the
-                        running float32 one ("promotion"); the weight's block scale is one number per
-                        warpgroup and step (tile_n = 128), folded into the activations' row scales.
-Activations are quantized by XLA first, exactly as the Triton arm does (pallas_kernels.fp8_gemm); one-pass
-quantization kernels (ACT_QUANT = "fused", the default since the H200 run of session 3) are here too.
+  w8a16_gemm_pipelined  activations quantized per row per 128 columns x block-scaled E4M3 weights.
+Both also take activations quantized by their producer (Fp8Activations) per row or per a multiple of 128
+columns (the gated norm's per-group output). Where a side's scale changes along K (per-128 weight blocks,
+per-group activations) the one float32 accumulator is rescaled before the step's wgmma into that step's
+units (times the previous step's scale over this one's); the last step's scales go into the epilogue.
+Activations are quantized by one-pass Triton kernels (ACT_QUANT = "fused", the default since the H200 run of
+session 3) or by XLA.
 
 Kernel layout: one CTA per SM, looping over output tiles (persistent, snake order for L2 reuse); a memory
 warpgroup streams [rows, 128] E4M3 tiles of x and w through a multi-stage TMA pipeline (128-byte swizzle),
@@ -32,8 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from metrale_jax.errors import ShapeError
-from metrale_jax.weights.quant_formats import (E4M3_MAX, FP8_BLOCK, Fp8Activations, blocks_fp8, quantize_rows_fp8,
-                                              rows_fp8)
+from metrale_jax.weights.quant_formats import E4M3_MAX, FP8_BLOCK, Fp8Activations, fp8_groups
 from pallas_kernels import registry
 from pallas_kernels.fp8_gemm import _check_fp8_rows, fp8_gemm_t_reference
 from pallas_kernels.w8a16 import _check_w8a16, w8a16_pipelined_reference
@@ -53,23 +53,21 @@ class MgpuTiles:
     stages: int = 4            # TMA pipeline depth (max concurrent K steps)
     grid_minor: str = "m"      # snake order over output tiles: the fastest-moving tile index
     grid_tile_width: int = 8
-    epi_m: int = 64            # epilogue sub-tile rows (columns: 128 bytes of the output dtype)
-    delay_release: int = 0     # row-scaled: wgmma groups left in flight per step (a stage is freed one step later)
-    k_sub: int = 1             # block-scaled: 128-wide K blocks per pipeline step, each into its own fresh
-                               # accumulator, promoted while the next one still runs on the matrix units
+    epi_m: int = 64            # epilogue sub-tile rows (a multiple of the wgmma layout's 64-row tile)
+    epi_bytes: int = 128       # epilogue sub-tile columns in bytes of the output dtype (its swizzle: 32/64/128)
+    delay_release: int = 0     # wgmma groups left in flight per step (a stage is freed one step later)
 
     @property
     def cta(self) -> tuple[int, int]:
         return (2 * self.tile_m, self.tile_n) if self.wg_dim == "m" else (self.tile_m, 2 * self.tile_n)
 
 
-def default_tiles(N: int, K: int, *, per_block: bool) -> MgpuTiles:
-    """Row-scaled: 128x128 per warpgroup (CTA 256x128). Block-scaled: the fresh and running accumulators
-    must fit the registers together, so 64x128 per warpgroup (CTA 128x128); tile_n = 128 = one scale block,
-    so each step's weight scale is one number per warpgroup."""
-    if per_block:
-        return MgpuTiles(tile_m=64, tile_n=128, wg_dim="m", stages=4)
-    return MgpuTiles(tile_m=128, tile_n=128, wg_dim="m", stages=4)
+def default_tiles(N: int, K: int, *, per_block: bool, x_steps: bool = False) -> MgpuTiles:
+    """128x128 per warpgroup (CTA 256x128), one accumulator (block-scaled: rescaled per step; tile_n = 128 =
+    one scale block, so each step's weight scale is one number per warpgroup). With per-step scale ratios in
+    the pipeline (block-scaled weights, or x scaled per group: x_steps) 4 stages leave room for 64-byte wide
+    epilogue staging only."""
+    return MgpuTiles(tile_m=128, tile_n=128, wg_dim="m", stages=4, epi_bytes=64 if per_block or x_steps else 128)
 
 
 def _num_sms(interpret: bool) -> int:
@@ -100,33 +98,36 @@ def _check_tiles(name: str, M: int, N: int, K: int, t: MgpuTiles, *, per_block: 
                          f"use the Triton arm or pad the weight")
     if K % TILE_K:
         raise ShapeError(f"{name}: K={K} (x columns, w columns) is not a multiple of {TILE_K}")
-    if per_block and (K // TILE_K) % t.k_sub:
-        raise ShapeError(f"{name}: k_sub={t.k_sub} does not divide the {K // TILE_K} K blocks of {TILE_K}")
-    if t.tile_m % t.epi_m:
-        raise ShapeError(f"{name}: epi_m={t.epi_m} must divide tile_m={t.tile_m}")
+    if t.tile_m % t.epi_m or t.epi_m % 64 or t.epi_bytes not in (32, 64, 128):
+        raise ShapeError(f"{name}: epi_m={t.epi_m} must be a multiple of 64 dividing tile_m={t.tile_m}, epi_bytes "
+                         f"32, 64 or 128 (got {t.epi_bytes})")
 
 
-def _gemm_kernel(*refs, per_block: bool, t: MgpuTiles, M: int, N: int, K: int, out_dtype):
-    """Body for both arms. per_block: refs = x, w, xs_t [K/128, M], ws_rows [K/128, N/128 * tile_m], out,
-    scratch; else x, w, xs [M], ws [N], out, scratch (scales of the epilogue)."""
-    x_ref, w_ref, xs_ref, ws_ref, out_ref, out_smem, sx_smem, sw_smem, sx_bar, sw_bar = refs
+def _gemm_kernel(*refs, per_block: bool, x_steps: bool, x_group_steps: int, t: MgpuTiles, M: int, N: int, K: int,
+                 out_dtype, interpret: bool):
+    """Body for both arms. refs = x, w, [xr_t [K/128, M]], [wr [K/128, N/128 * tile_m]], xs [M], ws [N], out,
+    scratch. One float32 accumulator per warpgroup, kept in the units of the current K step's scales: where
+    they change (x per group: xr; w per 128x128 block: wr) it is multiplied by the ratio of the previous
+    step's scales to this step's before the step's wgmma; the last step's scales (xs, ws) are applied in the
+    epilogue. (Session 4's block-scaled kernel took each step into a fresh accumulator added into a running
+    one: two accumulators per warpgroup, so 64x128 tiles, 12-16% slower on the H200.)"""
+    n_ratio = int(x_steps) + int(per_block)
+    x_ref, w_ref = refs[:2]
+    ratio_refs = refs[2:2 + n_ratio]
+    xs_ref, ws_ref, out_ref, out_smem, sx_smem, sw_smem, sx_bar, sw_bar = refs[2 + n_ratio:]
     cta_m, cta_n = t.cta
     tm, tn = t.tile_m, t.tile_n
-    S = t.k_sub if per_block else 1
-    m_iters, n_iters, k_iters = M // cta_m, N // cta_n, K // (TILE_K * S)
-    epi_n = 128 // jnp.dtype(out_dtype).itemsize
-    epi_n = min(epi_n, tn)
+    m_iters, n_iters, k_iters = M // cta_m, N // cta_n, K // TILE_K
+    epi_n = _epi_n(t, out_dtype)
     minor = 0 if t.grid_minor == "m" else 1
 
-    dr = 0 if per_block else t.delay_release
+    dr = t.delay_release
 
-    def fp8_spec(rows, j):         # K block S*k + j of a [rows, K] E4M3 operand
-        return plgpu.BlockSpec((rows, TILE_K), lambda k: (0, S * k + j), transforms=_fp8_transforms(),
-                               delay_release=dr)
+    def spec(shape, **kw):         # K step k of an operand
+        return plgpu.BlockSpec(shape, lambda k: (k, 0) if shape[0] == 1 else (0, k), delay_release=dr, **kw)
 
-    in_specs = [fp8_spec(cta_m, j) for j in range(S)] + [fp8_spec(cta_n, j) for j in range(S)]
-    if per_block:
-        in_specs += [plgpu.BlockSpec((S, cta_m), lambda k: (k, 0)), plgpu.BlockSpec((S, tm), lambda k: (k, 0))]
+    in_specs = [spec((cta_m, TILE_K), transforms=_fp8_transforms()), spec((cta_n, TILE_K), transforms=_fp8_transforms())]
+    in_specs += ([spec((1, cta_m))] if x_steps else []) + ([spec((1, tm))] if per_block else [])
 
     def make_pipeline(body, context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -134,7 +135,7 @@ def _gemm_kernel(*refs, per_block: bool, t: MgpuTiles, M: int, N: int, K: int, o
             max_concurrent_steps=t.stages, compute_context=context)
 
     ignore = lambda *_, **__: None
-    gmem_args = (x_ref,) * S + (w_ref,) * S + ((xs_ref, ws_ref) if per_block else ())
+    gmem_args = (x_ref, w_ref) + tuple(ratio_refs)
 
     @functools.partial(pl.run_scoped, allocs=make_pipeline(ignore, ignore).get_allocations(*gmem_args),
                        collective_axes="wg")
@@ -167,79 +168,96 @@ def _gemm_kernel(*refs, per_block: bool, t: MgpuTiles, M: int, N: int, K: int, o
                             out_smem.at[wg, slot],
                             out_ref.at[pl.ds(rows0 + i * t.epi_m, t.epi_m), pl.ds(cols0 + j * epi_n, epi_n)])
 
-            if per_block:
-                def context(run):
-                    zero = plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA)
-                    epilogue(run(zero))
+            row_vec = lambda ref: plgpu.load(ref, layout=plgpu.Layout.WGMMA.reduce(1))     # [tm], one per row
+            def finish(acc):
+                plgpu.barrier_wait(sx_bar.at[wg])
+                plgpu.barrier_wait(sw_bar.at[wg])
+                xs = row_vec(sx_smem.at[wg])
+                ws = plgpu.load(sw_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
+                epilogue(acc * lax.broadcast_in_dim(xs, (tm, tn), [0]) * lax.broadcast_in_dim(ws, (tm, tn), [1]))
 
-                def body(_, *refs):
-                    x_l, w_l, (xs_s, ws_s, acc) = refs[:S], refs[S:2 * S], refs[2 * S:]
+            def context(run):
+                # the epilogue's scales travel while the K loop runs
+                plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(rows0, tm)], sx_smem.at[wg], sx_bar.at[wg])
+                plgpu.copy_gmem_to_smem(ws_ref.at[pl.ds(cols0, tn)], sw_smem.at[wg], sw_bar.at[wg])
+                if n_ratio:         # the accumulator is a value: rescaled, then handed to each step's wgmma
+                    finish(run(plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA)))
+                    return
 
-                    def mma(*parts):
-                        for j in range(S):
-                            plgpu.wgmma(parts[j], x_l[j].at[wg_rows], w_l[j].at[wg_cols].transpose((1, 0)))
-                        out = acc
-                        for j in range(S):      # promote block j while blocks j+1.. still run
-                            part = plgpu.wgmma_accumulator_load(parts[j], wait_n=S - 1 - j)
-                            xs = plgpu.load(xs_s.at[j, wg_rows], layout=plgpu.Layout.WGMMA.reduce(1))
-                            ws = plgpu.load(ws_s.at[j], layout=plgpu.Layout.WGMMA.reduce(1))   # one value
-                            out = out + part * lax.broadcast_in_dim(xs * ws, (tm, tn), [0])
-                        return out
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+                def _acc(acc_ref):
+                    run(acc_ref)
+                    finish(acc_ref[...])
 
-                    return pl.run_scoped(mma, *[plgpu.ACC((tm, tn), jnp.float32) for _ in range(S)])
-            else:
-                def context(run):
-                    # the epilogue's scales travel while the K loop runs
-                    plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(rows0, tm)], sx_smem.at[wg], sx_bar.at[wg])
-                    plgpu.copy_gmem_to_smem(ws_ref.at[pl.ds(cols0, tn)], sw_smem.at[wg], sw_bar.at[wg])
+            def body(idx, x_s, w_s, *rest):
+                *ratio_s, acc = rest
 
-                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
-                    def _acc(acc_ref):
-                        run(acc_ref)
-                        acc = acc_ref[...]
-                        plgpu.barrier_wait(sx_bar.at[wg])
-                        plgpu.barrier_wait(sw_bar.at[wg])
-                        xs = plgpu.load(sx_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(1))
-                        ws = plgpu.load(sw_smem.at[wg], layout=plgpu.Layout.WGMMA.reduce(0))
-                        acc = acc * lax.broadcast_in_dim(xs, (tm, tn), [0]) * lax.broadcast_in_dim(ws, (tm, tn), [1])
-                        epilogue(acc)
-
-                def body(_, x_s, w_s, acc_ref):
+                def mma(acc_ref):
                     plgpu.wgmma(acc_ref, x_s.at[wg_rows], w_s.at[wg_cols].transpose((1, 0)))
-                    plgpu.wgmma_wait(dr)
-                    return acc_ref
 
-            args = (x_ref.at[cta_rows, :],) * S + (w_ref.at[cta_cols, :],) * S
-            if per_block:
-                args += (xs_ref.at[:, cta_rows], ws_ref.at[:, pl.ds(ni * tm, tm)])
+                if not ratio_s:
+                    mma(acc)
+                    plgpu.wgmma_wait(dr)
+                    return acc
+                def rescale(acc):       # change the units to this step's scales
+                    r = row_vec(ratio_s[0].at[0, wg_rows]) if x_steps else None
+                    if per_block:
+                        rw = row_vec(ratio_s[-1].at[0])                         # one value, tm times
+                        r = rw if r is None else r * rw
+                    return acc * lax.broadcast_in_dim(r, (tm, tn), [0])
+
+                if per_block or x_group_steps == 1:
+                    acc = rescale(acc)
+                else:                   # x's scale changes at its group boundaries only
+                    acc = lax.cond(idx[0] % x_group_steps == 0, rescale, lambda a: a, acc)
+                if not interpret:
+                    return pl.run_state(mma)(plgpu.ACC.init(acc))    # waits for the wgmma
+                # GPU interpret mode runs neither run_state over an accumulator nor accumulator stores:
+                # the same sum through a fresh accumulator (what the compiled path must not do: two
+                # accumulators do not fit the registers at 128x128 per warpgroup)
+                def fresh_mma(part):
+                    mma(part)
+                    return plgpu.wgmma_accumulator_load(part)
+                return acc + pl.run_scoped(fresh_mma, plgpu.ACC((tm, tn), jnp.float32))
+
+            args = (x_ref.at[cta_rows, :], w_ref.at[cta_cols, :])
+            args += ((ratio_refs[0].at[:, cta_rows],) if x_steps else ()) + \
+                    ((ratio_refs[-1].at[:, pl.ds(ni * tm, tm)],) if per_block else ())
             make_pipeline(body, context)(*args, allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
-def _smem_bytes(t: MgpuTiles, out_dtype, per_block: bool) -> int:
+def _epi_n(t: MgpuTiles, out_dtype) -> int:
+    return min(t.epi_bytes // jnp.dtype(out_dtype).itemsize, t.tile_n)
+
+
+def _smem_bytes(t: MgpuTiles, out_dtype, per_block: bool, x_steps: bool) -> int:
     cta_m, cta_n = t.cta
-    S = t.k_sub if per_block else 1
-    stage = S * ((cta_m + cta_n) * TILE_K + (4 * (cta_m + t.tile_m) if per_block else 0))
-    epi_n = min(128 // jnp.dtype(out_dtype).itemsize, t.tile_n)
+    stage = (cta_m + cta_n) * TILE_K + 4 * (cta_m * x_steps + t.tile_m * per_block)
+    epi_n = _epi_n(t, out_dtype)
     return t.stages * stage + 2 * 2 * t.epi_m * epi_n * jnp.dtype(out_dtype).itemsize + 8 * (t.tile_m + t.tile_n)
 
 
-@functools.partial(jax.jit, static_argnames=("per_block", "tiles", "out_dtype", "interpret", "name"))
-def _mgpu_call(xq, xs, w, ws, *, per_block: bool, tiles: MgpuTiles, out_dtype, interpret: bool, name: str):
-    """xq E4M3 [Mp, K] (Mp a multiple of the CTA rows), xs f32 [Mp] or [K/128, Mp], w E4M3 [N, K],
-    ws f32 [N] or [K/128, N/128 * tile_m] -> [Mp, N] out_dtype."""
+@functools.partial(jax.jit, static_argnames=("per_block", "x_group_steps", "tiles", "out_dtype", "interpret",
+                                             "name"))
+def _mgpu_call(xq, w, scale_args, *, per_block: bool, x_group_steps: int, tiles: MgpuTiles, out_dtype,
+               interpret: bool, name: str):
+    """xq E4M3 [Mp, K] (Mp a multiple of the CTA rows), w E4M3 [N, K], scale_args the kernel's scale refs in
+    order (see _gemm_kernel); x_group_steps: K steps per x scale group (0: one scale per row) -> [Mp, N]."""
+    x_steps = x_group_steps > 0
     Mp, K = xq.shape
     N = w.shape[0]
     t = tiles
-    if _smem_bytes(t, out_dtype, per_block) > SMEM_BYTES:
-        raise ShapeError(f"{name}: tiles {t} need {_smem_bytes(t, out_dtype, per_block)} bytes of shared memory "
-                         f"(> {SMEM_BYTES}); lower stages")
-    epi_n = min(128 // jnp.dtype(out_dtype).itemsize, t.tile_n)
+    if _smem_bytes(t, out_dtype, per_block, x_steps) > SMEM_BYTES:
+        raise ShapeError(f"{name}: tiles {t} need {_smem_bytes(t, out_dtype, per_block, x_steps)} bytes of shared "
+                         f"memory (> {SMEM_BYTES}); lower stages")
+    epi_n = _epi_n(t, out_dtype)
     swz = epi_n * jnp.dtype(out_dtype).itemsize
     out_smem = plgpu.SMEM((2, 2, t.epi_m, epi_n), out_dtype,
                           transforms=(plgpu.TilingTransform((8, epi_n)), plgpu.SwizzleTransform(swz)))
-    kernel = functools.partial(_gemm_kernel, per_block=per_block, t=t, M=Mp, N=N, K=K, out_dtype=out_dtype)
+    kernel = functools.partial(_gemm_kernel, per_block=per_block, x_steps=x_steps, x_group_steps=x_group_steps,
+                               t=t, M=Mp, N=N, K=K, out_dtype=out_dtype, interpret=interpret)
     ncta = (Mp // t.cta[0]) * (N // t.cta[1])
     f = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((Mp, N), out_dtype),
@@ -247,7 +265,27 @@ def _mgpu_call(xq, xs, w, ws, *, per_block: bool, tiles: MgpuTiles, out_dtype, i
                        plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)],
         grid=(min(_num_sms(interpret), ncta),), grid_names=("sm",), num_threads=3, thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)
-    return f(xq, w, xs, ws)
+    return f(xq, w, *scale_args)
+
+
+def _step_ratios(s):
+    """s [steps, X] scale of each 128-wide K step -> [steps, X]: the previous step's scale over this one's
+    (1 at step 0): the factor that moves the accumulator into this step's units."""
+    return jnp.concatenate([jnp.ones_like(s[:1]), s[:-1] / s[1:]], axis=0)
+
+
+def _scale_args(xs, width: int, ws, *, per_block: bool, tiles: MgpuTiles, K: int):
+    """The kernel's scale operands from x's scales xs [Mp, K/width] and w's (per row [N] or per block
+    [N/128, K/128]): (xr_t, wr, xs_last, ws_last) without the ratios a side does not need."""
+    kb = K // TILE_K
+    x_steps = width < K
+    xs_k = jnp.repeat(xs, width // TILE_K, axis=1)[:, :kb] if x_steps else None          # [Mp, K/128]
+    args = (_step_ratios(xs_k.T),) if x_steps else ()
+    if per_block:       # [K/128, N/128 * tile_m]: each block's ratio tile_m times (a row vector per warpgroup)
+        args += (jnp.repeat(_step_ratios(ws.T), tiles.tile_m, axis=1),)
+    xs_last = xs[:, -1]
+    ws_last = jnp.repeat(ws[:, -1], TILE_K) if per_block else ws
+    return args + (xs_last, ws_last)
 
 
 # ---- activation quantization in one pass (Pallas Triton; optional, see ACT_QUANT) ------------------------
@@ -341,57 +379,65 @@ def _pad_rows(a, rows: int):
     return a if a.shape[0] == rows else jnp.pad(a, ((0, rows - a.shape[0]),) + ((0, 0),) * (a.ndim - 1))
 
 
-def fp8_gemm_t_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False, tiles: MgpuTiles | None = None,
-                      act_quant: str | None = None, qb: ActQuantBlocks | None = None):
-    """Mosaic arm of fp8_gemm_t: same call and result as `fp8_gemm_t_reference` (x [M, K] or per-row
-    Fp8Activations, w E4M3 [N, K], scale f32 [N]). act_quant: "xla" or "fused" quantization of a bf16 x (default
-    ACT_QUANT; qb its blocks)."""
-    _check_fp8_rows(x, w, scale)
+def _quantized_x(x, group: int | None, M: int, K: int, Mp: int, interpret: bool, act_quant: str | None,
+                 qb: ActQuantBlocks | None):
+    """(E4M3 [Mp, K], f32 scales [Mp, K/width], width): x as its producer quantized it, or quantized here per
+    row (group None) or per row per 128 columns, by the fused kernels where they take the shape."""
+    if not isinstance(x, Fp8Activations) and (act_quant or ACT_QUANT) == "fused" and fused_quant_ok(M, K, qb):
+        if group is None:
+            xq, xs = quantize_rows_fused(x, interpret=interpret, qb=qb)
+            xs, width = xs[:, None], K
+        else:
+            xq, xs_t = quantize_blocks_fused_t(x, interpret=interpret, qb=qb)
+            xs, width = xs_t.T, TILE_K
+    else:
+        xq, xs, width = fp8_groups(x, group)
+    if width < K and width % TILE_K:
+        raise ShapeError(f"x (Fp8Activations): the Mosaic kernels take scales per row or per a multiple of "
+                         f"{TILE_K} columns, got groups of {width}")
+    return _pad_rows(xq, Mp), _pad_rows(xs, Mp), width
+
+
+def _mosaic_arm(name: str, x, w, scale, *, per_block: bool, out_dtype, interpret: bool, tiles: MgpuTiles | None,
+                act_quant: str | None, qb: ActQuantBlocks | None):
     M, K = x.shape
     N = w.shape[0]
-    t = tiles or default_tiles(N, K, per_block=False)
-    _check_tiles("fp8_gemm_t", M, N, K, t, per_block=False)
+    x_steps = isinstance(x, Fp8Activations) and x.scale.ndim == 2 and x.width < K
+    t = tiles or default_tiles(N, K, per_block=per_block, x_steps=x_steps)
+    _check_tiles(name, M, N, K, t, per_block=per_block)
     Mp = pl.cdiv(M, t.cta[0]) * t.cta[0]
-    if isinstance(x, Fp8Activations):                     # quantized by its producer (a fused norm)
-        xq, xs = rows_fp8(x)
-    elif (act_quant or ACT_QUANT) == "fused" and fused_quant_ok(M, K, qb):
-        xq, xs = quantize_rows_fused(x, interpret=interpret, qb=qb)
-    else:
-        xq, xs = quantize_rows_fp8(x)
-    y = _mgpu_call(_pad_rows(xq, Mp), _pad_rows(xs, Mp), w, scale, per_block=False, tiles=t,
-                   out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=interpret, name="fp8_gemm_t")
+    xq, xs, width = _quantized_x(x, FP8_BLOCK if per_block else None, M, K, Mp, interpret, act_quant, qb)
+    args = _scale_args(xs, width, scale, per_block=per_block, tiles=t, K=K)
+    y = _mgpu_call(xq, w, args, per_block=per_block, x_group_steps=width // TILE_K if width < K else 0, tiles=t,
+                   out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=interpret, name=name)
     return y[:M] if Mp != M else y
+
+
+def fp8_gemm_t_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False, tiles: MgpuTiles | None = None,
+                      act_quant: str | None = None, qb: ActQuantBlocks | None = None):
+    """Mosaic arm of fp8_gemm_t: same call and result as `fp8_gemm_t_reference` (x [M, K] or Fp8Activations,
+    w E4M3 [N, K], scale f32 [N]). act_quant: "xla" or "fused" quantization of a bf16 x (default ACT_QUANT; qb
+    its blocks)."""
+    _check_fp8_rows(x, w, scale)
+    return _mosaic_arm("fp8_gemm_t", x, w, scale, per_block=False, out_dtype=out_dtype, interpret=interpret,
+                       tiles=tiles, act_quant=act_quant, qb=qb)
 
 
 def w8a16_gemm_pipelined_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False,
                                 tiles: MgpuTiles | None = None, act_quant: str | None = None,
                                 qb: ActQuantBlocks | None = None):
     """Mosaic arm of w8a16_gemm_pipelined: same call and result as `w8a16_pipelined_reference` (x [M, K] or
-    per-block Fp8Activations, w E4M3 [N, K], scale f32 [ceil(N/128), ceil(K/128)]). act_quant as for
-    fp8_gemm_t_mosaic."""
+    Fp8Activations, w E4M3 [N, K], scale f32 [ceil(N/128), ceil(K/128)]). act_quant as for fp8_gemm_t_mosaic."""
     _check_w8a16("w8a16_gemm_pipelined", x, w, scale)
-    M, K = x.shape
-    N = w.shape[0]
-    t = tiles or default_tiles(N, K, per_block=True)
-    _check_tiles("w8a16_gemm_pipelined", M, N, K, t, per_block=True)
-    Mp = pl.cdiv(M, t.cta[0]) * t.cta[0]
-    if (not isinstance(x, Fp8Activations) and (act_quant or ACT_QUANT) == "fused" and fused_quant_ok(M, K, qb)
-            and Mp == M):
-        xq, xs_t = quantize_blocks_fused_t(x, interpret=interpret, qb=qb)  # [M, K], [K/128, M]
-    else:
-        xq, xs = blocks_fp8(x)                            # [M, K], [M, K/128] (quantized here or by the producer)
-        xq, xs_t = _pad_rows(xq, Mp), _pad_rows(xs, Mp).T
-    ws_rows = jnp.repeat(scale.T, t.tile_m, axis=1)        # [K/128, N/128 * tile_m]: each block scale tile_m times
-    y = _mgpu_call(xq, xs_t, w, ws_rows, per_block=True, tiles=t,
-                   out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=interpret, name="w8a16_gemm_pipelined")
-    return y[:M] if Mp != M else y
+    return _mosaic_arm("w8a16_gemm_pipelined", x, w, scale, per_block=True, out_dtype=out_dtype,
+                       interpret=interpret, tiles=tiles, act_quant=act_quant, qb=qb)
 
 
 def supports(name: str, N: int, K: int) -> bool:
     """Whether the default tiles of `name` take an [N, K] weight (M is always padded): N a multiple of the CTA
     columns (128), K a multiple of 128. Other shapes go to the Triton arm when Mosaic is the default."""
     t = default_tiles(N, K, per_block=name == "w8a16_gemm_pipelined")
-    return N % t.cta[1] == 0 and K % (TILE_K * t.k_sub) == 0
+    return N % t.cta[1] == 0 and K % TILE_K == 0
 
 
 # Defaults from the H200 runs of 2026-11-30 (benchmarks/notes/quant_prefill.md, call 2, M = 4096): fp8_gemm_t

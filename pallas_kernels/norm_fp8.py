@@ -6,6 +6,10 @@ the 8B shape, M = 4096, on the H200; benchmarks/notes/quant_prefill.md).
 Results are `Fp8Activations`: exactly what the unfused path gives, i.e. the norm's output rounded to its
 output dtype (bf16), then quantized per row (`per_block=False`) or per row per 128 columns (`True`) with
 quant_formats' formulas. One program holds whole rows (every group) in registers: read once, write once.
+
+The gated norm also quantizes per row per norm group (`per_group=True`; the FP8 GEMM rescales its accumulator
+at each group boundary): then a program needs only its own [rows, group] tile, so the grid runs over (groups,
+row blocks) like the bf16 gated norm (norms._norm_kernel) instead of over whole rows.
 """
 
 from __future__ import annotations
@@ -22,25 +26,33 @@ from metrale_jax.weights.quant_formats import (E4M3_MAX, FP8_BLOCK, Fp8Activatio
                                               quantize_rows_fp8_blocks)
 from pallas_kernels import registry
 from pallas_kernels.norms import gated_rmsnorm_reference, rmsnorm_reference
-from pallas_kernels.triton_util import check_floating, check_shape, compiler_params
+from pallas_kernels.triton_util import check_floating, check_shape, compiler_params, next_pow2
 
 @dataclasses.dataclass(frozen=True)
 class NormFp8Blocks:
     """rows_elems: elements per program (rows = rows_elems // width); warps; loop: normalise group by group in
     [rows, group] tiles (no 3-D reshape of the whole row; used when the groups are few and whole 128-column
-    blocks), else one [rows, width] tile reshaped to [rows, groups, group]."""
+    blocks), else one [rows, width] tile reshaped to [rows, groups, group].
+    group_rows_elems, group_warps, groups_first: elements per program (rows = group_rows_elems // group), warps
+    and grid order of the per-group kernel (`per_group=True`): grid (groups, row blocks) as the bf16 gated norm
+    (consecutive programs read consecutive groups of the same rows), else (row blocks, groups)."""
     rows_elems: int = 8192
     warps: int = 8
     loop: bool = True
+    group_rows_elems: int = 4096
+    group_warps: int = 4
+    groups_first: bool = True
 
 
 # H200 sweep, session 4 (benchmarks/results/prefill_2026-11-30_s4c4_norm_fp8.*): RMSNorm of in_proj (width 4096)
 # 26.3 us with 4096 elements / 4 warps per program (the bf16 RMSNorm: 25.5 us; 8192 / 8 reshaped: 34.1).
 NORM_FP8_BLOCKS = NormFp8Blocks(rows_elems=4096, warps=4, loop=True)
-# The layer feeds out_proj from gated_rmsnorm_fp8 only with FUSE_GATED: on the H200 the fused gated kernel (98-132 us
-# at width 8192, every config of the sweep) costs as much as the bf16 gated norm (61 us) + the arm's fused quantizer
-# (38 us), so the fused path was slower end to end (290 vs 276 us with fp8_gemm_t). The plain RMSNorm is fused.
-FUSE_GATED = False
+# What the layer's gated norm in front of out_proj emits when the out_proj arm quantizes its activations:
+# "group": E4M3 with one scale per row per norm group (the per-group kernel, the bf16 norm's parallel grid; the
+# arm rescales its accumulator per group); "arm": the arm's own quantization (rows / 128-column blocks; the
+# whole-row kernel, 98-132 us at width 8192 on the H200 against 61 us for the bf16 gated norm, session 4: slower
+# end to end than the bf16 norm + the arm's quantizer); None: the bf16 norm, the arm quantizes.
+GATED_QUANT: str | None = "group"
 
 
 def _quantize(y, per_block: bool) -> Fp8Activations:
@@ -53,18 +65,39 @@ def rmsnorm_fp8_reference(x, weight, *, eps: float, per_block: bool, out_dtype=N
     return _quantize(rmsnorm_reference(x, weight, eps=eps, out_dtype=out_dtype), per_block)
 
 
-def gated_rmsnorm_fp8_reference(y, z, weight, *, group_size: int, eps: float, per_block: bool,
-                                out_dtype=None) -> Fp8Activations:
-    """gated_rmsnorm_reference, rounded to out_dtype, then quantized to E4M3.  y, z [M, I] -> Fp8Activations."""
+def gated_rmsnorm_fp8_reference(y, z, weight, *, group_size: int, eps: float, per_block: bool = False,
+                                out_dtype=None, per_group: bool = False) -> Fp8Activations:
+    """gated_rmsnorm_reference, rounded to out_dtype, then quantized to E4M3 (per row, per row per 128 columns,
+    or per row per norm group).  y, z [M, I] -> Fp8Activations."""
+    _check_per_group("gated_rmsnorm_fp8", group_size, per_block, per_group)
     g = gated_rmsnorm_reference(y, z, weight, group_size=group_size, eps=eps, out_dtype=out_dtype)
-    return _quantize(g, per_block)
+    if not per_group:
+        return _quantize(g, per_block)
+    q, s = quantize_rows_fp8_blocks(g, group_size)
+    return Fp8Activations(q, s, jnp.dtype(g.dtype), group=group_size)
 
 
-def supports(width: int, group_size: int, per_block: bool) -> bool:
+def _check_per_group(name: str, group_size: int, per_block: bool, per_group: bool) -> None:
+    if per_group and per_block:
+        raise ValueError(f"{name}: per_group and per_block exclude each other (one scale per row per norm group, "
+                         f"or per row per {FP8_BLOCK} columns)")
+    if per_group and (group_size <= 0 or group_size % FP8_BLOCK):
+        raise ValueError(f"{name}: per_group needs group_size a positive multiple of {FP8_BLOCK} (the FP8 GEMM's "
+                         f"K tile), got group_size {group_size}")
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def supports(width: int, group_size: int, per_block: bool, per_group: bool = False) -> bool:
     """Shapes the Pallas kernel takes: width (16..16384) and group a power of two; per_block: whole 128-column
-    blocks."""
-    pow2 = lambda n: n > 0 and n & (n - 1) == 0
-    return (pow2(width) and pow2(group_size) and width % group_size == 0 and 16 <= width <= 16384
+    blocks; per_group (gated norm only): a power-of-two group, a multiple of 128 up to 16384, dividing the
+    width (any number of groups)."""
+    if per_group:
+        return (not per_block and _pow2(group_size) and group_size % FP8_BLOCK == 0 and group_size <= 16384
+                and width % group_size == 0)
+    return (_pow2(width) and _pow2(group_size) and width % group_size == 0 and 16 <= width <= 16384
             and (not per_block or width % FP8_BLOCK == 0))
 
 
@@ -140,6 +173,48 @@ def _kernel(x_ref, z_ref, w_ref, q_ref, s_ref, *, M, W, GS, BM, eps, gated, per_
     plgpu.store(q_ref.at[rows[:, None], cols[None, :]], _e4m3(q), mask=m)
 
 
+def _group_kernel(y_ref, z_ref, w_ref, q_ref, s_ref, *, M, GS, BM, eps, cdt, groups_first):
+    """One [BM, GS] tile (norm group g of row block i): gate, normalise, weight, round to the output dtype,
+    then one scale per row: q [BM, GS] and column g of s."""
+    g, i = (pl.program_id(0), pl.program_id(1)) if groups_first else (pl.program_id(1), pl.program_id(0))
+    f32 = jnp.float32
+    rows = i * BM + jnp.arange(BM)
+    cols = g * GS + jnp.arange(GS)
+    rm = (rows < M)[:, None]
+    h = plgpu.load(y_ref.at[rows[:, None], cols[None, :]], mask=rm, other=0.0).astype(f32)           # [BM, GS]
+    z = plgpu.load(z_ref.at[rows[:, None], cols[None, :]], mask=rm, other=0.0).astype(f32)
+    h = h * (z * jax.nn.sigmoid(z))
+    var = jnp.sum(h * h, axis=1) / GS
+    w = plgpu.load(w_ref.at[cols]).astype(f32)
+    v = (h * jax.lax.rsqrt(var + eps)[:, None] * w[None, :]).astype(cdt).astype(f32)                 # the norm's output
+    scale = _scale(jnp.max(jnp.abs(v), axis=1))                                                      # [BM]
+    plgpu.store(q_ref.at[rows[:, None], cols[None, :]], _e4m3(v / scale[:, None]), mask=rm)
+    plgpu.store(s_ref.at[rows, g], scale, mask=rows < M)
+
+
+def _group_rows(M: int, GS: int, nb: NormFp8Blocks) -> int:
+    """Rows per program of the per-group kernel: a power of two, at most group_rows_elems // GS (>= 1) and no
+    more than M needs."""
+    bm = max(1, min(next_pow2(M), nb.group_rows_elems // GS))
+    return 1 << (bm.bit_length() - 1)
+
+
+@functools.partial(jax.jit, static_argnames=("group_size", "eps", "out_dtype", "interpret", "nb"))
+def _group_call(y, z, weight, *, group_size, eps, out_dtype, interpret, nb):
+    M, W = y.shape
+    BM = _group_rows(M, group_size, nb)
+    kernel = functools.partial(_group_kernel, M=M, GS=group_size, BM=BM, eps=eps, cdt=out_dtype,
+                               groups_first=nb.groups_first)
+    grid = (W // group_size, pl.cdiv(M, BM))
+    q, s = pl.pallas_call(
+        kernel, grid=grid if nb.groups_first else grid[::-1],
+        out_shape=[jax.ShapeDtypeStruct((M, W), jnp.float8_e4m3fn),
+                   jax.ShapeDtypeStruct((M, W // group_size), jnp.float32)],
+        compiler_params=compiler_params(nb.group_warps), interpret=interpret, name="gated_rmsnorm_fp8_groups",
+    )(y, z, weight)
+    return Fp8Activations(q, s, jnp.dtype(out_dtype), group=group_size)
+
+
 def _loops(W: int, GS: int, per_block: bool, nb: NormFp8Blocks) -> bool:
     return nb.loop and W // GS <= 16 and (not per_block or GS % FP8_BLOCK == 0)
 
@@ -162,14 +237,18 @@ def _call(x, z, weight, *, group_size, eps, out_dtype, gated, per_block, interpr
     return Fp8Activations(q, s, jnp.dtype(out_dtype))
 
 
-def _check(name: str, x, z, weight, group_size: int, per_block: bool):
+def _check(name: str, x, z, weight, group_size: int, per_block: bool, per_group: bool = False):
+    _check_per_group(name, group_size, per_block, per_group)
     check_floating(name, "x" if z is None else "y", x)
     if x.ndim != 2:
         raise ValueError(f"{name}: {'x' if z is None else 'y'} must be [M, width], got {list(x.shape)}")
     if z is not None:
         check_shape(name, "z", z, x.shape)
     check_shape(name, "weight", weight, (x.shape[-1],))
-    if not supports(x.shape[-1], group_size, per_block):
+    if per_group and not supports(x.shape[-1], group_size, per_block, per_group):
+        raise ValueError(f"{name}: the per-group Pallas kernel takes a power-of-two group_size (128..16384) that "
+                         f"divides the width, got width {x.shape[-1]}, group_size {group_size}; use the unfused norm")
+    if not per_group and not supports(x.shape[-1], group_size, per_block):
         raise ValueError(f"{name}: the Pallas kernel takes a power-of-two width (16..16384; a multiple of 128 with "
                          f"per_block) and group size, got width {x.shape[-1]}, group {group_size}, per_block "
                          f"{per_block}; use the unfused norm")
@@ -183,10 +262,15 @@ def rmsnorm_fp8_pallas(x, weight, *, eps: float, per_block: bool, out_dtype=None
                  gated=False, per_block=per_block, interpret=interpret, nb=nb or NORM_FP8_BLOCKS)
 
 
-def gated_rmsnorm_fp8_pallas(y, z, weight, *, group_size: int, eps: float, per_block: bool, out_dtype=None,
-                             interpret: bool = False, nb: NormFp8Blocks | None = None):
-    """The Pallas gated group RMSNorm with E4M3 output; same call and results as `gated_rmsnorm_fp8_reference`."""
-    _check("gated_rmsnorm_fp8", y, z, weight, group_size, per_block)
+def gated_rmsnorm_fp8_pallas(y, z, weight, *, group_size: int, eps: float, per_block: bool = False,
+                             out_dtype=None, interpret: bool = False, nb: NormFp8Blocks | None = None,
+                             per_group: bool = False):
+    """The Pallas gated group RMSNorm with E4M3 output; same call and results as `gated_rmsnorm_fp8_reference`.
+    per_group: one program per [rows, group] tile (grid over groups and row blocks), one scale per row per group."""
+    _check("gated_rmsnorm_fp8", y, z, weight, group_size, per_block, per_group)
+    if per_group:
+        return _group_call(y, z, weight, group_size=group_size, eps=float(eps),
+                           out_dtype=jnp.dtype(out_dtype or y.dtype), interpret=interpret, nb=nb or NORM_FP8_BLOCKS)
     return _call(y, z, weight, group_size=group_size, eps=float(eps), out_dtype=jnp.dtype(out_dtype or y.dtype),
                  gated=True, per_block=per_block, interpret=interpret, nb=nb or NORM_FP8_BLOCKS)
 

@@ -24,7 +24,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from metrale_jax.errors import ShapeError
-from metrale_jax.weights.quant_formats import FP8_BLOCK, block_grid, expand_block_scale
+from metrale_jax.weights.quant_formats import FP8_BLOCK, block_grid, expand_block_scale, fp8_dequantized
 from pallas_kernels import registry
 from pallas_kernels.triton_util import compiler_params, dot, dot_dtype, next_pow2
 
@@ -229,9 +229,8 @@ def w8a16_gemm_pallas(x, w, scale, *, out_dtype=None, interpret: bool = False, b
 # ---- FP8 matrix-unit GEMM (activations quantized per row per 128 columns) ------------------------------
 def w8a16_pipelined_reference(x, w, scale, *, out_dtype=None):
     """Quantize x per row per 128 columns to E4M3, dequantize both operands, matmul in float32."""
-    from pallas_kernels.fp8_gemm import quantized_activations_block
     _check_w8a16("w8a16_gemm_pipelined", x, w, scale)
-    return w8a16_reference(quantized_activations_block(x), w, scale, out_dtype=out_dtype or x.dtype)
+    return w8a16_reference(fp8_dequantized(x, FP8_BLOCK), w, scale, out_dtype=out_dtype or x.dtype)
 
 
 def w8a16_gemm_pipelined_pallas(x, w, scale, *, out_dtype=None, interpret: bool = False,

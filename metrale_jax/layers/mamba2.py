@@ -23,6 +23,7 @@ from metrale_jax.layers.checks import check_array, check_slots
 from metrale_jax.layers.projection import Projection
 from metrale_jax.state.ssm_pool import SsmPool
 from metrale_jax.weights.containers import DenseWeight, as_dense
+from metrale_jax.weights.quant_formats import FP8_BLOCK
 from pallas_kernels import registry
 
 
@@ -171,23 +172,29 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
     def _kernel(self, name: str):
         return registry.get(name, self.kernels)
 
-    def _fp8_input(self, proj, norm: str, phase: str, tokens: int, width: int, group: int) -> str | None:
-        """"rows" / "blocks" when `proj`'s arm quantizes its activations to E4M3 and the fused norm kernel `norm`
-        (norm_fp8) can hand them over quantized; else None (norm in bf16, the arm quantizes)."""
+    def _fp8_input(self, proj, norm: str, phase: str, tokens: int, width: int, group: int) -> dict | None:
+        """Keyword arguments of the fused E4M3 norm `norm` (norm_fp8) when `proj`'s arm quantizes its activations
+        and the norm can hand them over quantized: the arm's own quantization (rows / 128-column blocks) or, for
+        the gated norm, what norm_fp8.GATED_QUANT says (one scale per row per norm group); None: the norm runs
+        in bf16 and the arm quantizes."""
         from pallas_kernels import norm_fp8      # not at import: pallas_kernels imports this package (errors)
         kind = proj.input_quant(phase, tokens)
-        if (kind is None or self.tp_axis is not None or not registry.resolved(norm, self.kernels)
-                or (norm == "gated_rmsnorm_fp8" and not norm_fp8.FUSE_GATED)):
+        if kind is None or self.tp_axis is not None or not registry.resolved(norm, self.kernels):
             return None
+        if norm == "gated_rmsnorm_fp8":
+            if norm_fp8.GATED_QUANT is None or (norm_fp8.GATED_QUANT == "group" and group % FP8_BLOCK):
+                return None
+            kind = "group" if norm_fp8.GATED_QUANT == "group" else kind
+        kw = dict(per_block=kind == "blocks") | (dict(per_group=True) if kind == "group" else {})
         impl = registry.resolve(norm, self.kernels).impl
-        return kind if impl == "reference" or norm_fp8.supports(width, group, kind == "blocks") else None
+        return kw if impl == "reference" or norm_fp8.supports(width, group, **kw) else None
 
     def _project_in(self, hidden: jax.Array, phase: str) -> jax.Array:
         """RMSNorm + in_proj.  hidden [T, D] -> zxbcdt [T, I + conv_dim + H]."""
         D, eps = self.config.hidden_size, self.config.layer_norm_epsilon
-        kind = self._fp8_input(self.in_proj, "rmsnorm_fp8", phase, hidden.shape[0], D, D)
-        if kind:
-            h = self._kernel("rmsnorm_fp8")(hidden, self.input_norm[...], eps=eps, per_block=kind == "blocks")
+        quant = self._fp8_input(self.in_proj, "rmsnorm_fp8", phase, hidden.shape[0], D, D)
+        if quant:
+            h = self._kernel("rmsnorm_fp8")(hidden, self.input_norm[...], eps=eps, **quant)
         else:
             h = self._kernel("rmsnorm")(hidden, self.input_norm[...], eps=eps)
         return self.in_proj(h, phase=phase)
@@ -212,11 +219,11 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
     def _project_out(self, y: jax.Array, z: jax.Array, hidden: jax.Array, phase: str) -> jax.Array:
         """Gated group norm + out_proj + residual.  y [T, H, P], z [T, I], hidden [T, D] -> [T, D]."""
         c = self.config
-        kind = self._fp8_input(self.out_proj, "gated_rmsnorm_fp8", phase, y.shape[0], c.d_inner,
-                               c.gated_norm_group_size)
+        quant = self._fp8_input(self.out_proj, "gated_rmsnorm_fp8", phase, y.shape[0], c.d_inner,
+                                c.gated_norm_group_size)
         args = (y.reshape(y.shape[0], c.d_inner), z, self.norm_weight[...])
         kw = dict(group_size=c.gated_norm_group_size, eps=c.layer_norm_epsilon, out_dtype=hidden.dtype)
-        g = (self._kernel("gated_rmsnorm_fp8")(*args, per_block=kind == "blocks", **kw) if kind
+        g = (self._kernel("gated_rmsnorm_fp8")(*args, **quant, **kw) if quant
              else self._kernel("gated_rmsnorm")(*args, **kw))
         if self.tp_axis is not None:
             return hidden + reduced_linear(self.out_proj, None, g, phase, self.tp_axis)

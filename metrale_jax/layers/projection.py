@@ -209,9 +209,10 @@ class Projection(nnx.Module):
         return "w4a16_gemv" if decode else "w4a16_gemm"
 
     def input_quant(self, phase: str, tokens: int) -> str | None:
-        """How the kernel serving this call quantizes its activations to E4M3 ("rows": one scale per row,
-        fp8_gemm_t; "blocks": per row per 128 columns, w8a16_gemm_pipelined), i.e. the Fp8Activations it also
-        takes from a producer that quantized them already (norm_fp8); None: it takes unquantized x only."""
+        """How the kernel serving this call quantizes bf16 activations to E4M3 itself ("rows": one scale per
+        row, fp8_gemm_t; "blocks": per row per 128 columns, w8a16_gemm_pipelined); both also take
+        Fp8Activations from a producer that quantized them already (norm_fp8), per row or per a multiple of
+        128 columns. None: the kernel takes unquantized x only."""
         return INPUT_QUANT.get(self.active_kernel(phase, tokens))
 
     # ---- calling -----------------------------------------------------------------------------------------
@@ -221,11 +222,9 @@ class Projection(nnx.Module):
             raise ShapeError(f"{self.name}: input must be [M, {self.in_features}], got {tuple(x.shape)}")
         arm = self.active_arm(phase, x.shape[0])
         kernel = self.active_kernel(phase, x.shape[0])
-        if isinstance(x, Fp8Activations):
-            want = "blocks" if x.per_block else "rows"
-            if INPUT_QUANT.get(kernel) != want:
-                raise ShapeError(f"{self.name}: input is E4M3 quantized per {want} but {kernel} ({phase}, arm {arm}) "
-                                 f"takes {INPUT_QUANT.get(kernel) or 'unquantized'} activations")
+        if isinstance(x, Fp8Activations) and kernel not in INPUT_QUANT:
+            raise ShapeError(f"{self.name}: input is E4M3 (Fp8Activations) but {kernel} ({phase}, arm {arm}) takes "
+                             f"unquantized activations")
         fn = registry.get(kernel, self.kernels)
         w = self.arm_weight(arm)
         out_dtype = out_dtype or x.dtype

@@ -199,7 +199,7 @@ def nvfp4_activation_global(x: jax.Array, input_scale: jax.Array | None) -> jax.
 
 # ---- activation quantization for the FP8 matrix-unit kernels ------------------------------------
 def quantize_rows_fp8_blocks(x: jax.Array, block: int = FP8_BLOCK) -> tuple[jax.Array, jax.Array]:
-    """x [M, K] -> (E4M3 [M, K], f32 scale [M, ceil(K/block)]): one scale per row per 128 columns."""
+    """x [M, K] -> (E4M3 [M, K], f32 scale [M, ceil(K/block)]): one scale per row per `block` columns."""
     m, k = x.shape
     kb = math.ceil(k / block)
     xf = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, kb * block - k)))
@@ -222,13 +222,15 @@ def quantize_rows_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 @dataclasses.dataclass(frozen=True)
 class Fp8Activations:
     """Activations already quantized to E4M3 by the kernel that produced them (a fused norm), in the layout
-    the FP8-matrix-unit arms read: q E4M3 [M, K]; scale f32 [M] (per row: fp8_gemm_t) or [M, ceil(K/128)]
-    (per row per 128 columns: w8a16_gemm_pipelined). `dtype` is the unquantized activations' dtype (the
-    arms' default output dtype); shape / ndim are q's, so shape checks of x apply unchanged."""
+    the FP8-matrix-unit arms read: q E4M3 [M, K]; scale f32 [M] (one per row) or [M, ceil(K/group)] (one per
+    row per `group` columns, a multiple of 128: 128 is w8a16_gemm_pipelined's own quantization, a norm group
+    what the gated norm's parallel kernel emits). `dtype` is the unquantized activations' dtype (the arms'
+    default output dtype); shape / ndim are q's, so shape checks of x apply unchanged."""
 
     q: jax.Array
     scale: jax.Array
     dtype: jnp.dtype = dataclasses.field(default=jnp.dtype(jnp.bfloat16), metadata=dict(static=True))
+    group: int = dataclasses.field(default=FP8_BLOCK, metadata=dict(static=True))
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -239,32 +241,46 @@ class Fp8Activations:
         return self.q.ndim
 
     @property
-    def per_block(self) -> bool:
-        return self.scale.ndim == 2
+    def width(self) -> int:
+        """Columns per scale: K when quantized per row."""
+        return self.q.shape[1] if self.scale.ndim == 1 else self.group
 
     def dequantize(self) -> jax.Array:
         """float32 [M, K]: q times its scales."""
-        s = jnp.repeat(self.scale, FP8_BLOCK, axis=1)[:, :self.q.shape[1]] if self.per_block else self.scale[:, None]
-        return self.q.astype(jnp.float32) * s
+        s = self.scale[:, None] if self.scale.ndim == 1 else jnp.repeat(self.scale, self.group, axis=1)
+        return self.q.astype(jnp.float32) * s[:, :self.q.shape[1]]
 
 
-def _producer_quantized(x: Fp8Activations, per_block: bool) -> tuple[jax.Array, jax.Array]:
+def _producer_quantized(x: Fp8Activations) -> tuple[jax.Array, jax.Array, int]:
     m, k = x.q.shape
-    want = (m, math.ceil(k / FP8_BLOCK)) if per_block else (m,)
+    grouped = x.scale.ndim == 2
+    want = (m, math.ceil(k / x.group)) if grouped else (m,)
     if (jnp.dtype(x.q.dtype) != jnp.dtype(jnp.float8_e4m3fn) or jnp.dtype(x.scale.dtype) != jnp.dtype(jnp.float32)
             or tuple(x.scale.shape) != want):
         raise ShapeError(f"x (Fp8Activations): expected q float8_e4m3fn [M, K] and scale float32 {list(want)} "
-                         f"({'per row per 128 columns' if per_block else 'per row'}), got q "
+                         f"({f'per row per {x.group} columns' if grouped else 'per row'}), got q "
                          f"{jnp.dtype(x.q.dtype).name}{list(x.q.shape)}, scale "
                          f"{jnp.dtype(x.scale.dtype).name}{list(x.scale.shape)}")
-    return x.q, x.scale
+    if grouped and (x.group <= 0 or x.group % FP8_BLOCK):
+        raise ShapeError(f"x (Fp8Activations): group must be a positive multiple of {FP8_BLOCK} columns, "
+                         f"got {x.group}")
+    return x.q, (x.scale if grouped else x.scale[:, None]), x.width
 
 
-def rows_fp8(x) -> tuple[jax.Array, jax.Array]:
-    """(E4M3 [M, K], f32 [M]): x quantized per row, or the producer's quantization when x is Fp8Activations."""
-    return _producer_quantized(x, False) if isinstance(x, Fp8Activations) else quantize_rows_fp8(x)
+def fp8_groups(x, group: int | None) -> tuple[jax.Array, jax.Array, int]:
+    """(E4M3 [M, K], f32 scale [M, ceil(K/width)], width): bf16 x quantized per row (group None; width K) or
+    per row per `group` columns; Fp8Activations as their producer quantized them (per row or per a multiple
+    of 128 columns)."""
+    if isinstance(x, Fp8Activations):
+        return _producer_quantized(x)
+    if group is None:
+        q, s = quantize_rows_fp8(x)
+        return q, s[:, None], x.shape[1]
+    q, s = quantize_rows_fp8_blocks(x, group)
+    return q, s, group
 
 
-def blocks_fp8(x) -> tuple[jax.Array, jax.Array]:
-    """(E4M3 [M, K], f32 [M, K/128]): as rows_fp8, one scale per row per 128 columns."""
-    return _producer_quantized(x, True) if isinstance(x, Fp8Activations) else quantize_rows_fp8_blocks(x)
+def fp8_dequantized(x, group: int | None) -> jax.Array:
+    """float32 [M, K]: x rounded through E4M3 as `fp8_groups` quantizes it (the references' activations)."""
+    q, s, width = fp8_groups(x, group)
+    return q.astype(jnp.float32) * jnp.repeat(s, width, axis=1)[:, :q.shape[1]]

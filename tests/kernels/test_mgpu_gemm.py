@@ -73,12 +73,12 @@ def test_fp8_gemm_t_mosaic_against_numpy(rng, interpret):
 
 BLOCK_CASES = [(150, 256, MgpuTiles(64, 128, "m", stages=3, grid_tile_width=2), jnp.float32),
                (60, 384, MgpuTiles(64, 128, "m", stages=2, grid_minor="n"), jnp.bfloat16),
-               (130, 256, MgpuTiles(64, 128, "m", stages=2, k_sub=2), jnp.float32)]
+               (130, 256, MgpuTiles(128, 128, "m", stages=2, epi_bytes=64), jnp.float32)]
 
 
 @pytest.mark.parametrize("m,n,tiles,out_dtype", BLOCK_CASES)
 def test_w8a16_gemm_pipelined_mosaic(rng, interpret, m, n, tiles, out_dtype):
-    k = 512 if tiles.k_sub == 2 else 384
+    k = 512 if tiles.tile_m == 128 else 384
     x = _x(rng, m, k=k)
     q, s = (jnp.asarray(a) for a in qf.quantize_fp8_block(_w(rng, n, k=k)))
     y = mgpu_gemm.w8a16_gemm_pipelined_mosaic(x, q, s, out_dtype=out_dtype, interpret=interpret, tiles=tiles)
@@ -89,6 +89,46 @@ def test_w8a16_gemm_pipelined_mosaic(rng, interpret, m, n, tiles, out_dtype):
     # the activations really were quantized per 128 columns (not per row, not exact)
     exact = w8a16.w8a16_reference(x, q, s, out_dtype=jnp.float32)
     assert rel_err(np.asarray(y, np.float32), exact) > 1e-4
+
+
+def _grouped(rng, m, k, group):
+    """Fp8Activations quantized per row per `group` columns, with scales spread over 1e-2..1e2 so a missed
+    rescale at a group boundary shows."""
+    x = _x(rng, m, k) * jnp.asarray(10.0 ** rng.uniform(-2, 2, (1, k // group)).repeat(group, 1), jnp.bfloat16)
+    q, s = qf.quantize_rows_fp8_blocks(x, group)
+    return qf.Fp8Activations(q, s, jnp.dtype(jnp.bfloat16), group)
+
+
+@pytest.mark.parametrize("group,tiles", [(128, MgpuTiles(64, 64, "m", stages=2)),
+                                         (256, MgpuTiles(64, 64, "n", stages=3, delay_release=1))])
+def test_fp8_gemm_t_mosaic_grouped_activations(rng, interpret, group, tiles):
+    """x quantized per group of columns (the gated norm's output): the accumulator changes units at each group,
+    checked against float64 numpy."""
+    m, n, k = 100, 128, 512
+    xa = _grouped(rng, m, k, group)
+    q, s = qf.quantize_fp8_rows(_w(rng, n, k))
+    want = np.asarray(xa.dequantize(), np.float64) @ (q.astype(np.float64) * s.astype(np.float64)[:, None]).T
+    y = mgpu_gemm.fp8_gemm_t_mosaic(xa, jnp.asarray(q), jnp.asarray(s), out_dtype=jnp.float32,
+                                    interpret=interpret, tiles=tiles)
+    _check(y, want, m, n, TOL[interpret])
+
+
+@pytest.mark.parametrize("group", [None, 256])
+def test_w8a16_gemm_pipelined_mosaic_against_numpy(rng, interpret, group):
+    """Block-scaled weights with x per 128 columns (its own quantization), per row or per 256 columns (a
+    producer's): float64 numpy of the dequantized operands."""
+    m, n, k = 70, 256, 512
+    w = _w(rng, n, k) * np.repeat(10.0 ** rng.uniform(-1, 1, (1, k // 128)), 128, 1).astype(np.float32)
+    q, s = qf.quantize_fp8_block(w)
+    if group is None:
+        xq, xs = qf.quantize_rows_fp8(_x(rng, m, k))
+        x = qf.Fp8Activations(xq, xs, jnp.dtype(jnp.bfloat16))
+    else:
+        x = _grouped(rng, m, k, group)
+    want = np.asarray(x.dequantize(), np.float64) @ qf.dequantize_fp8_block(q, s).astype(np.float64).T
+    y = mgpu_gemm.w8a16_gemm_pipelined_mosaic(x, jnp.asarray(q), jnp.asarray(s), out_dtype=jnp.float32,
+                                              interpret=interpret, tiles=MgpuTiles(64, 128, "m", stages=2))
+    _check(y, want, m, n, TOL[interpret])
 
 
 @pytest.mark.gpu
@@ -119,8 +159,8 @@ def test_mosaic_argument_errors(rng):
         mgpu_gemm.w8a16_gemm_pipelined_mosaic(x, qb, sb[:1], interpret=True)
     with pytest.raises(ShapeError, match="tiles.wg_dim must be 'm' and tile_n 128"):
         mgpu_gemm.w8a16_gemm_pipelined_mosaic(x, qb, sb, interpret=True, tiles=MgpuTiles(64, 128, "n"))
-    with pytest.raises(ShapeError, match="k_sub=4 does not divide the 2 K blocks"):
-        mgpu_gemm.w8a16_gemm_pipelined_mosaic(x, qb, sb, interpret=True, tiles=MgpuTiles(64, 128, k_sub=4))
+    with pytest.raises(ShapeError, match="epi_m=32 must be a multiple of 64"):
+        mgpu_gemm.fp8_gemm_t_mosaic(x, q[:128], s[:128], interpret=True, tiles=MgpuTiles(64, 64, epi_m=32))
     with pytest.raises(ShapeError, match="tile_m=32 must be a multiple of 64"):
         mgpu_gemm.fp8_gemm_t_mosaic(x, q[:128], s[:128], interpret=True, tiles=MgpuTiles(32, 64))
     with pytest.raises(ShapeError, match="bytes of shared memory"):

@@ -40,7 +40,7 @@ def _check_case(rng, M, W, GS, per_block, interpret, nb=None):
     norm = norms.gated_rmsnorm_reference(y, z, w, group_size=GS, eps=1e-5)
     _same(got, norm_fp8.gated_rmsnorm_fp8_reference(y, z, w, group_size=GS, eps=1e-5, per_block=per_block),
           interpret)
-    assert got.dtype == jnp.bfloat16 and got.per_block == per_block
+    assert got.dtype == jnp.bfloat16 and got.width == (qf.FP8_BLOCK if per_block else W)
     assert rel_err(got.dequantize(), norm.astype(jnp.float32)) < 0.05          # E4M3 rounding only
     _same(norm_fp8.rmsnorm_fp8_pallas(y, w, eps=1e-5, per_block=per_block, interpret=interpret, nb=nb),
           norm_fp8.rmsnorm_fp8_reference(y, w, eps=1e-5, per_block=per_block), interpret)
@@ -64,6 +64,69 @@ def test_kernel_8b_widths_on_gpu(rng, W, GS, per_block):
     _check_case(rng, 67, W, GS, per_block, interpret=False)
 
 
+def _check_groups(rng, M, W, GS, interpret, nb=None):
+    """per_group: the reference's bits (norm rounded to bf16, then quantize_rows_fp8_blocks per group), every
+    scale positive and finite, and within E4M3 rounding of the norm."""
+    y = jnp.asarray(rng.standard_normal((M, W)) * 3, jnp.bfloat16)
+    z = jnp.asarray(rng.standard_normal((M, W)), jnp.bfloat16)
+    w = jnp.asarray(rng.uniform(0.5, 1.5, W), jnp.bfloat16)
+    got = norm_fp8.gated_rmsnorm_fp8_pallas(y, z, w, group_size=GS, eps=1e-5, per_group=True, interpret=interpret,
+                                            nb=nb)
+    ref = norm_fp8.gated_rmsnorm_fp8_reference(y, z, w, group_size=GS, eps=1e-5, per_group=True)
+    assert got.scale.shape == ref.scale.shape == (M, W // GS) and got.group == ref.group == GS
+    assert got.dtype == jnp.bfloat16 and got.width == GS
+    _same(got, ref, interpret)
+    s = np.asarray(got.scale)
+    assert np.all(np.isfinite(s)) and np.all(s > 0)
+    # independent check of the reference: float64 norm, rounded to bf16, quantized per (row, group) in numpy
+    h = np.asarray(y, np.float64) * np.asarray(z, np.float64) / (1 + np.exp(-np.asarray(z, np.float64)))
+    hg = h.reshape(M, W // GS, GS)
+    norm = (hg / np.sqrt(np.mean(hg * hg, axis=2, keepdims=True) + 1e-5)).reshape(M, W) * np.asarray(w, np.float64)
+    norm = np.asarray(jnp.asarray(norm, jnp.bfloat16), np.float64).reshape(M, W // GS, GS)
+    np.testing.assert_allclose(s, np.abs(norm).max(axis=2) / qf.E4M3_MAX, rtol=1e-2)
+    assert rel_err(got.dequantize(), norm.reshape(M, W).astype(np.float32)) < 0.05          # E4M3 rounding only
+
+
+@pytest.mark.parametrize("M,W,GS,rows_elems,groups_first", [(5, 512, 128, 4096, True), (33, 512, 256, 1024, True),
+                                                            (33, 384, 128, 1024, False), (6, 256, 256, 512, True)])
+def test_per_group_kernel_matches_reference_bits(rng, interpret, M, W, GS, rows_elems, groups_first):
+    """One E4M3 scale per (row, norm group) from the (groups, row blocks) grid (or the reverse order): bit-equal
+    to the reference in interpret mode; M not a multiple of the rows per program (4 rows for 256-column groups
+    at 1024 elements, 2 at 512; 8 at 128 columns) checks the masked tail; W=384 has 3 groups (not a power of
+    two)."""
+    nb = norm_fp8.NormFp8Blocks(group_rows_elems=rows_elems, groups_first=groups_first)
+    _check_groups(rng, M, W, GS, interpret, nb)
+
+
+@pytest.mark.gpu
+def test_per_group_kernel_8b_width_on_gpu(rng):
+    """Compiled at out_proj's gated norm of the 8B model: width 8192, norm group 1024 (4 rows per program)."""
+    _check_groups(rng, 67, 8192, 1024, interpret=False)
+
+
+def test_per_group_errors_and_supports():
+    """per_group needs a 128-multiple group (reference and kernel), excludes per_block; supports() says which
+    shapes the per-group kernel takes."""
+    y = jnp.ones((2, 256), jnp.bfloat16)
+    w = jnp.ones(256, jnp.bfloat16)
+    for fn in (norm_fp8.gated_rmsnorm_fp8_reference,
+               lambda *a, **k: norm_fp8.gated_rmsnorm_fp8_pallas(*a, **k, interpret=True)):
+        with pytest.raises(ValueError, match="per_group needs group_size a positive multiple of 128.*group_size 64"):
+            fn(y, y, w, group_size=64, eps=1e-5, per_group=True)
+        with pytest.raises(ValueError, match="per_group and per_block exclude each other"):
+            fn(y, y, w, group_size=128, eps=1e-5, per_group=True, per_block=True)
+    with pytest.raises(ValueError, match="per-group Pallas kernel takes a power-of-two group_size.*group_size 384"):
+        norm_fp8.gated_rmsnorm_fp8_pallas(jnp.ones((2, 768), jnp.bfloat16), jnp.ones((2, 768), jnp.bfloat16),
+                                          jnp.ones(768, jnp.bfloat16), group_size=384, eps=1e-5, per_group=True,
+                                          interpret=True)
+    assert norm_fp8.supports(8192, 1024, False, per_group=True) and norm_fp8.supports(384, 128, False, True)
+    assert not norm_fp8.supports(8192, 1024, True, per_group=True)          # with per_block
+    assert not norm_fp8.supports(8192, 64, False, per_group=True)           # under 128
+    assert not norm_fp8.supports(768, 384, False, per_group=True)           # not a power of two
+    assert not norm_fp8.supports(32768, 32768, False, per_group=True)       # over one block
+    assert norm_fp8.supports(8192, 1024, False) == norm_fp8.supports(8192, 1024, False, per_group=False)
+
+
 def test_kernel_errors_and_registry():
     x = jnp.ones((2, 96), jnp.bfloat16)
     with pytest.raises(ValueError, match="rmsnorm_fp8: the Pallas kernel takes a power-of-two width"):
@@ -80,17 +143,20 @@ def test_kernel_errors_and_registry():
 N, K = 96, 128
 
 
-def test_projection_takes_its_own_quantization_only(rng):
-    """fp8_prefill (rows) and fp8_native prefill (blocks) give the same result from pre-quantized x as from x;
-    a mismatched quantization or an arm that does not quantize raises, naming the projection."""
+def test_projection_takes_producer_quantized_activations(rng):
+    """fp8_prefill (rows) and fp8_native prefill (blocks) give the same result from x quantized their own way as
+    from x; fp8_gemm_t also takes x quantized per 128 columns (computing with the producer's scales); an arm
+    that does not quantize, or a scale of the wrong shape, raises naming the projection or kernel."""
     w = rng.standard_normal((N, K)).astype(np.float32)
     x = jnp.asarray(rng.standard_normal((5, K)), jnp.bfloat16)
     p = Projection("m.out_proj", N, K, kernels="reference")
-    p.install("fp8_prefill", p.prepare("fp8_prefill", C.fp8_prefill_copy(w)))
+    prefill = C.fp8_prefill_copy(w)
+    p.install("fp8_prefill", p.prepare("fp8_prefill", prefill))
     assert p.input_quant("prefill", 5) == "rows"
     np.testing.assert_array_equal(p(qf.Fp8Activations(*qf.quantize_rows_fp8(x)), phase="prefill"), p(x))
-    with pytest.raises(ShapeError, match=r"m.out_proj: input is E4M3 quantized per blocks but fp8_gemm_t"):
-        p(qf.Fp8Activations(*qf.quantize_rows_fp8_blocks(x)))
+    xb = qf.Fp8Activations(*qf.quantize_rows_fp8_blocks(x))
+    want = np.asarray(xb.dequantize(), np.float64) @ np.asarray(prefill.dequantize(jnp.float32), np.float64).T
+    assert rel_err(p(xb), want) < 5e-3                                       # bf16 output rounding only
     q, s = qf.quantize_fp8_block(w)
     p.install("fp8_native", p.prepare("fp8_native", C.Fp8Weight(jnp.asarray(q), jnp.asarray(s))), prefill=True)
     assert p.input_quant("prefill", 5) == "blocks" and p.input_quant("decode", 1) is None
@@ -102,17 +168,19 @@ def test_projection_takes_its_own_quantization_only(rng):
         p(bad)
 
 
-CFG = ModelConfig.from_hf(dict(vocab_size=64, hidden_size=128, hybrid_override_pattern="-M", mamba_num_heads=4,
+# norm groups of 128 columns (d_inner 256 over 2 groups): the per-group E4M3 form takes multiples of 128
+CFG = ModelConfig.from_hf(dict(vocab_size=64, hidden_size=128, hybrid_override_pattern="-M", mamba_num_heads=8,
                                mamba_head_dim=32, ssm_state_size=16, n_groups=2, chunk_size=8, intermediate_size=48))
 
 
 @pytest.mark.parametrize("prefill_arm", ["fp8_prefill", "fp8_native"])
-@pytest.mark.parametrize("fuse_gated", [True, False])
-def test_layer_feeds_the_fp8_arms_from_the_fused_norms(rng, monkeypatch, prefill_arm, fuse_gated):
+@pytest.mark.parametrize("gated_quant", ["group", "arm", None])
+def test_layer_feeds_the_fp8_arms_from_the_fused_norms(rng, monkeypatch, prefill_arm, gated_quant):
     """With an FP8-matrix-unit arm serving prefill, the layer's norms emit E4M3 (the fused kernels run: their
-    names are in the traced program; the gated one only with FUSE_GATED) and the projections' results are
-    bit-identical to the unfused path."""
-    monkeypatch.setattr(norm_fp8, "FUSE_GATED", fuse_gated)
+    names are in the traced program; the gated one as norm_fp8.GATED_QUANT says). in_proj's result, and
+    out_proj's with the arm's own quantization, are bit-identical to the unfused path; per norm group, out_proj
+    computes on the per-group reference's E4M3 (bits) and stays within E4M3 rounding of the unfused path."""
+    monkeypatch.setattr(norm_fp8, "GATED_QUANT", gated_quant)
     k1, k2 = jax.random.split(jax.random.key(int(rng.integers(2**31))))
     ssm = random_ssm_weights(CFG, k2, jnp.float32)
     nv = {k: C.quantize_nvfp4_weight(getattr(ssm, k)) for k in ("in_proj", "out_proj")}   # no bf16 arm
@@ -134,12 +202,21 @@ def test_layer_feeds_the_fp8_arms_from_the_fused_norms(rng, monkeypatch, prefill
         return text, (fns[0](hidden), fns[1](y, z, hidden))
 
     text, fused = run()
-    assert "rmsnorm_fp8" in text and ("gated_rmsnorm_fp8" in text) == fuse_gated
+    assert "rmsnorm_fp8" in text and ("gated_rmsnorm_fp8" in text) == (gated_quant is not None)
+    assert ("gated_rmsnorm_fp8_groups" in text) == (gated_quant == "group")
     with registry.disabled("rmsnorm_fp8"), registry.disabled("gated_rmsnorm_fp8"):
         text, unfused = run()
         assert "rmsnorm_fp8" not in text
-    for a, b in zip(fused, unfused):
-        if jax.default_backend() == "gpu":    # interpret mode under XLA:GPU may keep bf16 intermediates in f32
+    gpu = jax.default_backend() == "gpu"     # interpret mode under XLA:GPU may keep bf16 intermediates in f32
+    for i, (a, b) in enumerate(zip(fused, unfused)):
+        if gpu or (i == 1 and gated_quant == "group"):
             assert rel_err(a, b) < 5e-2
         else:
             np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    if gated_quant == "group" and not gpu:
+        g = norm_fp8.gated_rmsnorm_fp8_reference(y.reshape(T, -1), z, layer.norm_weight[...],
+                                                 group_size=CFG.gated_norm_group_size, eps=CFG.layer_norm_epsilon,
+                                                 out_dtype=hidden.dtype, per_group=True)
+        assert g.width == 128 and g.scale.shape == (T, 2)
+        np.testing.assert_array_equal(np.asarray(fused[1], np.float32),
+                                      np.asarray(hidden + layer.out_proj(g, phase="prefill"), np.float32))

@@ -106,6 +106,41 @@ def test_fp8_gemm_t(rng, interpret, swap):
     assert rel_err(y, fp8_gemm.fp8_gemm_t_reference(x, q, s, out_dtype=jnp.float32)) < 1e-5
 
 
+@pytest.mark.parametrize("group", [None, 128, 256])
+def test_fp8_arms_take_producer_quantized_activations(rng, interpret, group):
+    """Fp8Activations per row or per group of columns (scales 1e-2..1e2 apart, so a scale applied to the wrong
+    columns shows) into both Triton FP8 arms, against float64 numpy of the dequantized operands."""
+    k = 512
+    x = _x(rng, k=k) * jnp.asarray(10.0 ** rng.uniform(-2, 2, (1, k // 128)).repeat(128, 1), jnp.bfloat16)
+    if group is None:
+        xa = qf.Fp8Activations(*qf.quantize_rows_fp8(x), jnp.dtype(jnp.bfloat16))
+    else:
+        xa = qf.Fp8Activations(*qf.quantize_rows_fp8_blocks(x, group), jnp.dtype(jnp.bfloat16), group)
+    xd = _f64(xa.dequantize())
+    qr, sr = qf.quantize_fp8_rows(_w(rng, k=k))
+    y = fp8_gemm.fp8_gemm_t_pallas(xa, jnp.asarray(qr), jnp.asarray(sr), out_dtype=jnp.float32,
+                                   interpret=interpret, blocks=QuantBlocks(16, 64, 128, num_warps=4, swap=True))
+    _finite(y)
+    assert y.dtype == jnp.float32 and rel_err(y, xd @ (qr.astype(np.float64) * sr[:, None]).T) < 1e-5
+    qb, sb = qf.quantize_fp8_block(_w(rng, k=k))
+    y = w8a16.w8a16_gemm_pipelined_pallas(xa, jnp.asarray(qb), jnp.asarray(sb), out_dtype=jnp.float32,
+                                          interpret=interpret)
+    _finite(y)
+    assert rel_err(y, xd @ qf.dequantize_fp8_block(qb, sb).astype(np.float64).T) < 1e-5
+
+
+def test_fp8_activations_errors(rng):
+    x = _x(rng, k=256)
+    q, s = qf.quantize_rows_fp8_blocks(x, 256)
+    qr, sr = (jnp.asarray(a) for a in qf.quantize_fp8_rows(_w(rng, k=256)))
+    with pytest.raises(ShapeError, match=r"scale float32 \[5, 2\] \(per row per 128 columns\)"):
+        fp8_gemm.fp8_gemm_t_pallas(qf.Fp8Activations(q, s), qr, sr, interpret=True)      # group left at 128
+    with pytest.raises(ShapeError, match="group must be a positive multiple of 128 columns, got 64"):
+        fp8_gemm.fp8_gemm_t_pallas(qf.Fp8Activations(q, jnp.repeat(s, 4, 1), group=64), qr, sr, interpret=True)
+    with pytest.raises(ShapeError, match="expected q float8_e4m3fn"):
+        fp8_gemm.fp8_gemm_t_pallas(qf.Fp8Activations(q.astype(jnp.bfloat16), s, group=256), qr, sr, interpret=True)
+
+
 W4 = [("w4a16_gemv", w4a16.w4a16_gemv_pallas, False, None),
       ("w4a16_gemv", w4a16.w4a16_gemv_pallas, False, W4Blocks(16, 32, 64, split_k=5)),
       ("w4a16_gemv", w4a16.w4a16_gemv_pallas, False, W4Blocks(16, 64, 128, swap=False)),
