@@ -392,9 +392,6 @@ def _quantized_x(x, group: int | None, M: int, K: int, Mp: int, interpret: bool,
             xs, width = xs_t.T, TILE_K
     else:
         xq, xs, width = fp8_groups(x, group)
-    if width < K and width % TILE_K:
-        raise ShapeError(f"x (Fp8Activations): the Mosaic kernels take scales per row or per a multiple of "
-                         f"{TILE_K} columns, got groups of {width}")
     return _pad_rows(xq, Mp), _pad_rows(xs, Mp), width
 
 
@@ -427,7 +424,9 @@ def w8a16_gemm_pipelined_mosaic(x, w, scale, *, out_dtype=None, interpret: bool 
                                 tiles: MgpuTiles | None = None, act_quant: str | None = None,
                                 qb: ActQuantBlocks | None = None):
     """Mosaic arm of w8a16_gemm_pipelined: same call and result as `w8a16_pipelined_reference` (x [M, K] or
-    Fp8Activations, w E4M3 [N, K], scale f32 [ceil(N/128), ceil(K/128)]). act_quant as for fp8_gemm_t_mosaic."""
+    Fp8Activations, w E4M3 [N, K], scale f32 [ceil(N/128), ceil(K/128)], nonzero: the accumulator is rescaled by
+    ratios of consecutive block scales; Projection.prepare clears zero-scale blocks). act_quant as for
+    fp8_gemm_t_mosaic."""
     _check_w8a16("w8a16_gemm_pipelined", x, w, scale)
     return _mosaic_arm("w8a16_gemm_pipelined", x, w, scale, per_block=True, out_dtype=out_dtype,
                        interpret=interpret, tiles=tiles, act_quant=act_quant, qb=qb)

@@ -21,7 +21,7 @@ from flax import nnx
 from metrale_jax.errors import KernelUnavailableError, ShapeError, WeightFormatError
 from metrale_jax.weights.containers import (DenseWeight, Fp8PrefillWeight, Fp8Weight, Nvfp4Weight, Nvfp4WeightT,
                                             W4a4Weight, WeightQuantFormat, as_dense, check_fp8, check_fp8_prefill,
-                                            check_nvfp4, check_nvfp4_t, fp8_to_block_scaled)
+                                            check_nvfp4, check_nvfp4_t, clear_zero_scale_blocks, fp8_to_block_scaled)
 from metrale_jax.weights.quant_formats import Fp8Activations
 from pallas_kernels import registry
 
@@ -71,7 +71,8 @@ class Projection(nnx.Module):
         if arm == "bf16_native":
             w = as_dense(self.name, weight, self.shape)
         elif arm == "fp8_native":
-            w = check_fp8(self.name, weight, self.shape, formats=(WeightQuantFormat.FP8_BLOCK_SCALED,))
+            w = clear_zero_scale_blocks(check_fp8(self.name, weight, self.shape,
+                                                  formats=(WeightQuantFormat.FP8_BLOCK_SCALED,)))
         elif arm == "nvfp4":
             w = check_nvfp4(self.name, weight, self.shape)
         elif arm == "w4a4":

@@ -270,6 +270,18 @@ def check_fp8(name: str, w: Fp8Weight, shape: tuple[int, int] | None = None,
     return w
 
 
+def clear_zero_scale_blocks(w: Fp8Weight) -> Fp8Weight:
+    """The same block-scaled weight with every zero-scale block holding zero codes and scale 1 (its dequantized
+    values stay 0): the FP8 GEMM that rescales its accumulator by the ratio of consecutive block scales
+    (w8a16_gemm_pipelined's Mosaic arm) needs nonzero scales. Traced weights pass unchanged."""
+    if isinstance(w.scale, jax.core.Tracer) or not bool(jnp.any(w.scale == 0)):
+        return w
+    zero = w.scale == 0
+    mask = qf.expand_block_scale(zero, *w.shape)                                   # [N, K]
+    return dataclasses.replace(w, weight=jnp.where(mask, jnp.zeros_like(w.weight), w.weight),
+                               scale=jnp.where(zero, jnp.ones_like(w.scale), w.scale))
+
+
 def fp8_weight(name: str, weight, scale, fmt: WeightQuantFormat = WeightQuantFormat.FP8_BLOCK_SCALED,
                input_scale=None, shape: tuple[int, int] | None = None) -> Fp8Weight:
     w = Fp8Weight(jnp.asarray(weight), jnp.asarray(scale),

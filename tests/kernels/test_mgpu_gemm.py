@@ -131,6 +131,26 @@ def test_w8a16_gemm_pipelined_mosaic_against_numpy(rng, interpret, group):
     _check(y, want, m, n, TOL[interpret])
 
 
+def test_block_scaled_zero_scale_blocks(rng, interpret):
+    """A zero block scale (a checkpoint's all-zero block) would make the rescaling kernel's scale ratio infinite:
+    Projection.prepare clears such blocks (codes 0, scale 1; same dequantized weight), and the Mosaic arm then
+    matches float64 numpy of the original weight, with finite outputs."""
+    from metrale_jax.layers.projection import Projection
+    from metrale_jax.weights import containers as C
+    m, n, k = 70, 256, 512
+    q, s = qf.quantize_fp8_block(_w(rng, n, k))
+    s[1, 2] = 0.0                                        # codes stay non-zero: only the scale zeroes the block
+    w = C.Fp8Weight(jnp.asarray(q), jnp.asarray(s))
+    got = Projection("m.out_proj", n, k, kernels="reference").prepare("fp8_native", w)
+    assert float(got.scale[1, 2]) == 1.0 and not np.any(np.asarray(got.weight[128:256, 256:384], np.float32))
+    np.testing.assert_array_equal(np.asarray(got.dequantize()), np.asarray(w.dequantize()))
+    x = qf.Fp8Activations(*qf.quantize_rows_fp8_blocks(_x(rng, m, k)))
+    want = np.asarray(x.dequantize(), np.float64) @ np.asarray(w.dequantize(), np.float64).T
+    y = mgpu_gemm.w8a16_gemm_pipelined_mosaic(x, got.weight, got.scale, out_dtype=jnp.float32, interpret=interpret,
+                                              tiles=MgpuTiles(64, 128, "m", stages=2))
+    _check(y, want, m, n, TOL[interpret])
+
+
 @pytest.mark.gpu
 def test_mosaic_default_tiles_on_gpu(rng):
     """The default (benchmarked) tiles at a mid-size shape, compiled."""
