@@ -278,9 +278,16 @@ def main():
 
 # ---- norm + projection (norm_fp8) -------------------------------------------------------------------------
 GATED_GROUP = 1024     # Nemotron-H 8B: d_inner 8192 over n_groups 8
-# the per-group gated kernel (one [rows, group] tile per program): (elements per program, warps, groups first)
-GROUP_SWEEP = [(4096, 4, True), (4096, 4, False), (1024, 1, True), (2048, 1, True), (2048, 2, True), (4096, 2, True),
-               (8192, 8, True)]
+# the per-group gated kernel (one [rows, group] tile per program): elements per program, warps, grid order; the
+# first is the default
+GROUP_SWEEP = [norm_fp8.NormFp8Blocks(group_rows_elems=e, group_warps=w, groups_first=f)
+               for e, w, f in ((4096, 4, True), (1024, 1, True), (2048, 2, True), (8192, 8, True), (4096, 4, False))]
+
+
+def group_cfg(nb: norm_fp8.NormFp8Blocks) -> str:
+    return f"{nb.group_rows_elems}/{nb.group_warps}{'' if nb.groups_first else ' rows first'}"
+
+
 # fused norm configs timed alone (the first: session 4's first build, one reshaped [1, 8192] tile per program)
 NORM_SWEEP = list(dict.fromkeys([
     norm_fp8.NormFp8Blocks(8192, 8, False), norm_fp8.NORM_FP8_BLOCKS, norm_fp8.NormFp8Blocks(8192, 4, True),
@@ -315,9 +322,8 @@ def norm_fused_rows(result, save, shape, N, K, flops, xs, W, deadline):
         if gated:       # scales per (row, norm group): the norm keeps the bf16 kernel's grid, the GEMM rescales
             arms += [(f"{prefix}_fp8 per-group + {name[fmt]}", fmt,
                       lambda x, z, q, s, f=fmt: gemm[f](fp8_norm(x, z, False, True), q, s))]
-    for elems, warps, gfirst in (GROUP_SWEEP[1:] if gated else []):     # the other per-group configs, end to end
-        nb = norm_fp8.NormFp8Blocks(group_rows_elems=elems, group_warps=warps, groups_first=gfirst)
-        arms += [(f"{prefix}_fp8 per-group {elems}/{warps}{'' if gfirst else ' rows first'} + fp8_gemm_t", "rows",
+    for nb in (GROUP_SWEEP[1:] if gated else []):     # the other per-group configs, end to end
+        arms += [(f"{prefix}_fp8 per-group {group_cfg(nb)} + fp8_gemm_t", "rows",
                   lambda x, z, q, s, nb=nb: gemm["rows"](fp8_norm(x, z, False, True, nb), q, s))]
     try:
         x0, z0 = xs[0], zs[0]
@@ -348,13 +354,11 @@ def norm_fused_rows(result, save, shape, N, K, flops, xs, W, deadline):
                 f = lambda x, z, w, nb=nb, pb=pb: norm_fp8.rmsnorm_fp8_pallas(x, nw, eps=1e-5, per_block=pb,
                                                                             interpret=DRY, nb=nb)
             rows.append((f"{prefix}_fp8 alone ({'blocks' if pb else 'rows'}) {nb}", "bf16", f, None))
-    for elems, warps, gfirst in (GROUP_SWEEP if gated else []):       # the per-group kernel alone, per config
-        nb = norm_fp8.NormFp8Blocks(group_rows_elems=elems, group_warps=warps, groups_first=gfirst)
+    for nb in (GROUP_SWEEP if gated else []):       # the per-group kernel alone, per config
         f = lambda x, z, w, nb=nb: norm_fp8.gated_rmsnorm_fp8_pallas(x, z, nw, group_size=group, eps=1e-5,
                                                                      per_block=False, per_group=True,
                                                                      interpret=DRY, nb=nb)
-        rows.append((f"{prefix}_fp8 alone (per group) {elems} elems {warps} warps"
-                     f"{'' if gfirst else ' rows first'}", "bf16", f, None))
+        rows.append((f"{prefix}_fp8 alone (per group) {group_cfg(nb)}", "bf16", f, None))
     rows = [(n, fmt, fn, [(xs[i], zs[i], *W[fmt][i % 2]) for i in range(4)]) for n, fmt, fn, _ in rows]
     rows += [(n, fmt, fn, [(xs[i], zs[i], *W[fmt][i % 2]) for i in range(4)]) for n, fmt, fn in arms]
     rows += [(f"{name[f]} on pre-quantized x (Fp8Activations)", f, gemm[f],
