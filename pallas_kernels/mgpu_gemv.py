@@ -22,6 +22,11 @@ GPU defaults (H200 runs of 2026-11-30, benchmarks/notes/quant.md): w8 jnp 64 row
 CTAs per SM (perm and overlap were no faster); w4 perm 64 rows, split 2 x 4 stages at in_proj. A "probe" config
 (benchmarks only) skips the compute to time the TMA pipeline alone: 20-23 us at in_proj, the floor of this design.
 
+`warp_specialized` (w8, opt-in, session 5): one memory warpgroup streams [128, 128] weight tiles while two compute
+warpgroups widen and multiply 64 rows each, and x^T of the CTA's K range is loaded into shared memory once
+(instead of a [16, 128] x tile per step): the design the session-4 probes point to. Interpret-tested and lowered
+for CUDA on the CPU; not yet run on the GPU (benchmarks/notes/quant.md, session 5).
+
 Tiles never depend on M (x rows in tiles of 16, split-K chosen from (N, K) only, split partials added in a
 fixed order), so a row's result is meant to be bit-identical whatever the batch. Interpret mode (CPU tests)
 passes the A operand through shared memory, since the GPU interpreter's wgmma reads A from shared memory
