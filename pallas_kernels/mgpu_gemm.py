@@ -103,14 +103,15 @@ def _check_tiles(name: str, M: int, N: int, K: int, t: MgpuTiles, *, per_block: 
                          f"32, 64 or 128 (got {t.epi_bytes})")
 
 
-def _gemm_kernel(*refs, per_block: bool, x_steps: bool, x_group_steps: int, t: MgpuTiles, M: int, N: int, K: int,
-                 out_dtype, interpret: bool):
+def _gemm_kernel(*refs, per_block: bool, x_group_steps: int, t: MgpuTiles, M: int, N: int, K: int, out_dtype,
+                 interpret: bool):
     """Body for both arms. refs = x, w, [xr_t [K/128, M]], [wr [K/128, N/128 * tile_m]], xs [M], ws [N], out,
     scratch. One float32 accumulator per warpgroup, kept in the units of the current K step's scales: where
     they change (x per group: xr; w per 128x128 block: wr) it is multiplied by the ratio of the previous
     step's scales to this step's before the step's wgmma; the last step's scales (xs, ws) are applied in the
     epilogue. (Session 4's block-scaled kernel took each step into a fresh accumulator added into a running
     one: two accumulators per warpgroup, so 64x128 tiles, 12-16% slower on the H200.)"""
+    x_steps = x_group_steps > 0        # x's scale changes along K, every x_group_steps steps
     n_ratio = int(x_steps) + int(per_block)
     x_ref, w_ref = refs[:2]
     ratio_refs = refs[2:2 + n_ratio]
@@ -256,8 +257,8 @@ def _mgpu_call(xq, w, scale_args, *, per_block: bool, x_group_steps: int, tiles:
     swz = epi_n * jnp.dtype(out_dtype).itemsize
     out_smem = plgpu.SMEM((2, 2, t.epi_m, epi_n), out_dtype,
                           transforms=(plgpu.TilingTransform((8, epi_n)), plgpu.SwizzleTransform(swz)))
-    kernel = functools.partial(_gemm_kernel, per_block=per_block, x_steps=x_steps, x_group_steps=x_group_steps,
-                               t=t, M=Mp, N=N, K=K, out_dtype=out_dtype, interpret=interpret)
+    kernel = functools.partial(_gemm_kernel, per_block=per_block, x_group_steps=x_group_steps, t=t, M=Mp, N=N, K=K,
+                               out_dtype=out_dtype, interpret=interpret)
     ncta = (Mp // t.cta[0]) * (N // t.cta[1])
     f = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((Mp, N), out_dtype),
@@ -379,9 +380,9 @@ def _pad_rows(a, rows: int):
     return a if a.shape[0] == rows else jnp.pad(a, ((0, rows - a.shape[0]),) + ((0, 0),) * (a.ndim - 1))
 
 
-def _quantized_x(x, group: int | None, M: int, K: int, Mp: int, interpret: bool, act_quant: str | None,
+def _quantized_x(x, group: int | None, M: int, K: int, interpret: bool, act_quant: str | None,
                  qb: ActQuantBlocks | None):
-    """(E4M3 [Mp, K], f32 scales [Mp, K/width], width): x as its producer quantized it, or quantized here per
+    """(E4M3 [M, K], f32 scales [M, K/width], width): x as its producer quantized it, or quantized here per
     row (group None) or per row per 128 columns, by the fused kernels where they take the shape."""
     if not isinstance(x, Fp8Activations) and (act_quant or ACT_QUANT) == "fused" and fused_quant_ok(M, K, qb):
         if group is None:
@@ -392,20 +393,21 @@ def _quantized_x(x, group: int | None, M: int, K: int, Mp: int, interpret: bool,
             xs, width = xs_t.T, TILE_K
     else:
         xq, xs, width = fp8_groups(x, group)
-    return _pad_rows(xq, Mp), _pad_rows(xs, Mp), width
+    return xq, xs, width
 
 
 def _mosaic_arm(name: str, x, w, scale, *, per_block: bool, out_dtype, interpret: bool, tiles: MgpuTiles | None,
                 act_quant: str | None, qb: ActQuantBlocks | None):
     M, K = x.shape
     N = w.shape[0]
-    x_steps = isinstance(x, Fp8Activations) and x.scale.ndim == 2 and x.width < K
-    t = tiles or default_tiles(N, K, per_block=per_block, x_steps=x_steps)
+    xq, xs, width = _quantized_x(x, FP8_BLOCK if per_block else None, M, K, interpret, act_quant, qb)
+    x_group_steps = width // TILE_K if width < K else 0        # 0: one x scale per row
+    t = tiles or default_tiles(N, K, per_block=per_block, x_steps=x_group_steps > 0)
     _check_tiles(name, M, N, K, t, per_block=per_block)
     Mp = pl.cdiv(M, t.cta[0]) * t.cta[0]
-    xq, xs, width = _quantized_x(x, FP8_BLOCK if per_block else None, M, K, Mp, interpret, act_quant, qb)
+    xs = _pad_rows(xs, Mp)
     args = _scale_args(xs, width, scale, per_block=per_block, tiles=t, K=K)
-    y = _mgpu_call(xq, w, args, per_block=per_block, x_group_steps=width // TILE_K if width < K else 0, tiles=t,
+    y = _mgpu_call(_pad_rows(xq, Mp), w, args, per_block=per_block, x_group_steps=x_group_steps, tiles=t,
                    out_dtype=jnp.dtype(out_dtype or x.dtype), interpret=interpret, name=name)
     return y[:M] if Mp != M else y
 

@@ -55,14 +55,17 @@ NORM_FP8_BLOCKS = NormFp8Blocks(rows_elems=4096, warps=4, loop=True)
 GATED_QUANT: str | None = "group"
 
 
-def _quantize(y, per_block: bool) -> Fp8Activations:
-    q, s = (quantize_rows_fp8_blocks if per_block else quantize_rows_fp8)(y.reshape(-1, y.shape[-1]))
-    return Fp8Activations(q, s, jnp.dtype(y.dtype))
+def _quantize(y, group: int | None) -> Fp8Activations:
+    """y quantized per row (group None) or per row per `group` columns."""
+    y2 = y.reshape(-1, y.shape[-1])
+    if group is None:
+        return Fp8Activations(*quantize_rows_fp8(y2), jnp.dtype(y.dtype))
+    return Fp8Activations(*quantize_rows_fp8_blocks(y2, group), jnp.dtype(y.dtype), group)
 
 
 def rmsnorm_fp8_reference(x, weight, *, eps: float, per_block: bool, out_dtype=None) -> Fp8Activations:
     """rmsnorm_reference, rounded to out_dtype, then quantized to E4M3.  x [M, D] -> Fp8Activations."""
-    return _quantize(rmsnorm_reference(x, weight, eps=eps, out_dtype=out_dtype), per_block)
+    return _quantize(rmsnorm_reference(x, weight, eps=eps, out_dtype=out_dtype), FP8_BLOCK if per_block else None)
 
 
 def gated_rmsnorm_fp8_reference(y, z, weight, *, group_size: int, eps: float, per_block: bool = False,
@@ -71,10 +74,7 @@ def gated_rmsnorm_fp8_reference(y, z, weight, *, group_size: int, eps: float, pe
     or per row per norm group).  y, z [M, I] -> Fp8Activations."""
     _check_per_group("gated_rmsnorm_fp8", group_size, per_block, per_group)
     g = gated_rmsnorm_reference(y, z, weight, group_size=group_size, eps=eps, out_dtype=out_dtype)
-    if not per_group:
-        return _quantize(g, per_block)
-    q, s = quantize_rows_fp8_blocks(g, group_size)
-    return Fp8Activations(q, s, jnp.dtype(g.dtype), group=group_size)
+    return _quantize(g, group_size if per_group else FP8_BLOCK if per_block else None)
 
 
 def _check_per_group(name: str, group_size: int, per_block: bool, per_group: bool) -> None:
@@ -109,22 +109,29 @@ def _e4m3(v):
     return jnp.clip(v, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn)
 
 
+def _normed_tile(x_ref, z_ref, w_ref, rows, cols, rm, *, GS, eps, gated, cdt):
+    """One [BM, GS] norm group of x (gated by z): normalised, times the weight, rounded to the output dtype
+    (the norm's output), as float32."""
+    f32 = jnp.float32
+    h = plgpu.load(x_ref.at[rows[:, None], cols[None, :]], mask=rm, other=0.0).astype(f32)           # [BM, GS]
+    if gated:
+        z = plgpu.load(z_ref.at[rows[:, None], cols[None, :]], mask=rm, other=0.0).astype(f32)
+        h = h * (z * jax.nn.sigmoid(z))
+    var = jnp.sum(h * h, axis=1) / GS
+    w = plgpu.load(w_ref.at[cols]).astype(f32)
+    return (h * jax.lax.rsqrt(var + eps)[:, None] * w[None, :]).astype(cdt).astype(f32)
+
+
 def _kernel_loop(x_ref, z_ref, w_ref, q_ref, s_ref, *, M, W, GS, BM, eps, gated, per_block, cdt):
     """Group by group: each [BM, GS] tile normalised and rounded to the output dtype, kept in registers; then
     per row (amax over every tile) or per 128-column block (within each tile) scaled and stored."""
-    f32 = jnp.float32
     rows = pl.program_id(0) * BM + jnp.arange(BM)
     rm = (rows < M)[:, None]
     tiles = []
     for g in range(W // GS):
         cols = g * GS + jnp.arange(GS)
-        h = plgpu.load(x_ref.at[rows[:, None], cols[None, :]], mask=rm, other=0.0).astype(f32)       # [BM, GS]
-        if gated:
-            z = plgpu.load(z_ref.at[rows[:, None], cols[None, :]], mask=rm, other=0.0).astype(f32)
-            h = h * (z * jax.nn.sigmoid(z))
-        var = jnp.sum(h * h, axis=1) / GS
-        w = plgpu.load(w_ref.at[cols]).astype(f32)
-        tiles.append((cols, (h * jax.lax.rsqrt(var + eps)[:, None] * w[None, :]).astype(cdt).astype(f32)))
+        tiles.append((cols, _normed_tile(x_ref, z_ref, w_ref, rows, cols, rm, GS=GS, eps=eps, gated=gated,
+                                         cdt=cdt)))
     if per_block:
         nb = GS // FP8_BLOCK
         for g, (cols, v) in enumerate(tiles):
@@ -177,16 +184,10 @@ def _group_kernel(y_ref, z_ref, w_ref, q_ref, s_ref, *, M, GS, BM, eps, cdt, gro
     """One [BM, GS] tile (norm group g of row block i): gate, normalise, weight, round to the output dtype,
     then one scale per row: q [BM, GS] and column g of s."""
     g, i = (pl.program_id(0), pl.program_id(1)) if groups_first else (pl.program_id(1), pl.program_id(0))
-    f32 = jnp.float32
     rows = i * BM + jnp.arange(BM)
     cols = g * GS + jnp.arange(GS)
     rm = (rows < M)[:, None]
-    h = plgpu.load(y_ref.at[rows[:, None], cols[None, :]], mask=rm, other=0.0).astype(f32)           # [BM, GS]
-    z = plgpu.load(z_ref.at[rows[:, None], cols[None, :]], mask=rm, other=0.0).astype(f32)
-    h = h * (z * jax.nn.sigmoid(z))
-    var = jnp.sum(h * h, axis=1) / GS
-    w = plgpu.load(w_ref.at[cols]).astype(f32)
-    v = (h * jax.lax.rsqrt(var + eps)[:, None] * w[None, :]).astype(cdt).astype(f32)                 # the norm's output
+    v = _normed_tile(y_ref, z_ref, w_ref, rows, cols, rm, GS=GS, eps=eps, gated=True, cdt=cdt)      # [BM, GS]
     scale = _scale(jnp.max(jnp.abs(v), axis=1))                                                      # [BM]
     plgpu.store(q_ref.at[rows[:, None], cols[None, :]], _e4m3(v / scale[:, None]), mask=rm)
     plgpu.store(s_ref.at[rows, g], scale, mask=rows < M)

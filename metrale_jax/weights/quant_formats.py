@@ -247,8 +247,7 @@ class Fp8Activations:
 
     def dequantize(self) -> jax.Array:
         """float32 [M, K]: q times its scales."""
-        s = self.scale[:, None] if self.scale.ndim == 1 else jnp.repeat(self.scale, self.group, axis=1)
-        return self.q.astype(jnp.float32) * s[:, :self.q.shape[1]]
+        return fp8_dequantized(self, None)
 
 
 def _producer_quantized(x: Fp8Activations) -> tuple[jax.Array, jax.Array, int]:
