@@ -101,11 +101,11 @@ def mosaic_variants(name: str, N: int, sweep: bool) -> list[MgpuTiles | None]:
     out: list[MgpuTiles | None] = [None]
     if not sweep:
         return out
-    if name == "fp8_gemm_t":
-        out += [MgpuTiles(128, 128, "m", stages=4, delay_release=1),
-                MgpuTiles(128, 128, "m", stages=3, delay_release=1)]
-    else:
-        out += [MgpuTiles(128, 128, "m", stages=3), MgpuTiles(64, 128, "m", stages=4)]
+    if name == "w8a16_gemm_pipelined":     # launch neighbours of the default (128x128 per warpgroup, st4, m8)
+        out += [MgpuTiles(128, 128, "m", stages=3, epi_bytes=64), MgpuTiles(128, 128, "m", stages=3),
+                MgpuTiles(128, 128, "m", stages=4, epi_bytes=64, grid_minor="n"),
+                MgpuTiles(128, 128, "m", stages=4, epi_bytes=64, grid_tile_width=4),
+                MgpuTiles(128, 128, "m", stages=4, epi_bytes=64, grid_tile_width=16)]
     return out
 
 

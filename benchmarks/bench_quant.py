@@ -472,12 +472,9 @@ GEMV_GRID = {
     "in_proj": [_G8(64, 2, split_k=2), _G4(64, 4, split_k=2), _G8(64, 6),
                 _G8(64, 2, split_k=2, probe="stream"), _G8(64, 2, split_k=2, probe="mma"),
                 _G8(64, 6, probe="stream"), _G8(64, 6, probe="mma"), _G8(64, 2, probe="stream"),
-                _G8(64, 3, probe="stream"), _G8(128, 4, probe="stream"),
-                _G8(128, 4, split_k=1, warp_specialized=True), _G8(128, 4, split_k=2, warp_specialized=True),
-                _G8(128, 6, split_k=2, warp_specialized=True), _G8(128, 8, split_k=4, warp_specialized=True)],
+                _G8(64, 3, probe="stream"), _G8(128, 4, probe="stream")],
     "out_proj": [_G8(64, 2, split_k=8), _G4(64, 3, split_k=4), _G8(64, 6),
-                 _G8(64, 2, split_k=8, probe="stream"), _G8(64, 2, split_k=8, probe="mma"),
-                 _G8(128, 4, split_k=4, warp_specialized=True), _G8(128, 6, split_k=8, warp_specialized=True)],
+                 _G8(64, 2, split_k=8, probe="stream"), _G8(64, 2, split_k=8, probe="mma")],
 }
 
 

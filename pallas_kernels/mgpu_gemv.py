@@ -22,11 +22,6 @@ GPU defaults (H200 runs of 2026-11-30, benchmarks/notes/quant.md): w8 jnp 64 row
 CTAs per SM (perm and overlap were no faster); w4 perm 64 rows, split 2 x 4 stages at in_proj. A "probe" config
 (benchmarks only) skips the compute to time the TMA pipeline alone: 20-23 us at in_proj, the floor of this design.
 
-`warp_specialized` (w8, opt-in, session 5): one memory warpgroup streams [128, 128] weight tiles while two compute
-warpgroups widen and multiply 64 rows each, and x^T of the CTA's K range is loaded into shared memory once
-(instead of a [16, 128] x tile per step): the design the session-4 probes point to. Interpret-tested and lowered
-for CUDA on the CPU; not yet run on the GPU (benchmarks/notes/quant.md, session 5).
-
 Tiles never depend on M (x rows in tiles of 16, split-K chosen from (N, K) only, split partials added in a
 fixed order), so a row's result is meant to be bit-identical whatever the batch. Interpret mode (CPU tests)
 passes the A operand through shared memory, since the GPU interpreter's wgmma reads A from shared memory
@@ -57,8 +52,6 @@ BM = 16            # x rows per tile (the wgmma N dimension); fixed so that rows
 ROWS = 64          # wgmma M: weight rows per warpgroup instruction
 W8_BK = 128        # K per step of w8a16 (one block scale)
 W4_BK = 512        # K per step of w4a16 (256 packed bytes, 32 scale groups)
-WS_SMEM_BYTES = 224 * 1024   # the warp-specialized w8 kernel's x^T + weight stages + output staging (227 KB less
-                             # the pipeline's barriers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +67,6 @@ class GemvConfig:
     overlap: bool = False     # w8: two step accumulators, step k's wgmma runs while step k+1 is widened
     probe: str = ""           # benchmark probe, WRONG results: "stream" skips the widening and the wgmma, "mma"
                               # the widening only (w8: a constant A operand)
-    warp_specialized: bool = False   # w8, block_n 128: a memory warpgroup streams the weight tiles, two compute
-                                     # warpgroups take 64 rows each; x^T of the CTA's K range is loaded once
 
 
 def _tf(cols_bytes: int, itemsize: int):
@@ -512,59 +503,6 @@ def _grid(name: str, M: int, N: int, K: int, bk: int, config: GemvConfig):
     return bn, nb, mb, split, total // split
 
 
-def _w8_kernel_ws(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, x_smem, x_bar, *, steps, stages, direct, load,
-                  widen, interpret):
-    """Warp-specialized W8A16 GEMV (block_n 128): the memory warpgroup keeps `stages` [128, 128] E4M3 weight
-    tiles in flight; compute warpgroup g widens rows [64 g, 64 g + 64) of each tile and multiplies them with x^T,
-    which is loaded once per CTA (one TMA copy and barrier per 128-wide K step, issued by warpgroup 0)."""
-    n_blk, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
-    k_first = split * steps
-    bn = 2 * ROWS
-    in_specs = [plgpu.BlockSpec((bn, W8_BK), lambda k: (0, k), transforms=_tf(W8_BK, 1))]
-
-    def make_pipeline(body, context):
-        return plgpu.emit_pipeline_warp_specialized(
-            body, grid=(steps,), memory_registers=40, in_specs=in_specs, wg_axis="wg", num_compute_wgs=2,
-            max_concurrent_steps=stages, compute_context=context)
-
-    w_cta = w_gmem.at[pl.ds(n_blk * bn, bn), pl.ds(k_first * W8_BK, steps * W8_BK)]
-    ignore = lambda *_, **__: None
-
-    @functools.partial(pl.run_scoped, allocs=make_pipeline(ignore, ignore).get_allocations(w_cta),
-                       collective_axes="wg")
-    def _scope(allocs):
-        wg = lax.axis_index("wg")
-
-        def context(run):
-            @pl.when(wg == 0)
-            def _load_x():
-                for k in range(steps):
-                    plgpu.copy_gmem_to_smem(
-                        x_gmem.at[pl.ds(m_blk * BM, BM), pl.ds((k_first + k) * W8_BK, W8_BK)], x_smem.at[k],
-                        x_bar.at[k])
-
-            acc = run(plgpu.layout_cast(jnp.zeros((ROWS, BM), jnp.float32), plgpu.Layout.WGMMA))
-            dst = o_smem.at[wg].transpose((1, 0)) if direct else o_smem.at[wg]     # [64, BM] view
-            dst[...] = acc.astype(o_smem.dtype)
-            plgpu.commit_smem()
-            rows = pl.ds(n_blk * bn + wg * ROWS, ROWS)
-            if direct:
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[pl.ds(m_blk * BM, BM), rows])
-            else:
-                plgpu.copy_smem_to_gmem(o_smem.at[wg], o_gmem.at[split, rows, pl.ds(m_blk * BM, BM)])
-            plgpu.wait_smem_to_gmem(0)
-
-        def body(idx, w_s, acc):
-            (k,) = idx
-            plgpu.barrier_wait(x_bar.at[k])
-            s = s_gmem[n_blk, k_first + k]                  # 128 rows: one block-scale row per CTA
-            a = _widen8(w_s.at[pl.ds(wg * ROWS, ROWS)], load, widen, interpret)
-            a_buf = None if a_smem is None else a_smem.at[wg]
-            return acc + _mma_value(a, x_smem.at[k].transpose((1, 0)), a_buf, BM) * s
-
-        make_pipeline(body, context)(w_cta, allocations=allocs)
-
-
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
 def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
     M, K = x.shape
@@ -576,29 +514,6 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
     if config.widen == "perm":
         xp = perm_cols(xp)                                # the weight tiles' columns arrive in this order
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype)
-    if config.warp_specialized:
-        if N % (2 * ROWS):
-            raise ShapeError(f"w8a16_gemv(mosaic): warp_specialized needs N % 128 == 0 (two 64-row warpgroups per "
-                             f"CTA), got N={N}")
-        smem = steps * BM * W8_BK * 2 + min(config.stages, steps) * 2 * ROWS * W8_BK + 2 * ROWS * BM * 4
-        if smem > WS_SMEM_BYTES:
-            raise ShapeError(f"w8a16_gemv(mosaic): warp_specialized keeps x^T of the CTA's {steps} K steps and "
-                             f"{config.stages} weight stages in shared memory ({smem} bytes > {WS_SMEM_BYTES}); raise "
-                             f"split_k or lower stages")
-        kernel = functools.partial(_w8_kernel_ws, steps=steps, stages=min(config.stages, steps), direct=direct,
-                                   load=config.load, widen=config.widen, interpret=bool(interpret))
-        o_smem = plgpu.SMEM((2,) + ((BM, ROWS) if direct else (ROWS, BM)), o_smem.dtype)
-        f = plgpu.kernel(
-            kernel, out_type=out_type, grid=(nb, mb, split), grid_names=("n", "m", "s"), num_threads=3,
-            thread_name="wg",
-            scratch_types=dict(
-                o_smem=o_smem,
-                a_smem=plgpu.SMEM((2, ROWS, W8_BK), jnp.bfloat16, transforms=_tf(2 * W8_BK, 2)) if interpret
-                else None,
-                x_smem=plgpu.SMEM((steps, BM, W8_BK), jnp.bfloat16, transforms=_tf(2 * W8_BK, 2)),
-                x_bar=plgpu.Barrier(num_barriers=steps)),
-            **_interpret_kw(interpret))
-        return _finish(f(xp, w, scale), direct, M, out_dtype)
     kernel = functools.partial(_w8_kernel_overlap if config.overlap else _w8_kernel, bn=bn, steps=steps,
                                stages=config.stages if config.overlap else min(config.stages, steps), direct=direct,
                                load=config.load, widen=config.widen, interpret=bool(interpret))
@@ -628,9 +543,6 @@ def _check_config(name: str, config: GemvConfig):
         raise ShapeError(f"{name}(mosaic): config expects block_n in (64, 128), stages >= 1 (>= 2 with overlap or "
                          f"w4 perm: stages are released one step late), split_k >= 0, load 'upcast' or 'direct', "
                          f"widen 'ptx', 'jnp' or 'perm', overlap w8 only; got {config}")
-    if config.warp_specialized and (name != "w8a16_gemv" or config.block_n != 128 or config.overlap or config.probe):
-        raise ShapeError(f"{name}(mosaic): warp_specialized takes w8a16_gemv with block_n 128, no overlap and no "
-                         f"probe; got {config}")
     probes = ("", "stream", "mma") if name == "w8a16_gemv" else ("", "stream") if config.widen == "perm" else ("",)
     if config.probe not in probes or (config.probe and config.overlap):
         raise ShapeError(f"{name}(mosaic): probe {config.probe!r} is not implemented for {config} (w8: 'stream' / "
