@@ -56,6 +56,8 @@ class MgpuTiles:
     epi_m: int = 64            # epilogue sub-tile rows (a multiple of the wgmma layout's 64-row tile)
     epi_bytes: int = 128       # epilogue sub-tile columns in bytes of the output dtype (its swizzle: 32/64/128)
     delay_release: int = 0     # wgmma groups left in flight per step (a stage is freed one step later)
+    pingpong: bool = False     # the two compute warpgroups issue their wgmmas in turn (two ordering barriers),
+                               # so one's per-step rescale runs while the other's wgmma has the matrix units
 
     @property
     def cta(self) -> tuple[int, int]:
@@ -115,7 +117,7 @@ def _gemm_kernel(*refs, per_block: bool, x_group_steps: int, t: MgpuTiles, M: in
     n_ratio = int(x_steps) + int(per_block)
     x_ref, w_ref = refs[:2]
     ratio_refs = refs[2:2 + n_ratio]
-    xs_ref, ws_ref, out_ref, out_smem, sx_smem, sw_smem, sx_bar, sw_bar = refs[2 + n_ratio:]
+    xs_ref, ws_ref, out_ref, out_smem, sx_smem, sw_smem, sx_bar, sw_bar, order_bar = refs[2 + n_ratio:]
     cta_m, cta_n = t.cta
     tm, tn = t.tile_m, t.tile_n
     m_iters, n_iters, k_iters = M // cta_m, N // cta_n, K // TILE_K
@@ -142,6 +144,8 @@ def _gemm_kernel(*refs, per_block: bool, x_group_steps: int, t: MgpuTiles, M: in
                        collective_axes="wg")
     def _scope(allocs):
         wg = lax.axis_index("wg")
+        if t.pingpong:      # order_bar[g]: warpgroup g issued its step; warpgroup 1 lets 0 issue the first
+            pl.when(wg == 1)(lambda: plgpu.barrier_arrive(order_bar.at[1]))
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
         def _tiles(info: plgpu.NDLoopInfo):
@@ -194,7 +198,11 @@ def _gemm_kernel(*refs, per_block: bool, x_group_steps: int, t: MgpuTiles, M: in
                 *ratio_s, acc = rest
 
                 def mma(acc_ref):
+                    if t.pingpong:
+                        plgpu.barrier_wait(order_bar.at[1 - wg])
                     plgpu.wgmma(acc_ref, x_s.at[wg_rows], w_s.at[wg_cols].transpose((1, 0)))
+                    if t.pingpong:
+                        plgpu.barrier_arrive(order_bar.at[wg])
 
                 if not ratio_s:
                     mma(acc)
@@ -225,6 +233,9 @@ def _gemm_kernel(*refs, per_block: bool, x_group_steps: int, t: MgpuTiles, M: in
             args += ((ratio_refs[0].at[:, cta_rows],) if x_steps else ()) + \
                     ((ratio_refs[-1].at[:, pl.ds(ni * tm, tm)],) if per_block else ())
             make_pipeline(body, context)(*args, allocations=allocs)
+
+        if t.pingpong:      # warpgroup 1's last arrival (its last step) is still unobserved
+            pl.when(wg == 0)(lambda: plgpu.barrier_wait(order_bar.at[1]))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -263,7 +274,7 @@ def _mgpu_call(xq, w, scale_args, *, per_block: bool, x_group_steps: int, tiles:
     f = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((Mp, N), out_dtype),
         scratch_types=[out_smem, plgpu.SMEM((2, t.tile_m), jnp.float32), plgpu.SMEM((2, t.tile_n), jnp.float32),
-                       plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)],
+                       plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)],
         grid=(min(_num_sms(interpret), ncta),), grid_names=("sm",), num_threads=3, thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)
     return f(xq, w, *scale_args)
