@@ -103,7 +103,9 @@ def mosaic_variants(name: str, N: int, sweep: bool, pingpong: bool = False) -> l
     out: list[MgpuTiles | None] = [None]
     if pingpong:
         base = mgpu_gemm.default_tiles(N, 4096, per_block=name != "fp8_gemm_t")
-        out += [dataclasses.replace(base, pingpong=True), dataclasses.replace(base, stages=3, pingpong=True)]
+        out += [dataclasses.replace(base, pingpong="done")]
+        if name == "w8a16_gemm_pipelined":
+            out += [dataclasses.replace(base, probe="skip_mul"), dataclasses.replace(base, probe="acc_ref")]
     if not sweep:
         return out
     if name == "w8a16_gemm_pipelined":     # launch neighbours of the default (128x128 per warpgroup, st4, m8)
@@ -120,7 +122,8 @@ def short(t: MgpuTiles | str | None) -> str:
     if t is None:
         return "default"
     return (f"{t.tile_m}x{t.tile_n}{t.wg_dim} st{t.stages} {t.grid_minor}{t.grid_tile_width} dr{t.delay_release} "
-            f"epi{t.epi_m}x{t.epi_bytes}B" + (" pingpong" if t.pingpong else ""))
+            f"epi{t.epi_m}x{t.epi_bytes}B" + (f" pingpong={t.pingpong}" if t.pingpong else "")
+            + (f" probe={t.probe}" if t.probe else ""))
 
 
 def main():

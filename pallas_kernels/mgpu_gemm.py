@@ -56,8 +56,10 @@ class MgpuTiles:
     epi_m: int = 64            # epilogue sub-tile rows (a multiple of the wgmma layout's 64-row tile)
     epi_bytes: int = 128       # epilogue sub-tile columns in bytes of the output dtype (its swizzle: 32/64/128)
     delay_release: int = 0     # wgmma groups left in flight per step (a stage is freed one step later)
-    pingpong: bool = False     # the two compute warpgroups issue their wgmmas in turn (two ordering barriers),
-                               # so one's per-step rescale runs while the other's wgmma has the matrix units
+    pingpong: str = ""         # "issue": the two compute warpgroups issue their wgmmas in turn (two ordering
+                               # barriers); "done": one issues only after the other's wgmmas of the step finished
+    probe: str = ""            # timing probes of the rescaling kernels (WRONG results): "skip_mul" drops the
+                               # rescale multiply; "acc_ref" also keeps the accumulator as a ref (as fp8_gemm_t)
 
     @property
     def cta(self) -> tuple[int, int]:
@@ -185,7 +187,7 @@ def _gemm_kernel(*refs, per_block: bool, x_group_steps: int, t: MgpuTiles, M: in
                 # the epilogue's scales travel while the K loop runs
                 plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(rows0, tm)], sx_smem.at[wg], sx_bar.at[wg])
                 plgpu.copy_gmem_to_smem(ws_ref.at[pl.ds(cols0, tn)], sw_smem.at[wg], sw_bar.at[wg])
-                if n_ratio:         # the accumulator is a value: rescaled, then handed to each step's wgmma
+                if n_ratio and t.probe != "acc_ref":      # the accumulator is a value: rescaled, then handed to each step's wgmma
                     finish(run(plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA)))
                     return
 
@@ -201,12 +203,17 @@ def _gemm_kernel(*refs, per_block: bool, x_group_steps: int, t: MgpuTiles, M: in
                     if t.pingpong:
                         plgpu.barrier_wait(order_bar.at[1 - wg])
                     plgpu.wgmma(acc_ref, x_s.at[wg_rows], w_s.at[wg_cols].transpose((1, 0)))
-                    if t.pingpong:
+                    if t.pingpong == "issue":
                         plgpu.barrier_arrive(order_bar.at[wg])
 
-                if not ratio_s:
+                def done():
+                    if t.pingpong == "done":
+                        plgpu.barrier_arrive(order_bar.at[wg])
+
+                if not ratio_s or t.probe == "acc_ref":
                     mma(acc)
                     plgpu.wgmma_wait(dr)
+                    done()
                     return acc
                 def rescale(acc):       # change the units to this step's scales
                     r = row_vec(ratio_s[0].at[0, wg_rows]) if x_steps else None
@@ -215,19 +222,25 @@ def _gemm_kernel(*refs, per_block: bool, x_group_steps: int, t: MgpuTiles, M: in
                         r = rw if r is None else r * rw
                     return acc * lax.broadcast_in_dim(r, (tm, tn), [0])
 
-                if per_block or x_group_steps == 1:
+                if t.probe == "skip_mul":
+                    pass
+                elif per_block or x_group_steps == 1:
                     acc = rescale(acc)
                 else:                   # x's scale changes at its group boundaries only
                     acc = lax.cond(idx[0] % x_group_steps == 0, rescale, lambda a: a, acc)
                 if not interpret:
-                    return pl.run_state(mma)(plgpu.ACC.init(acc))    # waits for the wgmma
+                    acc = pl.run_state(mma)(plgpu.ACC.init(acc))     # waits for the wgmma
+                    done()
+                    return acc
                 # GPU interpret mode runs neither run_state over an accumulator nor accumulator stores:
                 # the same sum through a fresh accumulator (what the compiled path must not do: two
                 # accumulators do not fit the registers at 128x128 per warpgroup)
                 def fresh_mma(part):
                     mma(part)
                     return plgpu.wgmma_accumulator_load(part)
-                return acc + pl.run_scoped(fresh_mma, plgpu.ACC((tm, tn), jnp.float32))
+                acc = acc + pl.run_scoped(fresh_mma, plgpu.ACC((tm, tn), jnp.float32))
+                done()
+                return acc
 
             args = (x_ref.at[cta_rows, :], w_ref.at[cta_cols, :])
             args += ((ratio_refs[0].at[:, cta_rows],) if x_steps else ()) + \
