@@ -97,13 +97,15 @@ def xla_fp8_rows(x, q, s):
     return (y * xs[:, None] * s[None, :]).astype(x.dtype)
 
 
-def mosaic_variants(name: str, N: int, sweep: bool, halves: bool = False) -> list[MgpuTiles | None]:
-    """None = the arm's default tiles; with --sweep a few neighbours (that fit N); with --halves the block-scaled
-    default and its stages-3 neighbour with the accumulator in two halves (MgpuTiles.halves)."""
+def mosaic_variants(name: str, N: int, sweep: bool, stagger: bool = False) -> list[MgpuTiles | None]:
+    """None = the arm's default tiles; with --sweep a few neighbours (that fit N); with --stagger the default with
+    MgpuTiles.stagger (and, for the block-scaled arm, the timing probe without the rescale multiply)."""
     out: list[MgpuTiles | None] = [None]
-    if halves and name == "w8a16_gemm_pipelined":
-        base = mgpu_gemm.default_tiles(N, 4096, per_block=True)
-        out += [dataclasses.replace(base, halves=True), dataclasses.replace(base, stages=3, epi_bytes=128, halves=True)]
+    if stagger:
+        base = mgpu_gemm.default_tiles(N, 4096, per_block=name != "fp8_gemm_t")
+        out += [dataclasses.replace(base, swizzle=64), dataclasses.replace(base, swizzle=64, stagger=True)]
+        if name == "w8a16_gemm_pipelined":
+            out += [dataclasses.replace(base, swizzle=64, stagger=True, probe="skip_mul")]
     if not sweep:
         return out
     if name == "w8a16_gemm_pipelined":     # launch neighbours of the default (128x128 per warpgroup, st4, m8)
@@ -120,7 +122,8 @@ def short(t: MgpuTiles | str | None) -> str:
     if t is None:
         return "default"
     return (f"{t.tile_m}x{t.tile_n}{t.wg_dim} st{t.stages} {t.grid_minor}{t.grid_tile_width} dr{t.delay_release} "
-            f"epi{t.epi_m}x{t.epi_bytes}B" + (" halves" if t.halves else "")
+            f"epi{t.epi_m}x{t.epi_bytes}B" + (f" swz{t.swizzle}" if t.swizzle != 128 else "")
+            + (" stagger" if t.stagger else "")
             + (f" probe={t.probe}" if t.probe else ""))
 
 
@@ -130,7 +133,7 @@ def main():
     ap.add_argument("--tag", default="run")
     ap.add_argument("--deadline", type=float, default=150.0, help="seconds; later arms are skipped")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--halves", action="store_true", help="also the block-scaled arm with MgpuTiles.halves")
+    ap.add_argument("--stagger", action="store_true", help="also the Mosaic FP8 arms with MgpuTiles.stagger")
     ap.add_argument("--shapes", default="in_proj,out_proj")
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--no-xla-fp8", action="store_true")
@@ -210,10 +213,10 @@ def main():
         result["shapes"][shape]["default_tiles"] = {
             name: short(mgpu_gemm.default_tiles(N, K, per_block=name != "fp8_gemm_t"))
             for name in ("fp8_gemm_t", "w8a16_gemm_pipelined")}
-        for t in mosaic_variants("fp8_gemm_t", N, args.sweep, args.halves):
+        for t in mosaic_variants("fp8_gemm_t", N, args.sweep, args.stagger):
             arms.append(("fp8_gemm_t", "mosaic", t, "rows",
                          lambda x, q, s, t=t, **kw: mgpu_gemm.fp8_gemm_t_mosaic(x, q, s, tiles=t, interpret=DRY, **kw)))
-        for t in mosaic_variants("w8a16_gemm_pipelined", N, args.sweep, args.halves):
+        for t in mosaic_variants("w8a16_gemm_pipelined", N, args.sweep, args.stagger):
             arms.append(("w8a16_gemm_pipelined", "mosaic", t, "blocks",
                          lambda x, q, s, t=t, **kw: mgpu_gemm.w8a16_gemm_pipelined_mosaic(x, q, s, tiles=t,
                                                                                              interpret=DRY, **kw)))
