@@ -14,7 +14,6 @@ Mosaic arm and variants, Triton arm, dequantize-to-bf16 + XLA dot, the Mosaic ar
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import os
@@ -97,15 +96,9 @@ def xla_fp8_rows(x, q, s):
     return (y * xs[:, None] * s[None, :]).astype(x.dtype)
 
 
-def mosaic_variants(name: str, N: int, sweep: bool, stagger: bool = False) -> list[MgpuTiles | None]:
-    """None = the arm's default tiles; with --sweep a few neighbours (that fit N); with --stagger the default with
-    MgpuTiles.stagger (and, for the block-scaled arm, the timing probe without the rescale multiply)."""
+def mosaic_variants(name: str, N: int, sweep: bool) -> list[MgpuTiles | None]:
+    """None = the arm's default tiles; with --sweep a few neighbours (that fit N)."""
     out: list[MgpuTiles | None] = [None]
-    if stagger:
-        base = mgpu_gemm.default_tiles(N, 4096, per_block=name != "fp8_gemm_t")
-        out += [dataclasses.replace(base, swizzle=64), dataclasses.replace(base, swizzle=64, stagger=True)]
-        if name == "w8a16_gemm_pipelined":
-            out += [dataclasses.replace(base, swizzle=64, stagger=True, probe="skip_mul")]
     if not sweep:
         return out
     if name == "w8a16_gemm_pipelined":     # launch neighbours of the default (128x128 per warpgroup, st4, m8)
@@ -122,9 +115,7 @@ def short(t: MgpuTiles | str | None) -> str:
     if t is None:
         return "default"
     return (f"{t.tile_m}x{t.tile_n}{t.wg_dim} st{t.stages} {t.grid_minor}{t.grid_tile_width} dr{t.delay_release} "
-            f"epi{t.epi_m}x{t.epi_bytes}B" + (f" swz{t.swizzle}" if t.swizzle != 128 else "")
-            + (" stagger" if t.stagger else "")
-            + (f" probe={t.probe}" if t.probe else ""))
+            f"epi{t.epi_m}x{t.epi_bytes}B")
 
 
 def main():
@@ -133,7 +124,6 @@ def main():
     ap.add_argument("--tag", default="run")
     ap.add_argument("--deadline", type=float, default=150.0, help="seconds; later arms are skipped")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--stagger", action="store_true", help="also the Mosaic FP8 arms with MgpuTiles.stagger")
     ap.add_argument("--shapes", default="in_proj,out_proj")
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--no-xla-fp8", action="store_true")
@@ -213,10 +203,10 @@ def main():
         result["shapes"][shape]["default_tiles"] = {
             name: short(mgpu_gemm.default_tiles(N, K, per_block=name != "fp8_gemm_t"))
             for name in ("fp8_gemm_t", "w8a16_gemm_pipelined")}
-        for t in mosaic_variants("fp8_gemm_t", N, args.sweep, args.stagger):
+        for t in mosaic_variants("fp8_gemm_t", N, args.sweep):
             arms.append(("fp8_gemm_t", "mosaic", t, "rows",
                          lambda x, q, s, t=t, **kw: mgpu_gemm.fp8_gemm_t_mosaic(x, q, s, tiles=t, interpret=DRY, **kw)))
-        for t in mosaic_variants("w8a16_gemm_pipelined", N, args.sweep, args.stagger):
+        for t in mosaic_variants("w8a16_gemm_pipelined", N, args.sweep):
             arms.append(("w8a16_gemm_pipelined", "mosaic", t, "blocks",
                          lambda x, q, s, t=t, **kw: mgpu_gemm.w8a16_gemm_pipelined_mosaic(x, q, s, tiles=t,
                                                                                              interpret=DRY, **kw)))

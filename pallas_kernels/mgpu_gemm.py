@@ -56,12 +56,6 @@ class MgpuTiles:
     epi_m: int = 64            # epilogue sub-tile rows (a multiple of the wgmma layout's 64-row tile)
     epi_bytes: int = 128       # epilogue sub-tile columns in bytes of the output dtype (its swizzle: 32/64/128)
     delay_release: int = 0     # wgmma groups left in flight per step (a stage is freed one step later)
-    swizzle: int = 128         # shared-memory rows of the E4M3 tiles in bytes (128, or 64 for stagger)
-    stagger: bool = False      # the compute warpgroups take turns: each issues a step as two K halves (two wgmma
-                               # groups) once the other's first half of its last step finished, and signals when
-                               # its own first half did; the matrix units keep one's work while the other rescales
-    probe: str = ""            # timing probes of the rescaling kernels (WRONG results): "skip_mul" drops the
-                               # rescale multiply; "acc_ref" also keeps the accumulator as a ref (as fp8_gemm_t)
 
     @property
     def cta(self) -> tuple[int, int]:
@@ -86,9 +80,8 @@ def _num_sms(interpret: bool) -> int:
         return 132
 
 
-def _fp8_transforms(swizzle: int = 128):
-    """E4M3 tiles in rows of `swizzle` bytes (128: one K step; 64: two, so a step can be issued as two K halves)."""
-    return (plgpu.TilingTransform((8, swizzle)), plgpu.SwizzleTransform(swizzle))
+def _fp8_transforms():
+    return (plgpu.TilingTransform((8, TILE_K)), plgpu.SwizzleTransform(128))
 
 
 def _check_tiles(name: str, M: int, N: int, K: int, t: MgpuTiles, *, per_block: bool) -> None:
@@ -97,9 +90,6 @@ def _check_tiles(name: str, M: int, N: int, K: int, t: MgpuTiles, *, per_block: 
         # one 128-column scale block per CTA (the wg_dim="n" variant also deadlocked in GPU interpret mode)
         raise ShapeError(f"{name}: tiles.wg_dim must be 'm' and tile_n {FP8_BLOCK} for the block-scaled kernel, "
                          f"got {t.wg_dim!r}, {t.tile_n}")
-    if t.swizzle not in (64, 128) or (t.stagger and t.swizzle != 64):
-        raise ShapeError(f"{name}: tiles.swizzle must be 64 or 128 bytes, and 64 with stagger (a K step issued as "
-                         f"two 64-byte halves), got {t.swizzle} (stagger={t.stagger})")
     if t.tile_m % 64 or t.tile_n % 8 or t.tile_n > 256:
         raise ShapeError(f"{name}: tile_m={t.tile_m} must be a multiple of 64 and tile_n={t.tile_n} a multiple "
                          f"of 8 up to 256 (wgmma shapes)")
@@ -125,7 +115,7 @@ def _gemm_kernel(*refs, per_block: bool, x_group_steps: int, t: MgpuTiles, M: in
     n_ratio = int(x_steps) + int(per_block)
     x_ref, w_ref = refs[:2]
     ratio_refs = refs[2:2 + n_ratio]
-    xs_ref, ws_ref, out_ref, out_smem, sx_smem, sw_smem, sx_bar, sw_bar, order_bar = refs[2 + n_ratio:]
+    xs_ref, ws_ref, out_ref, out_smem, sx_smem, sw_smem, sx_bar, sw_bar = refs[2 + n_ratio:]
     cta_m, cta_n = t.cta
     tm, tn = t.tile_m, t.tile_n
     m_iters, n_iters, k_iters = M // cta_m, N // cta_n, K // TILE_K
@@ -137,8 +127,7 @@ def _gemm_kernel(*refs, per_block: bool, x_group_steps: int, t: MgpuTiles, M: in
     def spec(shape, **kw):         # K step k of an operand
         return plgpu.BlockSpec(shape, lambda k: (k, 0) if shape[0] == 1 else (0, k), delay_release=dr, **kw)
 
-    in_specs = [spec((cta_m, TILE_K), transforms=_fp8_transforms(t.swizzle)),
-                spec((cta_n, TILE_K), transforms=_fp8_transforms(t.swizzle))]
+    in_specs = [spec((cta_m, TILE_K), transforms=_fp8_transforms()), spec((cta_n, TILE_K), transforms=_fp8_transforms())]
     in_specs += ([spec((1, cta_m))] if x_steps else []) + ([spec((1, tm))] if per_block else [])
 
     def make_pipeline(body, context):
@@ -153,8 +142,6 @@ def _gemm_kernel(*refs, per_block: bool, x_group_steps: int, t: MgpuTiles, M: in
                        collective_axes="wg")
     def _scope(allocs):
         wg = lax.axis_index("wg")
-        if t.stagger:       # order_bar[g]: warpgroup g's first half finished; warpgroup 1 lets 0 start
-            pl.when(wg == 1)(lambda: plgpu.barrier_arrive(order_bar.at[1]))
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
         def _tiles(info: plgpu.NDLoopInfo):
@@ -194,7 +181,7 @@ def _gemm_kernel(*refs, per_block: bool, x_group_steps: int, t: MgpuTiles, M: in
                 # the epilogue's scales travel while the K loop runs
                 plgpu.copy_gmem_to_smem(xs_ref.at[pl.ds(rows0, tm)], sx_smem.at[wg], sx_bar.at[wg])
                 plgpu.copy_gmem_to_smem(ws_ref.at[pl.ds(cols0, tn)], sw_smem.at[wg], sw_bar.at[wg])
-                if n_ratio and t.probe != "acc_ref":      # the accumulator is a value: rescaled, then handed to each step's wgmma
+                if n_ratio:         # the accumulator is a value: rescaled, then handed to each step's wgmma
                     finish(run(plgpu.layout_cast(jnp.zeros((tm, tn), jnp.float32), plgpu.Layout.WGMMA)))
                     return
 
@@ -207,22 +194,13 @@ def _gemm_kernel(*refs, per_block: bool, x_group_steps: int, t: MgpuTiles, M: in
                 *ratio_s, acc = rest
 
                 def mma(acc_ref):
-                    if not t.stagger:
-                        plgpu.wgmma(acc_ref, x_s.at[wg_rows], w_s.at[wg_cols].transpose((1, 0)))
-                        return
-                    plgpu.barrier_wait(order_bar.at[1 - wg])
-                    for h in (pl.ds(0, TILE_K // 2), pl.ds(TILE_K // 2, TILE_K // 2)):     # two wgmma groups
-                        plgpu.wgmma(acc_ref, x_s.at[wg_rows, h], w_s.at[wg_cols, h].transpose((1, 0)))
-                    plgpu.wgmma_wait(1)
-                    plgpu.barrier_arrive(order_bar.at[wg])
+                    plgpu.wgmma(acc_ref, x_s.at[wg_rows], w_s.at[wg_cols].transpose((1, 0)))
 
-                if not ratio_s or t.probe == "acc_ref":
+                if not ratio_s:
                     mma(acc)
                     plgpu.wgmma_wait(dr)
                     return acc
                 def rescale(acc):       # change the units to this step's scales
-                    if t.probe == "skip_mul":
-                        return acc
                     r = row_vec(ratio_s[0].at[0, wg_rows]) if x_steps else None
                     if per_block:
                         rw = row_vec(ratio_s[-1].at[0])                         # one value, tm times
@@ -247,9 +225,6 @@ def _gemm_kernel(*refs, per_block: bool, x_group_steps: int, t: MgpuTiles, M: in
             args += ((ratio_refs[0].at[:, cta_rows],) if x_steps else ()) + \
                     ((ratio_refs[-1].at[:, pl.ds(ni * tm, tm)],) if per_block else ())
             make_pipeline(body, context)(*args, allocations=allocs)
-
-        if t.stagger:       # warpgroup 1's last signal is still unobserved
-            pl.when(wg == 0)(lambda: plgpu.barrier_wait(order_bar.at[1]))
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -288,7 +263,7 @@ def _mgpu_call(xq, w, scale_args, *, per_block: bool, x_group_steps: int, tiles:
     f = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((Mp, N), out_dtype),
         scratch_types=[out_smem, plgpu.SMEM((2, t.tile_m), jnp.float32), plgpu.SMEM((2, t.tile_n), jnp.float32),
-                       plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)],
+                       plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)],
         grid=(min(_num_sms(interpret), ncta),), grid_names=("sm",), num_threads=3, thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)
     return f(xq, w, *scale_args)
