@@ -14,6 +14,7 @@ Mosaic arm and variants, Triton arm, dequantize-to-bf16 + XLA dot, the Mosaic ar
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -96,17 +97,17 @@ def xla_fp8_rows(x, q, s):
     return (y * xs[:, None] * s[None, :]).astype(x.dtype)
 
 
-def mosaic_variants(name: str, N: int, sweep: bool) -> list[MgpuTiles | None]:
-    """None = the arm's default tiles; with --sweep a few neighbours (that fit N)."""
+def mosaic_variants(name: str, N: int, K: int, sweep: bool) -> list[MgpuTiles | None]:
+    """None = the arm's default tiles; with --sweep the block-scaled kernel's launch neighbours (128x128 per
+    warpgroup: stages 3 / 4, epilogue staging 64 / 128 bytes, snake order and width) other than its default."""
     out: list[MgpuTiles | None] = [None]
-    if not sweep:
+    if not sweep or name != "w8a16_gemm_pipelined":
         return out
-    if name == "w8a16_gemm_pipelined":     # launch neighbours of the default (128x128 per warpgroup, st4, m8)
-        out += [MgpuTiles(128, 128, "m", stages=3, epi_bytes=64), MgpuTiles(128, 128, "m", stages=3),
-                MgpuTiles(128, 128, "m", stages=4, epi_bytes=64, grid_minor="n"),
-                MgpuTiles(128, 128, "m", stages=4, epi_bytes=64, grid_tile_width=4),
-                MgpuTiles(128, 128, "m", stages=4, epi_bytes=64, grid_tile_width=16)]
-    return out
+    base = MgpuTiles(128, 128, "m", stages=4, epi_bytes=64)
+    cands = [dataclasses.replace(base, stages=3), dataclasses.replace(base, stages=3, epi_bytes=128), base,
+             dataclasses.replace(base, grid_minor="n"), dataclasses.replace(base, grid_tile_width=4),
+             dataclasses.replace(base, grid_tile_width=16)]
+    return out + [t for t in cands if t != mgpu_gemm.default_tiles(N, K, per_block=True)]
 
 
 def short(t: MgpuTiles | str | None) -> str:
@@ -203,10 +204,10 @@ def main():
         result["shapes"][shape]["default_tiles"] = {
             name: short(mgpu_gemm.default_tiles(N, K, per_block=name != "fp8_gemm_t"))
             for name in ("fp8_gemm_t", "w8a16_gemm_pipelined")}
-        for t in mosaic_variants("fp8_gemm_t", N, args.sweep):
+        for t in mosaic_variants("fp8_gemm_t", N, K, args.sweep):
             arms.append(("fp8_gemm_t", "mosaic", t, "rows",
                          lambda x, q, s, t=t, **kw: mgpu_gemm.fp8_gemm_t_mosaic(x, q, s, tiles=t, interpret=DRY, **kw)))
-        for t in mosaic_variants("w8a16_gemm_pipelined", N, args.sweep):
+        for t in mosaic_variants("w8a16_gemm_pipelined", N, K, args.sweep):
             arms.append(("w8a16_gemm_pipelined", "mosaic", t, "blocks",
                          lambda x, q, s, t=t, **kw: mgpu_gemm.w8a16_gemm_pipelined_mosaic(x, q, s, tiles=t,
                                                                                              interpret=DRY, **kw)))
