@@ -67,7 +67,7 @@ def default_tiles(N: int, K: int, *, per_block: bool, x_steps: bool = False) -> 
     one scale block, so each step's weight scale is one number per warpgroup). With per-step scale ratios in
     the pipeline (block-scaled weights, or x scaled per group: x_steps) 4 stages leave room for 64-byte wide
     epilogue staging only; the block-scaled kernel at K <= 4096 takes 3 stages and 128-byte staging (H200:
-    1.5-3% faster at in_proj in three runs, no faster at out_proj's K = 8192; notes, call s7-5)."""
+    2.4-3.2% faster at in_proj in three runs, no faster at out_proj's K = 8192; notes, call s7-5)."""
     if per_block and K <= 4096:
         return MgpuTiles(tile_m=128, tile_n=128, wg_dim="m", stages=3, epi_bytes=128)
     return MgpuTiles(tile_m=128, tile_n=128, wg_dim="m", stages=4, epi_bytes=64 if per_block or x_steps else 128)
