@@ -97,12 +97,24 @@ def xla_fp8_rows(x, q, s):
     return (y * xs[:, None] * s[None, :]).astype(x.dtype)
 
 
-def mosaic_variants(name: str, N: int, K: int, sweep: bool) -> list[MgpuTiles | None]:
+def mosaic_variants(name: str, N: int, K: int, sweep: bool, cluster: bool = False) -> list[MgpuTiles | None]:
     """None = the arm's default tiles; with --sweep the block-scaled kernel's launch neighbours (128x128 per
-    warpgroup: stages 3 / 4, epilogue staging 64 / 128 bytes, snake order and width) other than its default."""
+    warpgroup: stages 3 / 4, epilogue staging 64 / 128 bytes, snake order and width) other than its default, and
+    the row-scaled kernel's 128x128 and 64x256 warpgroup tiles;
+    with --cluster the row-scaled kernel's default tiles in CTA pairs sharing the weight tile ("m") or the x
+    tile ("n", where N takes two CTA tiles)."""
     out: list[MgpuTiles | None] = [None]
-    if not sweep or name != "w8a16_gemm_pipelined":
+    if cluster and name == "fp8_gemm_t":        # (the block-scaled kernel refuses clusters: s8-1)
+        d = mgpu_gemm.default_tiles(N, K, per_block=False)
+        out += [dataclasses.replace(d, cluster=c) for c in ("m", "n") if c != d.cluster
+                and N % dataclasses.replace(d, cluster=c).cluster_tile[1] == 0]
+    if not sweep:
         return out
+    if name == "fp8_gemm_t":     # 128x128 (the pre-session-8 default) against 64x256 per warpgroup
+        cands = [MgpuTiles(128, 128, "m", stages=4), MgpuTiles(64, 256, "m", stages=3),
+                 MgpuTiles(64, 256, "m", stages=4, epi_bytes=64), MgpuTiles(64, 256, "m", stages=3, grid_minor="n")]
+        d = mgpu_gemm.default_tiles(N, K, per_block=False)
+        return out + [t for t in cands if t != d and N % t.cta[1] == 0]
     base = MgpuTiles(128, 128, "m", stages=4, epi_bytes=64)
     cands = [dataclasses.replace(base, stages=3), dataclasses.replace(base, stages=3, epi_bytes=128), base,
              dataclasses.replace(base, grid_minor="n"), dataclasses.replace(base, grid_tile_width=4),
@@ -116,7 +128,7 @@ def short(t: MgpuTiles | str | None) -> str:
     if t is None:
         return "default"
     return (f"{t.tile_m}x{t.tile_n}{t.wg_dim} st{t.stages} {t.grid_minor}{t.grid_tile_width} dr{t.delay_release} "
-            f"epi{t.epi_m}x{t.epi_bytes}B")
+            f"epi{t.epi_m}x{t.epi_bytes}B" + (f" cluster {t.cluster}" if t.cluster else ""))
 
 
 def main():
@@ -125,6 +137,8 @@ def main():
     ap.add_argument("--tag", default="run")
     ap.add_argument("--deadline", type=float, default=150.0, help="seconds; later arms are skipped")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--cluster", action="store_true", help="also the Mosaic arms' default tiles in 2-CTA clusters")
+    ap.add_argument("--only", default="", help="comma-separated arm names to keep (default: all)")
     ap.add_argument("--shapes", default="in_proj,out_proj")
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--no-xla-fp8", action="store_true")
@@ -204,10 +218,10 @@ def main():
         result["shapes"][shape]["default_tiles"] = {
             name: short(mgpu_gemm.default_tiles(N, K, per_block=name != "fp8_gemm_t"))
             for name in ("fp8_gemm_t", "w8a16_gemm_pipelined")}
-        for t in mosaic_variants("fp8_gemm_t", N, K, args.sweep):
+        for t in mosaic_variants("fp8_gemm_t", N, K, args.sweep, args.cluster):
             arms.append(("fp8_gemm_t", "mosaic", t, "rows",
                          lambda x, q, s, t=t, **kw: mgpu_gemm.fp8_gemm_t_mosaic(x, q, s, tiles=t, interpret=DRY, **kw)))
-        for t in mosaic_variants("w8a16_gemm_pipelined", N, K, args.sweep):
+        for t in mosaic_variants("w8a16_gemm_pipelined", N, K, args.sweep, args.cluster):
             arms.append(("w8a16_gemm_pipelined", "mosaic", t, "blocks",
                          lambda x, q, s, t=t, **kw: mgpu_gemm.w8a16_gemm_pipelined_mosaic(x, q, s, tiles=t,
                                                                                              interpret=DRY, **kw)))
@@ -240,6 +254,8 @@ def main():
                 result["errors"].append({"shape": shape, "stage": "fused_quant_check",
                                          "traceback": traceback.format_exc()})
                 log(traceback.format_exc())
+        if args.only:
+            arms = [a for a in arms if a[0] in args.only.split(",")]
         base_us = None
         for name, impl, cfg, fmt, fn in arms:
             def measure(row, name=name, impl=impl, fmt=fmt, fn=fn):
@@ -466,6 +482,8 @@ def nvfp4_main(args, result, save, key):
                         ("w4a16_gemm_t", "mosaic", short_nv(t), "w",
                          lambda x, p, s, g, t=t, **kw: mgpu_gemm_nvfp4.w4a16_gemm_t_mosaic(x, p, s, g, tiles=t,
                                                                                             interpret=DRY, **kw)))
+        if args.only:
+            arms = [a for a in arms if a[0] in args.only.split(",")]
         base_us = None
         for name, impl, cfg, fmt, fn in arms:
             def measure(row, name=name, impl=impl, cfg=cfg, fmt=fmt, fn=fn):
