@@ -67,6 +67,8 @@ class GemvConfig:
     overlap: bool = False     # w8: two step accumulators, step k's wgmma runs while step k+1 is widened
     probe: str = ""           # benchmark probe, WRONG results: "stream" skips the widening and the wgmma, "mma"
                               # the widening only (w8: a constant A operand)
+    m_tiles: int = 0          # w8: 16-row x tiles per CTA, each against the same widened weight tile (0: auto,
+                              # all of M up to 16 tiles as shared memory allows; 1 = one CTA per 16 rows)
 
 
 def _tf(cols_bytes: int, itemsize: int):
@@ -332,28 +334,51 @@ def _mma_value(a, b_ref, a_smem, n: int):
     return pl.run_scoped(run, plgpu.ACC((ROWS, n), jnp.float32))
 
 
-def _store_out(accs, o_smem, o_gmem, split, m_blk, n_blk, bn, direct):
-    """accs: [64, BM] tiles of out^T. direct: into o_gmem [M, N] through transposed SMEM views (TMA clips
-    rows past M and columns past N; 16-bit outputs only). Else as float32 out^T partials into
-    o_gmem [split, N, Mp] (summed and transposed by the caller)."""
+MMA_CHUNK = 4      # fresh [64, 16] products in flight at once (registers: 8 per product per thread)
+
+
+def _mma_values(a, b_refs, a_smem):
+    """Fresh [64, BM] float32 products a @ b for each b in b_refs (the same A registers), issued MMA_CHUNK at a
+    time and awaited together: per product the same wgmma as `_mma_value`, so the same bits."""
+    out = []
+    for c in range(0, len(b_refs), MMA_CHUNK):
+        chunk = b_refs[c:c + MMA_CHUNK]
+
+        def run(*acc_refs, chunk=chunk):
+            for r, b in zip(acc_refs, chunk):
+                _mma(r, a, b, a_smem)
+            return tuple(r[...] for r in acc_refs)
+        out += pl.run_scoped(run, *[plgpu.ACC((ROWS, BM), jnp.float32) for _ in chunk])
+    return out
+
+
+def _store_out(accs, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, m_tiles: int = 1):
+    """accs: per 64-row group, [64, BM] tiles of out^T (one, or a tuple of m_tiles consecutive 16-row tiles).
+    direct: into o_gmem [M, N] through transposed SMEM views (TMA clips rows past M and columns past N;
+    16-bit outputs only). Else as float32 out^T partials into o_gmem [split, N, Mp] (summed and transposed by
+    the caller)."""
     for g, acc in enumerate(accs):
         rows = pl.ds(g * ROWS, ROWS)
-        dst = o_smem.at[:, rows].transpose((1, 0)) if direct else o_smem.at[rows]
-        dst[...] = acc.astype(o_smem.dtype)
+        for t, a in enumerate(acc if isinstance(acc, tuple) else (acc,)):
+            cols = pl.ds(t * BM, BM)
+            dst = o_smem.at[cols, rows].transpose((1, 0)) if direct else o_smem.at[rows, cols]
+            dst[...] = a.astype(o_smem.dtype)
     plgpu.commit_smem()
+    mrows = pl.ds(m_blk * BM * m_tiles, BM * m_tiles)
     if direct:
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[pl.ds(m_blk * BM, BM), pl.ds(n_blk * bn, bn)])
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[mrows, pl.ds(n_blk * bn, bn)])
     else:
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[split, pl.ds(n_blk * bn, bn), pl.ds(m_blk * BM, BM)])
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[split, pl.ds(n_blk * bn, bn), mrows])
     plgpu.wait_smem_to_gmem(0)
 
 
-def _out_spec(M: int, N: int, bn: int, split: int, out_dtype):
+def _out_spec(M: int, N: int, bn: int, split: int, out_dtype, m_tiles: int = 1):
     """(direct?, out type, SMEM staging tile) for a call with M (padded) rows; see `_store_out`."""
     direct = split == 1 and jnp.dtype(out_dtype).itemsize == 2
+    mt = BM * m_tiles
     if direct:
-        return True, jax.ShapeDtypeStruct((M, N), out_dtype), plgpu.SMEM((BM, bn), out_dtype)
-    return False, jax.ShapeDtypeStruct((split, N, pl.cdiv(M, BM) * BM), jnp.float32), plgpu.SMEM((bn, BM), jnp.float32)
+        return True, jax.ShapeDtypeStruct((M, N), out_dtype), plgpu.SMEM((mt, bn), out_dtype)
+    return False, jax.ShapeDtypeStruct((split, N, pl.cdiv(M, mt) * mt), jnp.float32), plgpu.SMEM((bn, mt), jnp.float32)
 
 
 def _pad_rows(x):
@@ -399,8 +424,10 @@ def _widen8(w_ref, load: str, widen: str, interpret: bool):
 
 
 def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, load, widen, interpret,
-               probe):
-    """One wgmma per 128-wide K step into a fresh accumulator, waited for before the block scale is applied."""
+               probe, m_tiles):
+    """One wgmma per 128-wide K step and 16-row x tile into a fresh accumulator, waited for before the block
+    scale is applied. The widened weight tile serves all m_tiles x tiles of the CTA (read and widened once),
+    and every row gets the same wgmma shape and order of operations whatever M is."""
     n_blk, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
     k_first = split * steps
     s_row = n_blk * bn // FP8_BLOCK                    # bn divides 128: one block-scale row per CTA
@@ -409,7 +436,7 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, sta
     def body(idx, w_smem, x_smem, acc):
         (k,) = idx
         s = s_gmem[s_row, k_first + k]
-        xt = x_smem.transpose((1, 0))                   # [128, BM]: the B operand
+        xts = [x_smem.at[pl.ds(t * BM, BM)].transpose((1, 0)) for t in range(m_tiles)]   # [128, BM]: B operands
         if probe == "stream":
             return acc
         out = []
@@ -418,16 +445,18 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, sta
                 a = plgpu.layout_cast(jnp.full((ROWS, W8_BK), 1.0, jnp.bfloat16), plgpu.Layout.WGMMA)
             else:
                 a = _widen8(w_smem.at[pl.ds(g * ROWS, ROWS)], load, widen, interpret)
-            out.append(acc[g] + _mma_value(a, xt, a_smem, BM) * s)
+            prods = [_mma_value(a, xts[0], a_smem, BM)] if m_tiles == 1 else _mma_values(a, xts, a_smem)
+            out.append(tuple(acc_t + p * s for acc_t, p in zip(acc[g], prods)))
         return tuple(out)
 
     zero = plgpu.layout_cast(jnp.zeros((ROWS, BM), jnp.float32), plgpu.Layout.WGMMA)
     acc = plgpu.emit_pipeline(
         body, grid=(steps,),
         in_specs=[plgpu.BlockSpec((bn, W8_BK), lambda k: (n_blk, k_first + k), transforms=_tf(W8_BK, 1)),
-                  plgpu.BlockSpec((BM, W8_BK), lambda k: (m_blk, k_first + k), transforms=_tf(2 * W8_BK, 2))],
-        max_concurrent_steps=stages, init_carry=(zero,) * groups)(w_gmem, x_gmem)
-    _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct)
+                  plgpu.BlockSpec((BM * m_tiles, W8_BK), lambda k: (m_blk, k_first + k),
+                                  transforms=_tf(2 * W8_BK, 2))],
+        max_concurrent_steps=stages, init_carry=((zero,) * m_tiles,) * groups)(w_gmem, x_gmem)
+    _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, m_tiles)
 
 
 def _w8_kernel_overlap(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, load, widen,
@@ -513,19 +542,36 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
     xp = _pad_rows(x)
     if config.widen == "perm":
         xp = perm_cols(xp)                                # the weight tiles' columns arrive in this order
-    direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype)
+    stages = config.stages if config.overlap else min(config.stages, steps)
+    mt = 1 if config.overlap else _w8_m_tiles(mb, bn, stages, split, out_dtype, config.m_tiles)
+    direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype, mt)
     kernel = functools.partial(_w8_kernel_overlap if config.overlap else _w8_kernel, bn=bn, steps=steps,
-                               stages=config.stages if config.overlap else min(config.stages, steps), direct=direct,
-                               load=config.load, widen=config.widen, interpret=bool(interpret))
+                               stages=stages, direct=direct, load=config.load, widen=config.widen,
+                               interpret=bool(interpret))
     if not config.overlap:
-        kernel = functools.partial(kernel, probe=config.probe)
+        kernel = functools.partial(kernel, probe=config.probe, m_tiles=mt)
     f = plgpu.kernel(
-        kernel, out_type=out_type, grid=(nb, mb, split), grid_names=("n", "m", "s"),
+        kernel, out_type=out_type, grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s"),
         scratch_types=dict(o_smem=o_smem,
                            a_smem=plgpu.SMEM((ROWS, W8_BK), jnp.bfloat16, transforms=_tf(2 * W8_BK, 2))
                            if interpret else None),
         **_interpret_kw(interpret))
     return _finish(f(xp, w, scale), direct, M, out_dtype)
+
+
+W8_SMEM = 220 * 1024   # pipeline stages + output staging of the w8 kernel (of 227 KB; the rest: barriers)
+
+
+def _w8_m_tiles(mb: int, bn: int, stages: int, split: int, out_dtype, m_tiles: int) -> int:
+    """16-row x tiles per CTA: m_tiles, or (0) as many of the mb as fit (TMA boxes take 256 rows: 16 tiles; the
+    stages' weight and x tiles and the output staging: W8_SMEM), spread evenly over the fewest CTAs."""
+    if m_tiles:
+        return m_tiles
+    out_bytes = 2 if split == 1 and jnp.dtype(out_dtype).itemsize == 2 else 4
+    mt = min(mb, 16)
+    while mt > 1 and stages * bn * W8_BK + (stages * 2 * W8_BK + out_bytes * bn) * BM * mt > W8_SMEM:
+        mt -= 1
+    return pl.cdiv(mb, pl.cdiv(mb, mt))
 
 
 def _interpret_kw(interpret) -> dict:
@@ -536,6 +582,9 @@ def _interpret_kw(interpret) -> dict:
 
 
 def _check_config(name: str, config: GemvConfig):
+    if config.m_tiles < 0 or config.m_tiles > 16 or (config.m_tiles > 1 and (name != "w8a16_gemv" or config.overlap)):
+        raise ShapeError(f"{name}(mosaic): config.m_tiles expects 0 (auto) to 16, above 1 for w8a16_gemv without "
+                         f"overlap only; got {config}")
     if config.block_n not in (64, 128) or config.stages < 1 or config.split_k < 0 or config.load not in (
             "upcast", "direct") or config.widen not in ("ptx", "jnp", "perm") or (
             name == "w4a16_gemv" and config.overlap) or (config.stages < 2 and (

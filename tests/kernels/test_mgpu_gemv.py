@@ -54,7 +54,10 @@ W8_CASES = [(3, 192, 384, GemvConfig(64, 2)),
             (5, 192, 512, GemvConfig(128, 3, 2)),
             (17, 128, 256, GemvConfig(64, 4, load="direct")),
             (3, 192, 1024, GemvConfig(128, 2, 2, widen="perm", overlap=True)),
-            (17, 64, 512, GemvConfig(64, 2, widen="perm"))]
+            (17, 64, 512, GemvConfig(64, 2, widen="perm")),
+            # several 16-row x tiles per CTA: auto (M = 40: three, the last one part-filled) and a fixed 2 of 5
+            (40, 192, 384, GemvConfig(64, 2)),
+            (70, 128, 512, GemvConfig(128, 2, 2, m_tiles=2))]
 
 
 @pytest.mark.parametrize("M,N,K,config", W8_CASES, ids=lambda v: str(v))
@@ -122,6 +125,9 @@ def test_rows_are_batch_invariant(rng, interpret, kernel, config):
     for i in (0, 6, 15):
         np.testing.assert_array_equal(np.asarray(run(x16[i:i + 1]))[0], y16[i])
     np.testing.assert_array_equal(y3, y16[5:8])
+    if kernel == "w8a16" and config is None:      # several 16-row tiles per CTA (auto m_tiles) keep the bits
+        x40 = jnp.concatenate([x16, _x(rng, 24, K)])
+        np.testing.assert_array_equal(np.asarray(run(x40))[:16], y16)
 
 
 def test_no_races_in_the_pipeline(rng):
@@ -160,6 +166,10 @@ def test_bad_inputs_raise_typed_errors(rng):
         mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(probe="stram"))
     with pytest.raises(ShapeError, match="probe 'mma' is not implemented"):
         mg.w4a16_gemv_mosaic(_x(rng, 2, 512), *_nvfp4(rng, 64, 512), config=GemvConfig(widen="perm", probe="mma"))
+    with pytest.raises(ShapeError, match="config.m_tiles expects 0 .auto. to 16, above 1 for w8a16_gemv"):
+        mg.w4a16_gemv_mosaic(_x(rng, 2, 512), *_nvfp4(rng, 64, 512), config=GemvConfig(m_tiles=2))
+    with pytest.raises(ShapeError, match="config.m_tiles expects 0 .auto. to 16"):
+        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(m_tiles=17))
     p, s4, g = _nvfp4(rng, 64, 768)
     with pytest.raises(ShapeError, match="K % 512"):
         mg.w4a16_gemv_mosaic(_x(rng, 2, 768), p, s4, g)
@@ -371,6 +381,22 @@ def test_gpu_widenings_are_exact_for_every_e4m3_code():
                 GemvConfig(64, 2, widen="perm"), GemvConfig(128, 2, widen="perm", overlap=True)):
         y = mg.w8a16_gemv_mosaic(x, w, s, out_dtype=F32, config=cfg)
         np.testing.assert_array_equal(np.asarray(y), np.asarray(w.astype(F32)[:, :16].T * 0.75))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N,K", SHAPES_8B)
+def test_w8a16_mosaic_large_batch_on_gpu(rng, N, K):
+    """Decode at batch 256 (16 x tiles per CTA against one widened weight tile): rows bit-identical to the same
+    rows at M = 1 and M = 16, and right against the reference."""
+    (q, s) = _fp8(rng, N, K)
+    x = _x(rng, 256, K)
+    y = mg.w8a16_gemv_mosaic(x, q, s, out_dtype=F32)
+    assert rel_err(y, w8a16.w8a16_reference(x, q, s, out_dtype=F32)) < 1e-5
+    np.testing.assert_array_equal(np.asarray(mg.w8a16_gemv_mosaic(x[:16], q, s, out_dtype=F32)), np.asarray(y[:16]))
+    np.testing.assert_array_equal(np.asarray(mg.w8a16_gemv_mosaic(x[200:201], q, s, out_dtype=F32)),
+                                  np.asarray(y[200:201]))
+    yb = mg.w8a16_gemv_mosaic(x, q, s)
+    np.testing.assert_array_equal(np.asarray(mg.w8a16_gemv_mosaic(x[100:101], q, s)), np.asarray(yb[100:101]))
 
 
 @pytest.mark.gpu

@@ -1,0 +1,69 @@
+"""Decode GEMVs at large batch (H200): w8a16_gemv's Mosaic arm with several 16-row x tiles per CTA (auto
+m_tiles, the default) against one CTA per 16 rows (m_tiles=1, the pre-session-8 launch) and XLA BF16, at the
+Nemotron-H-8B projection shapes, M = 1 .. 256. Each arm checked against the reference first; wall us per call
+(4 distinct argument sets queued in one executable, best of 3 trials).
+
+    PYTHONPATH=. python3 tools/gemv_batch.py --out $OUT [--ms 1,16,64,256]
+writes OUT/gemv_batch.json."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import timing
+from benchmarks.bench_prefill import SHAPES, fp8_blocks, rel_err, xla_bf16
+from pallas_kernels import mgpu_gemv as mg
+from pallas_kernels import w8a16
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/gemv_batch")
+    ap.add_argument("--ms", default="1,16,64,256")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    res = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "method": __doc__.split("\n\n")[0],
+           "rows": []}
+    key = jax.random.key(0)
+    for shape, (N, K) in SHAPES.items():
+        kx, kw, key = jax.random.split(key, 3)
+        w = jax.random.normal(kw, (N, K), jnp.float32) * jax.random.uniform(kw, (N, 1), minval=0.1, maxval=3.0)
+        wb = [w.astype(jnp.bfloat16), (w * 1.01).astype(jnp.bfloat16)]
+        wq = [fp8_blocks(w), fp8_blocks(w * 1.01)]
+        del w
+        base = mg.w8a16_gemv_blocks(N, K)
+        for M in map(int, args.ms.split(",")):
+            xs = [jax.random.normal(k, (M, K), jnp.bfloat16) for k in jax.random.split(jax.random.fold_in(kx, M), 4)]
+            ref = w8a16.w8a16_reference(xs[0], *wq[0], out_dtype=jnp.float32)
+            arms = {"xla_bf16": (xla_bf16, [(xs[i], wb[i % 2]) for i in range(4)], None)}
+            for name, cfg in (("mosaic auto m_tiles", base), ("mosaic m_tiles=1", base.__class__(
+                    **{**base.__dict__, "m_tiles": 1}))):
+                fn = lambda x, q, s, cfg=cfg, **kw: mg.w8a16_gemv_mosaic(x, q, s, config=cfg, **kw)
+                arms[name] = (fn, [(xs[i], *wq[i % 2]) for i in range(4)], cfg)
+            for name, (fn, sets, cfg) in arms.items():
+                row = {"shape": shape, "N": N, "K": K, "M": M, "arm": name}
+                try:
+                    if cfg is not None:
+                        row["rel_err"] = rel_err(jax.jit(lambda *a, fn=fn: fn(*a, out_dtype=jnp.float32))(*sets[0]),
+                                                 ref)
+                        bn, _, mb, split, steps = mg._grid("w8a16_gemv", M, N, K, mg.W8_BK, cfg)
+                        row["m_tiles"] = mg._w8_m_tiles(mb, bn, min(cfg.stages, steps), split, jnp.bfloat16,
+                                                        cfg.m_tiles)
+                    walls = timing.queued_wall_us(fn, sets, reps=10)
+                    row.update(us=min(walls), us_all=walls)
+                except Exception as e:  # noqa: BLE001
+                    row["error"] = repr(e)[:1500]
+                res["rows"].append(row)
+                print(shape, M, name, {k: v for k, v in row.items() if k in ("us", "rel_err", "m_tiles", "error")},
+                      flush=True)
+            with open(os.path.join(args.out, "gemv_batch.json"), "w") as fh:
+                json.dump(res, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
