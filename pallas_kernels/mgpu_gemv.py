@@ -68,7 +68,7 @@ class GemvConfig:
     probe: str = ""           # benchmark probe, WRONG results: "stream" skips the widening and the wgmma, "mma"
                               # the widening only (w8: a constant A operand)
     m_tiles: int = 0          # w8: 16-row x tiles per CTA, each against the same widened weight tile (0: auto,
-                              # all of M up to 16 tiles as shared memory allows; 1 = one CTA per 16 rows)
+                              # up to M_TILES_AUTO as shared memory allows; 1 = one CTA per 16 rows)
 
 
 def _tf(cols_bytes: int, itemsize: int):
@@ -559,16 +559,17 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
     return _finish(f(xp, w, scale), direct, M, out_dtype)
 
 
+M_TILES_AUTO = 4       # H200 s8-6: 4 tiles per CTA 1.35-1.56x faster at M = 64; 16 (one CTA per SM) 1.1x slower at 256
 W8_SMEM = 220 * 1024   # pipeline stages + output staging of the w8 kernel (of 227 KB; the rest: barriers)
 
 
 def _w8_m_tiles(mb: int, bn: int, stages: int, split: int, out_dtype, m_tiles: int) -> int:
-    """16-row x tiles per CTA: m_tiles, or (0) as many of the mb as fit (TMA boxes take 256 rows: 16 tiles; the
-    stages' weight and x tiles and the output staging: W8_SMEM), spread evenly over the fewest CTAs."""
+    """16-row x tiles per CTA: m_tiles, or (0) up to M_TILES_AUTO of the mb as fit (the stages' weight and x
+    tiles and the output staging: W8_SMEM), spread evenly over the fewest CTAs."""
     if m_tiles:
         return m_tiles
     out_bytes = 2 if split == 1 and jnp.dtype(out_dtype).itemsize == 2 else 4
-    mt = min(mb, 16)
+    mt = min(mb, M_TILES_AUTO)
     while mt > 1 and stages * bn * W8_BK + (stages * 2 * W8_BK + out_bytes * bn) * BM * mt > W8_SMEM:
         mt -= 1
     return pl.cdiv(mb, pl.cdiv(mb, mt))

@@ -9,6 +9,7 @@ writes OUT/gemv_batch.json."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -25,6 +26,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/gemv_batch")
     ap.add_argument("--ms", default="1,16,64,256")
+    ap.add_argument("--m-tiles", default="1", type=lambda v: [int(t) for t in v.split(",")],
+                    help="fixed m_tiles configs timed beside the auto one")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     res = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "method": __doc__.split("\n\n")[0],
@@ -41,8 +44,8 @@ def main():
             xs = [jax.random.normal(k, (M, K), jnp.bfloat16) for k in jax.random.split(jax.random.fold_in(kx, M), 4)]
             ref = w8a16.w8a16_reference(xs[0], *wq[0], out_dtype=jnp.float32)
             arms = {"xla_bf16": (xla_bf16, [(xs[i], wb[i % 2]) for i in range(4)], None)}
-            for name, cfg in (("mosaic auto m_tiles", base), ("mosaic m_tiles=1", base.__class__(
-                    **{**base.__dict__, "m_tiles": 1}))):
+            extra = [(f"mosaic m_tiles={t}", dataclasses.replace(base, m_tiles=t)) for t in args.m_tiles]
+            for name, cfg in [("mosaic auto m_tiles", base)] + extra:
                 fn = lambda x, q, s, cfg=cfg, **kw: mg.w8a16_gemv_mosaic(x, q, s, config=cfg, **kw)
                 arms[name] = (fn, [(xs[i], *wq[i % 2]) for i in range(4)], cfg)
             for name, (fn, sets, cfg) in arms.items():
