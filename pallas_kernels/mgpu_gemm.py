@@ -102,7 +102,7 @@ def _fp8_transforms():
 
 
 def _check_tiles(name: str, M: int, N: int, K: int, t: MgpuTiles, *, per_block: bool) -> None:
-    cta_m, cta_n = t.cluster_tile
+    cols = t.cluster_tile[1]
     if t.cluster not in ("", "m", "n"):
         raise ShapeError(f"{name}: tiles.cluster must be '', 'm' or 'n', got {t.cluster!r}")
     if per_block and t.cluster:
@@ -115,9 +115,9 @@ def _check_tiles(name: str, M: int, N: int, K: int, t: MgpuTiles, *, per_block: 
     if t.tile_m % 64 or t.tile_n % 8 or t.tile_n > 256:
         raise ShapeError(f"{name}: tile_m={t.tile_m} must be a multiple of 64 and tile_n={t.tile_n} a multiple "
                          f"of 8 up to 256 (wgmma shapes)")
-    if N % cta_n:
+    if N % cols:
         pair = f" (a cluster of two {t.cta[1]}-column CTAs)" if t.cluster == "n" else ""
-        raise ShapeError(f"{name}: w has N={N} rows, not a multiple of the Mosaic tile's {cta_n} columns{pair}; "
+        raise ShapeError(f"{name}: w has N={N} rows, not a multiple of the Mosaic tile's {cols} columns{pair}; "
                          f"use the Triton arm or pad the weight")
     if K % TILE_K:
         raise ShapeError(f"{name}: K={K} (x columns, w columns) is not a multiple of {TILE_K}")

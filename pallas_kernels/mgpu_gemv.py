@@ -372,9 +372,14 @@ def _store_out(accs, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, m_tiles: i
     plgpu.wait_smem_to_gmem(0)
 
 
+def _direct(split: int, out_dtype) -> bool:
+    """Whether the output goes straight to [M, N] (no split-K, 16-bit) rather than as float32 partials."""
+    return split == 1 and jnp.dtype(out_dtype).itemsize == 2
+
+
 def _out_spec(M: int, N: int, bn: int, split: int, out_dtype, m_tiles: int = 1):
     """(direct?, out type, SMEM staging tile) for a call with M (padded) rows; see `_store_out`."""
-    direct = split == 1 and jnp.dtype(out_dtype).itemsize == 2
+    direct = _direct(split, out_dtype)
     mt = BM * m_tiles
     if direct:
         return True, jax.ShapeDtypeStruct((M, N), out_dtype), plgpu.SMEM((mt, bn), out_dtype)
@@ -445,7 +450,7 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, sta
                 a = plgpu.layout_cast(jnp.full((ROWS, W8_BK), 1.0, jnp.bfloat16), plgpu.Layout.WGMMA)
             else:
                 a = _widen8(w_smem.at[pl.ds(g * ROWS, ROWS)], load, widen, interpret)
-            prods = [_mma_value(a, xts[0], a_smem, BM)] if m_tiles == 1 else _mma_values(a, xts, a_smem)
+            prods = _mma_values(a, xts, a_smem)
             out.append(tuple(acc_t + p * s for acc_t, p in zip(acc[g], prods)))
         return tuple(out)
 
@@ -568,7 +573,7 @@ def _w8_m_tiles(mb: int, bn: int, stages: int, split: int, out_dtype, m_tiles: i
     tiles and the output staging: W8_SMEM), spread evenly over the fewest CTAs."""
     if m_tiles:
         return m_tiles
-    out_bytes = 2 if split == 1 and jnp.dtype(out_dtype).itemsize == 2 else 4
+    out_bytes = 2 if _direct(split, out_dtype) else 4
     mt = min(mb, M_TILES_AUTO)
     while mt > 1 and stages * bn * W8_BK + (stages * 2 * W8_BK + out_bytes * bn) * BM * mt > W8_SMEM:
         mt -= 1
