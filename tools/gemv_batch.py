@@ -3,7 +3,7 @@ m_tiles, the default) against one CTA per 16 rows (m_tiles=1, the pre-session-8 
 Nemotron-H-8B projection shapes, M = 1 .. 256. Each arm checked against the reference first; wall us per call
 (4 distinct argument sets queued in one executable, best of 3 trials).
 
-    PYTHONPATH=. python3 tools/gemv_batch.py --out $OUT [--ms 1,16,64,256]
+    PYTHONPATH=. python3 tools/gemv_batch.py --out $OUT [--ms 1,16,64,256] [--m-tiles 1,2] [--launch 128/4/2]
 writes OUT/gemv_batch.json."""
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ def main():
     ap.add_argument("--ms", default="1,16,64,256")
     ap.add_argument("--m-tiles", default="1", type=lambda v: [int(t) for t in v.split(",")],
                     help="fixed m_tiles configs timed beside the auto one")
+    ap.add_argument("--launch", default="", help="extra launches beside the default, block_n/stages/split_k "
+                    "comma-separated (e.g. 128/4/2,128/3/4; split 0 = auto)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     res = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "method": __doc__.split("\n\n")[0],
@@ -45,6 +47,9 @@ def main():
             ref = w8a16.w8a16_reference(xs[0], *wq[0], out_dtype=jnp.float32)
             arms = {"xla_bf16": (xla_bf16, [(xs[i], wb[i % 2]) for i in range(4)], None)}
             extra = [(f"mosaic m_tiles={t}", dataclasses.replace(base, m_tiles=t)) for t in args.m_tiles]
+            for spec in filter(None, args.launch.split(",")):
+                bn, st, sk = map(int, spec.split("/"))
+                extra.append((f"mosaic {spec}", dataclasses.replace(base, block_n=bn, stages=st, split_k=sk)))
             for name, cfg in [("mosaic auto m_tiles", base)] + extra:
                 fn = lambda x, q, s, cfg=cfg, **kw: mg.w8a16_gemv_mosaic(x, q, s, config=cfg, **kw)
                 arms[name] = (fn, [(xs[i], *wq[i % 2]) for i in range(4)], cfg)
