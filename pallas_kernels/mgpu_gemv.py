@@ -548,7 +548,7 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
     if config.widen == "perm":
         xp = perm_cols(xp)                                # the weight tiles' columns arrive in this order
     stages = config.stages if config.overlap else min(config.stages, steps)
-    mt = 1 if config.overlap else _w8_m_tiles(mb, bn, stages, split, out_dtype, config.m_tiles)
+    mt = launch_m_tiles("w8a16_gemv", M, N, K, config, out_dtype)
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype, mt)
     kernel = functools.partial(_w8_kernel_overlap if config.overlap else _w8_kernel, bn=bn, steps=steps,
                                stages=stages, direct=direct, load=config.load, widen=config.widen,
@@ -565,17 +565,29 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
 
 
 M_TILES_AUTO = 4       # H200 s8-6: 4 tiles per CTA 1.35-1.56x faster at M = 64; 16 (one CTA per SM) 1.1x slower at 256
-W8_SMEM = 220 * 1024   # pipeline stages + output staging of the w8 kernel (of 227 KB; the rest: barriers)
+GEMV_SMEM = 220 * 1024  # pipeline stages + output staging of a GEMV CTA (of 227 KB; the rest: barriers)
 
 
-def _w8_m_tiles(mb: int, bn: int, stages: int, split: int, out_dtype, m_tiles: int) -> int:
-    """16-row x tiles per CTA: m_tiles, or (0) up to M_TILES_AUTO of the mb as fit (the stages' weight and x
-    tiles and the output staging: W8_SMEM), spread evenly over the fewest CTAs."""
-    if m_tiles:
-        return m_tiles
+def launch_m_tiles(name: str, M: int, N: int, K: int, config: GemvConfig, out_dtype) -> int:
+    """16-row x tiles per CTA of a w8 or w4-perm launch: config.m_tiles, or (0) up to M_TILES_AUTO of the
+    m-blocks as fit in GEMV_SMEM (the stages' weight and x tiles, the output staging), spread evenly over the
+    fewest CTAs. Launches with overlap or the w4 non-perm decoder take one."""
+    if config.overlap or (name == "w4a16_gemv" and config.widen != "perm"):
+        return 1
+    bk = W8_BK if name == "w8a16_gemv" else W4P_BK
+    bn, _, mb, split, steps = _grid(name, M, N, K, bk, config)
+    stages = min(config.stages, steps) if name == "w8a16_gemv" else config.stages
+    w_bytes = bn * (bk if name == "w8a16_gemv" else bk // 2 + bk // 16)       # per stage
     out_bytes = 2 if _direct(split, out_dtype) else 4
+    smem = lambda mt: stages * w_bytes + (stages * 2 * bk + out_bytes * bn) * BM * mt
+    if config.m_tiles:
+        if smem(config.m_tiles) > GEMV_SMEM:
+            raise ShapeError(f"{name}(mosaic): config.m_tiles={config.m_tiles} needs {smem(config.m_tiles)} bytes of "
+                             f"shared memory with {stages} stages of {bn} rows (at most {GEMV_SMEM}); use fewer "
+                             "stages or tiles")
+        return config.m_tiles
     mt = min(mb, M_TILES_AUTO)
-    while mt > 1 and stages * bn * W8_BK + (stages * 2 * W8_BK + out_bytes * bn) * BM * mt > W8_SMEM:
+    while mt > 1 and smem(mt) > GEMV_SMEM:
         mt -= 1
     return pl.cdiv(mb, pl.cdiv(mb, mt))
 
@@ -588,9 +600,10 @@ def _interpret_kw(interpret) -> dict:
 
 
 def _check_config(name: str, config: GemvConfig):
-    if config.m_tiles < 0 or config.m_tiles > 16 or (config.m_tiles > 1 and (name != "w8a16_gemv" or config.overlap)):
-        raise ShapeError(f"{name}(mosaic): config.m_tiles expects 0 (auto) to 16, above 1 for w8a16_gemv without "
-                         f"overlap only; got {config}")
+    if config.m_tiles < 0 or config.m_tiles > 16 or (config.m_tiles > 1 and (
+            config.overlap or (name == "w4a16_gemv" and config.widen != "perm"))):
+        raise ShapeError(f"{name}(mosaic): config.m_tiles expects 0 (auto) to 16, above 1 only without overlap "
+                         f"(w8) or with widen 'perm' (w4); got {config}")
     if config.block_n not in (64, 128) or config.stages < 1 or config.split_k < 0 or config.load not in (
             "upcast", "direct") or config.widen not in ("ptx", "jnp", "perm") or (
             name == "w4a16_gemv" and config.overlap) or (config.stages < 2 and (
@@ -725,20 +738,21 @@ W4P_BK = 256      # K per step of the "perm" NVFP4 kernel (128 packed bytes, 16 
 
 
 def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, interpret,
-                probe):
+                probe, m_tiles):
     """NVFP4 GEMV with the "perm" decoder: scales are multiplied in during the decode, so one accumulator per
-    64 rows runs over all K. Each step waits for its own wgmmas (wait_group 0) before the next step's decode
-    rewrites the A registers: PTX makes touching an in-flight wgmma's A registers undefined, and the loop body
-    writes the same registers every step (H200 run s3-1: a wait_group(1) version gave wrong, M-dependent rows
-    whenever ptxas did not serialize the wgmmas itself; benchmarks/notes/quant.md). Stages are released one
-    step late (delay_release=1), as in the measured run."""
+    64 rows and 16-row x tile runs over all K; the decoded weight tile serves all m_tiles x tiles of the CTA.
+    Each step waits for its own wgmmas (wait_group 0) before the next step's decode rewrites the A registers:
+    PTX makes touching an in-flight wgmma's A registers undefined, and the loop body writes the same registers
+    every step (H200 run s3-1: a wait_group(1) version gave wrong, M-dependent rows whenever ptxas did not
+    serialize the wgmmas itself; benchmarks/notes/quant.md). Stages are released one step late
+    (delay_release=1), as in the measured run."""
     n_blk, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
     k_first = split * steps
     groups = bn // ROWS
 
-    def scoped(*accs):
+    def scoped(*accs):                                                # [groups * m_tiles] x [64, BM]
         def body(idx, p_smem, s_smem, x_smem):
-            xt = x_smem.transpose((1, 0))                             # [256, BM]
+            xts = [x_smem.at[pl.ds(t * BM, BM)].transpose((1, 0)) for t in range(m_tiles)]   # [256, BM] each
             if probe == "stream":
                 return
             for g in range(groups):
@@ -748,7 +762,8 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, s
                 else:
                     a = _ptx_e2m1_perm_to_bf16(plgpu.load(p_smem.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X),
                                                plgpu.load(s_smem.at[rows], layout=W4_SCALE_LAYOUT))
-                _mma(accs[g], a, xt, a_smem)
+                for t, xt in enumerate(xts):
+                    _mma(accs[g * m_tiles + t], a, xt, a_smem)
             plgpu.wgmma_wait(0)                                       # A registers and x stage free again
 
         spec = lambda shape, tf, row: plgpu.BlockSpec(shape, lambda k: (row, k_first + k), transforms=tf,
@@ -756,13 +771,14 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, s
         plgpu.emit_pipeline(
             body, grid=(steps,),
             in_specs=[spec((bn, W4P_BK // 2), _tf(128, 1), n_blk), spec((bn, W4P_BK // 16), (), n_blk),
-                      spec((BM, W4P_BK), _tf(128, 2), m_blk)],
+                      spec((BM * m_tiles, W4P_BK), _tf(128, 2), m_blk)],
             max_concurrent_steps=stages)(p_gmem, s_gmem, x_gmem)
         return tuple(acc[...] for acc in accs)
 
-    acc = pl.run_scoped(scoped, *[plgpu.ACC((ROWS, BM), jnp.float32) for _ in range(groups)])
+    acc = pl.run_scoped(scoped, *[plgpu.ACC((ROWS, BM), jnp.float32) for _ in range(groups * m_tiles)])
     gs = g_gmem[0] * W4P_SHIFT
-    _store_out([a * gs for a in acc], o_smem, o_gmem, split, m_blk, n_blk, bn, direct)
+    acc = [tuple(a * gs for a in acc[g * m_tiles:(g + 1) * m_tiles]) for g in range(groups)]
+    _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, m_tiles)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
@@ -771,11 +787,12 @@ def _w4p_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, 
     N = packed.shape[0]
     bn, nb, mb, split, steps = _grid("w4a16_gemv", M, N, K, W4P_BK, config)
     xp = perm64(_pad_rows(x))                          # the decoded tiles' columns arrive in this order
-    direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype)
+    mt = launch_m_tiles("w4a16_gemv", M, N, K, config, out_dtype)
+    direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype, mt)
     kernel = functools.partial(_w4p_kernel, bn=bn, steps=steps, stages=config.stages, direct=direct,
-                               interpret=bool(interpret), probe=config.probe)
+                               interpret=bool(interpret), probe=config.probe, m_tiles=mt)
     f = plgpu.kernel(
-        kernel, out_type=out_type, grid=(nb, mb, split), grid_names=("n", "m", "s"),
+        kernel, out_type=out_type, grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s"),
         scratch_types=dict(o_smem=o_smem,
                            a_smem=plgpu.SMEM((ROWS, W4P_BK), jnp.bfloat16, transforms=_tf(128, 2))
                            if interpret else None),

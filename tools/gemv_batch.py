@@ -1,15 +1,17 @@
-"""Decode GEMVs at large batch (H200): w8a16_gemv's Mosaic arm with several 16-row x tiles per CTA (auto
-m_tiles, the default) against one CTA per 16 rows (m_tiles=1, the pre-session-8 launch) and XLA BF16, at the
+"""Decode GEMVs at large batch (H200): the Mosaic arms of w8a16_gemv and w4a16_gemv (NVFP4) with several 16-row
+x tiles per CTA (auto m_tiles, the default) against one CTA per 16 rows (m_tiles=1) and XLA BF16, at the
 Nemotron-H-8B projection shapes, M = 1 .. 256. Each arm checked against the reference first; wall us per call
 (4 distinct argument sets queued in one executable, best of 3 trials).
 
-    PYTHONPATH=. python3 tools/gemv_batch.py --out $OUT [--ms 1,16,64,256] [--m-tiles 1,2] [--launch 128/4/2]
+    PYTHONPATH=. python3 tools/gemv_batch.py --out $OUT [--kernels w8,w4] [--ms 1,16,64,256] [--m-tiles 1,2]
+        [--launch 128/4/2,64/2/2/8]
 writes OUT/gemv_batch.json."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import os
 
@@ -19,55 +21,68 @@ import jax.numpy as jnp
 from benchmarks import timing
 from benchmarks.bench_prefill import SHAPES, fp8_blocks, rel_err, xla_bf16
 from pallas_kernels import mgpu_gemv as mg
-from pallas_kernels import w8a16
+from pallas_kernels import w4a16, w8a16
+
+
+def nvfp4_rows(key, N, K):
+    """Random NVFP4 weights in the GEMV layout: packed [N, K/2] (all 256 codes), scale E4M3 [N, K/16], global."""
+    kp, ks = jax.random.split(key)
+    p = jax.random.randint(kp, (N, K // 2), 0, 256, jnp.int32).astype(jnp.uint8)
+    return p, jax.random.uniform(ks, (N, K // 16), minval=0.25, maxval=4.0).astype(jnp.float8_e4m3fn), jnp.float32(0.01)
+
+
+KERNELS = {"w8": (mg.w8a16_gemv_mosaic, mg.w8a16_gemv_blocks, w8a16.w8a16_reference),
+           "w4": (mg.w4a16_gemv_mosaic, mg.w4a16_gemv_blocks, w4a16.w4a16_reference)}
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/gemv_batch")
+    ap.add_argument("--kernels", default="w8", help="w8, w4 or w8,w4")
     ap.add_argument("--ms", default="1,16,64,256")
     ap.add_argument("--m-tiles", default="1", type=lambda v: [int(t) for t in v.split(",")],
                     help="fixed m_tiles configs timed beside the auto one")
-    ap.add_argument("--launch", default="", help="extra launches beside the default, block_n/stages/split_k "
-                    "comma-separated (e.g. 128/4/2,128/3/4; split 0 = auto)")
+    ap.add_argument("--launch", default="", help="extra launches beside the default, block_n/stages/split_k"
+                    "[/m_tiles] comma-separated (e.g. 128/4/2,64/2/2/8; split 0 = auto)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     res = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "method": __doc__.split("\n\n")[0],
            "rows": []}
     key = jax.random.key(0)
-    for shape, (N, K) in SHAPES.items():
+    for (shape, (N, K)), kern in itertools.product(SHAPES.items(), args.kernels.split(",")):
+        gemv, blocks, reference = KERNELS[kern]
         kx, kw, key = jax.random.split(key, 3)
         w = jax.random.normal(kw, (N, K), jnp.float32) * jax.random.uniform(kw, (N, 1), minval=0.1, maxval=3.0)
         wb = [w.astype(jnp.bfloat16), (w * 1.01).astype(jnp.bfloat16)]
-        wq = [fp8_blocks(w), fp8_blocks(w * 1.01)]
+        wq = [fp8_blocks(w), fp8_blocks(w * 1.01)] if kern == "w8" else [nvfp4_rows(k, N, K) for k in
+                                                                         jax.random.split(kw)]
         del w
-        base = mg.w8a16_gemv_blocks(N, K)
+        base = blocks(N, K)
         for M in map(int, args.ms.split(",")):
             xs = [jax.random.normal(k, (M, K), jnp.bfloat16) for k in jax.random.split(jax.random.fold_in(kx, M), 4)]
-            ref = w8a16.w8a16_reference(xs[0], *wq[0], out_dtype=jnp.float32)
+            ref = reference(xs[0], *wq[0], out_dtype=jnp.float32)
             arms = {"xla_bf16": (xla_bf16, [(xs[i], wb[i % 2]) for i in range(4)], None)}
             extra = [(f"mosaic m_tiles={t}", dataclasses.replace(base, m_tiles=t)) for t in args.m_tiles]
             for spec in filter(None, args.launch.split(",")):
-                bn, st, sk = map(int, spec.split("/"))
-                extra.append((f"mosaic {spec}", dataclasses.replace(base, block_n=bn, stages=st, split_k=sk)))
+                bn, st, sk, *mt = map(int, spec.split("/"))
+                extra.append((f"mosaic {spec}", dataclasses.replace(base, block_n=bn, stages=st, split_k=sk,
+                                                                    m_tiles=mt[0] if mt else base.m_tiles)))
             for name, cfg in [("mosaic auto m_tiles", base)] + extra:
-                fn = lambda x, q, s, cfg=cfg, **kw: mg.w8a16_gemv_mosaic(x, q, s, config=cfg, **kw)
+                fn = lambda *a, cfg=cfg, gemv=gemv, **kw: gemv(*a, config=cfg, **kw)
                 arms[name] = (fn, [(xs[i], *wq[i % 2]) for i in range(4)], cfg)
             for name, (fn, sets, cfg) in arms.items():
-                row = {"shape": shape, "N": N, "K": K, "M": M, "arm": name}
+                row = {"shape": shape, "kernel": kern, "N": N, "K": K, "M": M, "arm": name}
                 try:
                     if cfg is not None:
                         row["rel_err"] = rel_err(jax.jit(lambda *a, fn=fn: fn(*a, out_dtype=jnp.float32))(*sets[0]),
                                                  ref)
-                        bn, _, mb, split, steps = mg._grid("w8a16_gemv", M, N, K, mg.W8_BK, cfg)
-                        row["m_tiles"] = mg._w8_m_tiles(mb, bn, min(cfg.stages, steps), split, jnp.bfloat16,
-                                                        cfg.m_tiles)
+                        row["m_tiles"] = mg.launch_m_tiles(f"{kern}a16_gemv", M, N, K, cfg, jnp.bfloat16)
                     walls = timing.queued_wall_us(fn, sets, reps=10)
                     row.update(us=min(walls), us_all=walls)
                 except Exception as e:  # noqa: BLE001
                     row["error"] = repr(e)[:1500]
                 res["rows"].append(row)
-                print(shape, M, name, {k: v for k, v in row.items() if k in ("us", "rel_err", "m_tiles", "error")},
+                print(shape, kern, M, name, {k: v for k, v in row.items() if k in ("us", "rel_err", "m_tiles", "error")},
                       flush=True)
             with open(os.path.join(args.out, "gemv_batch.json"), "w") as fh:
                 json.dump(res, fh, indent=1)

@@ -76,7 +76,10 @@ def test_w8a16_mosaic_matches_reference(rng, interpret, M, N, K, config):
 W4_CASES = [(3, 192, 1024, GemvConfig(128, 2)),
             (6, 128, 1024, GemvConfig(64, 1, 2, load="direct")),
             (17, 64, 512, GemvConfig(64, 2)),
-            (5, 192, 1024, GemvConfig(128, 3, 2, widen="perm"))]
+            (5, 192, 1024, GemvConfig(128, 3, 2, widen="perm")),
+            # several 16-row x tiles per CTA (perm decoder): auto (M = 40: three) and a fixed 2 of 5, split
+            (40, 128, 1024, GemvConfig(64, 2, widen="perm")),
+            (70, 192, 1024, GemvConfig(128, 2, 2, widen="perm", m_tiles=2))]
 
 
 @pytest.mark.parametrize("M,N,K,config", W4_CASES, ids=lambda v: str(v))
@@ -125,7 +128,7 @@ def test_rows_are_batch_invariant(rng, interpret, kernel, config):
     for i in (0, 6, 15):
         np.testing.assert_array_equal(np.asarray(run(x16[i:i + 1]))[0], y16[i])
     np.testing.assert_array_equal(y3, y16[5:8])
-    if kernel == "w8a16" and config is None:      # several 16-row tiles per CTA (auto m_tiles) keep the bits
+    if config is None:                            # several 16-row tiles per CTA (auto m_tiles) keep the bits
         x40 = jnp.concatenate([x16, _x(rng, 24, K)])
         np.testing.assert_array_equal(np.asarray(run(x40))[:16], y16)
 
@@ -166,10 +169,15 @@ def test_bad_inputs_raise_typed_errors(rng):
         mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(probe="stram"))
     with pytest.raises(ShapeError, match="probe 'mma' is not implemented"):
         mg.w4a16_gemv_mosaic(_x(rng, 2, 512), *_nvfp4(rng, 64, 512), config=GemvConfig(widen="perm", probe="mma"))
-    with pytest.raises(ShapeError, match="config.m_tiles expects 0 .auto. to 16, above 1 for w8a16_gemv"):
+    with pytest.raises(ShapeError, match="config.m_tiles expects 0 .auto. to 16, above 1 only .* widen 'perm' .w4."):
         mg.w4a16_gemv_mosaic(_x(rng, 2, 512), *_nvfp4(rng, 64, 512), config=GemvConfig(m_tiles=2))
+    with pytest.raises(ShapeError, match="config.m_tiles expects 0 .auto. to 16, above 1 only without overlap"):
+        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(64, 2, widen="perm", overlap=True, m_tiles=2))
     with pytest.raises(ShapeError, match="config.m_tiles expects 0 .auto. to 16"):
         mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(m_tiles=17))
+    with pytest.raises(ShapeError, match="config.m_tiles=16 needs 327680 bytes of shared memory with 4 stages"):
+        mg.w8a16_gemv_mosaic(_x(rng, 2, 512), *_fp8(rng, 64, 512), config=GemvConfig(64, 4, m_tiles=16),
+                             interpret=True)
     p, s4, g = _nvfp4(rng, 64, 768)
     with pytest.raises(ShapeError, match="K % 512"):
         mg.w4a16_gemv_mosaic(_x(rng, 2, 768), p, s4, g)
@@ -384,19 +392,22 @@ def test_gpu_widenings_are_exact_for_every_e4m3_code():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["w8a16", "w4a16"])
 @pytest.mark.parametrize("N,K", SHAPES_8B)
-def test_w8a16_mosaic_large_batch_on_gpu(rng, N, K):
-    """Decode at batch 256 (16 x tiles per CTA against one widened weight tile): rows bit-identical to the same
-    rows at M = 1 and M = 16, and right against the reference."""
-    (q, s) = _fp8(rng, N, K)
+def test_mosaic_gemv_large_batch_on_gpu(rng, N, K, kernel):
+    """Decode at batch 256 (several x tiles per CTA against one widened weight tile): rows bit-identical to the
+    same rows at M = 1 and M = 16, and right against the reference."""
+    if kernel == "w8a16":
+        args, fn, ref = _fp8(rng, N, K), mg.w8a16_gemv_mosaic, w8a16.w8a16_reference
+    else:
+        args, fn, ref = _nvfp4(rng, N, K), mg.w4a16_gemv_mosaic, w4a16.w4a16_reference
     x = _x(rng, 256, K)
-    y = mg.w8a16_gemv_mosaic(x, q, s, out_dtype=F32)
-    assert rel_err(y, w8a16.w8a16_reference(x, q, s, out_dtype=F32)) < 1e-5
-    np.testing.assert_array_equal(np.asarray(mg.w8a16_gemv_mosaic(x[:16], q, s, out_dtype=F32)), np.asarray(y[:16]))
-    np.testing.assert_array_equal(np.asarray(mg.w8a16_gemv_mosaic(x[200:201], q, s, out_dtype=F32)),
-                                  np.asarray(y[200:201]))
-    yb = mg.w8a16_gemv_mosaic(x, q, s)
-    np.testing.assert_array_equal(np.asarray(mg.w8a16_gemv_mosaic(x[100:101], q, s)), np.asarray(yb[100:101]))
+    y = fn(x, *args, out_dtype=F32)
+    assert rel_err(y, ref(x, *args, out_dtype=F32)) < 1e-5
+    np.testing.assert_array_equal(np.asarray(fn(x[:16], *args, out_dtype=F32)), np.asarray(y[:16]))
+    np.testing.assert_array_equal(np.asarray(fn(x[200:201], *args, out_dtype=F32)), np.asarray(y[200:201]))
+    yb = fn(x, *args)
+    np.testing.assert_array_equal(np.asarray(fn(x[100:101], *args)), np.asarray(yb[100:101]))
 
 
 @pytest.mark.gpu
