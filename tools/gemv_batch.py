@@ -43,7 +43,7 @@ def main():
     ap.add_argument("--m-tiles", default="1", type=lambda v: [int(t) for t in v.split(",")],
                     help="fixed m_tiles configs timed beside the auto one")
     ap.add_argument("--launch", default="", help="extra launches beside the default, block_n/stages/split_k"
-                    "[/m_tiles] comma-separated (e.g. 128/4/2,64/2/2/8; split 0 = auto)")
+                    "[/m_tiles] comma-separated (e.g. 128/4/2,64/2/0/8; split 0 = the default launch's split)")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     res = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "method": __doc__.split("\n\n")[0],
@@ -65,7 +65,8 @@ def main():
             extra = [(f"mosaic m_tiles={t}", dataclasses.replace(base, m_tiles=t)) for t in args.m_tiles]
             for spec in filter(None, args.launch.split(",")):
                 bn, st, sk, *mt = map(int, spec.split("/"))
-                extra.append((f"mosaic {spec}", dataclasses.replace(base, block_n=bn, stages=st, split_k=sk,
+                extra.append((f"mosaic {spec}", dataclasses.replace(base, block_n=bn, stages=st,
+                                                                    split_k=sk or base.split_k,
                                                                     m_tiles=mt[0] if mt else base.m_tiles)))
             for name, cfg in [("mosaic auto m_tiles", base)] + extra:
                 fn = lambda *a, cfg=cfg, gemv=gemv, **kw: gemv(*a, config=cfg, **kw)
