@@ -67,8 +67,8 @@ class GemvConfig:
     overlap: bool = False     # w8: two step accumulators, step k's wgmma runs while step k+1 is widened
     probe: str = ""           # benchmark probe, WRONG results: "stream" skips the widening and the wgmma, "mma"
                               # the widening only (w8: a constant A operand)
-    m_tiles: int = 0          # w8: 16-row x tiles per CTA, each against the same widened weight tile (0: auto,
-                              # up to M_TILES_AUTO as shared memory allows; 1 = one CTA per 16 rows)
+    m_tiles: int = 0          # w8 / w4 perm: 16-row x tiles per CTA, each against the same widened weight tile
+                              # (0: auto, see launch_tiles; 1 = one CTA per 16 rows)
 
 
 def _tf(cols_bytes: int, itemsize: int):
@@ -547,8 +547,7 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
     xp = _pad_rows(x)
     if config.widen == "perm":
         xp = perm_cols(xp)                                # the weight tiles' columns arrive in this order
-    stages = config.stages if config.overlap else min(config.stages, steps)
-    mt = launch_m_tiles("w8a16_gemv", M, N, K, config, out_dtype)
+    mt, stages = launch_tiles("w8a16_gemv", M, N, K, config, out_dtype)
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype, mt)
     kernel = functools.partial(_w8_kernel_overlap if config.overlap else _w8_kernel, bn=bn, steps=steps,
                                stages=stages, direct=direct, load=config.load, widen=config.widen,
@@ -564,32 +563,38 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
     return _finish(f(xp, w, scale), direct, M, out_dtype)
 
 
-M_TILES_AUTO = 4       # H200 s8-6: 4 tiles per CTA 1.35-1.56x faster at M = 64; 16 (one CTA per SM) 1.1x slower at 256
+# H200 (benchmarks/notes/quant.md): w8 4 tiles per CTA 1.35-1.56x faster than one at M = 64 (s8-6), 8 tiles 6-25%
+# ahead of 4 at M = 256 and level at 128 (s9-1, s9-2), 16 (one CTA per SM) slower (s8-6); w4 8 tiles behind 4 (s9-2)
+M_TILES_AUTO = {"w8a16_gemv": 8, "w4a16_gemv": 4}
+TILES_STAGES = 2       # H200 s9-3: w4 with 4 tiles at 2 stages (two CTAs per SM) 1.13-1.18x faster than at 4 at M = 256
 GEMV_SMEM = 220 * 1024  # pipeline stages + output staging of a GEMV CTA (of 227 KB; the rest: barriers)
 
 
-def launch_m_tiles(name: str, M: int, N: int, K: int, config: GemvConfig, out_dtype) -> int:
-    """16-row x tiles per CTA of a w8 or w4-perm launch: config.m_tiles, or (0) up to M_TILES_AUTO of the
-    m-blocks as fit in GEMV_SMEM (the stages' weight and x tiles, the output staging), spread evenly over the
-    fewest CTAs. Launches with overlap or the w4 non-perm decoder take one."""
-    if config.overlap or (name == "w4a16_gemv" and config.widen != "perm"):
-        return 1
-    bk = W8_BK if name == "w8a16_gemv" else W4P_BK
+def launch_tiles(name: str, M: int, N: int, K: int, config: GemvConfig, out_dtype) -> tuple[int, int]:
+    """(16-row x tiles per CTA, pipeline stages) of a w8 or w4-perm launch. config.m_tiles as given, or (0) up to
+    M_TILES_AUTO[name] of the m-blocks at no more than TILES_STAGES stages, as fit in GEMV_SMEM (the stages' weight and
+    x tiles, the output staging), spread evenly over the fewest CTAs. Launches with overlap or the w4 non-perm
+    decoder take one tile."""
+    w8 = name == "w8a16_gemv"
+    bk = W8_BK if w8 else W4P_BK
     bn, _, mb, split, steps = _grid(name, M, N, K, bk, config)
-    stages = min(config.stages, steps) if name == "w8a16_gemv" else config.stages
-    w_bytes = bn * (bk if name == "w8a16_gemv" else bk // 2 + bk // 16)       # per stage
+    stages = min(config.stages, steps) if w8 and not config.overlap else config.stages
+    if config.overlap or (not w8 and config.widen != "perm"):
+        return 1, stages
+    w_bytes = bn * (bk if w8 else bk // 2 + bk // 16)       # per stage
     out_bytes = 2 if _direct(split, out_dtype) else 4
-    smem = lambda mt: stages * w_bytes + (stages * 2 * bk + out_bytes * bn) * BM * mt
+    smem = lambda mt, st: st * w_bytes + (st * 2 * bk + out_bytes * bn) * BM * mt
     if config.m_tiles:
-        if smem(config.m_tiles) > GEMV_SMEM:
-            raise ShapeError(f"{name}(mosaic): config.m_tiles={config.m_tiles} needs {smem(config.m_tiles)} bytes of "
-                             f"shared memory with {stages} stages of {bn} rows (at most {GEMV_SMEM}); use fewer "
-                             "stages or tiles")
-        return config.m_tiles
-    mt = min(mb, M_TILES_AUTO)
-    while mt > 1 and smem(mt) > GEMV_SMEM:
+        if smem(config.m_tiles, stages) > GEMV_SMEM:
+            raise ShapeError(f"{name}(mosaic): config.m_tiles={config.m_tiles} needs {smem(config.m_tiles, stages)} "
+                             f"bytes of shared memory with {stages} stages of {bn} rows (at most {GEMV_SMEM}); use "
+                             "fewer stages or tiles")
+        return config.m_tiles, stages
+    mt = min(mb, M_TILES_AUTO[name])
+    tile_stages = min(stages, TILES_STAGES)
+    while mt > 1 and smem(mt, tile_stages) > GEMV_SMEM:
         mt -= 1
-    return pl.cdiv(mb, pl.cdiv(mb, mt))
+    return (pl.cdiv(mb, pl.cdiv(mb, mt)), tile_stages) if mt > 1 else (1, stages)
 
 
 def _interpret_kw(interpret) -> dict:
@@ -787,9 +792,9 @@ def _w4p_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, 
     N = packed.shape[0]
     bn, nb, mb, split, steps = _grid("w4a16_gemv", M, N, K, W4P_BK, config)
     xp = perm64(_pad_rows(x))                          # the decoded tiles' columns arrive in this order
-    mt = launch_m_tiles("w4a16_gemv", M, N, K, config, out_dtype)
+    mt, stages = launch_tiles("w4a16_gemv", M, N, K, config, out_dtype)
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype, mt)
-    kernel = functools.partial(_w4p_kernel, bn=bn, steps=steps, stages=config.stages, direct=direct,
+    kernel = functools.partial(_w4p_kernel, bn=bn, steps=steps, stages=stages, direct=direct,
                                interpret=bool(interpret), probe=config.probe, m_tiles=mt)
     f = plgpu.kernel(
         kernel, out_type=out_type, grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s"),

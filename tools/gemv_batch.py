@@ -77,14 +77,15 @@ def main():
                     if cfg is not None:
                         row["rel_err"] = rel_err(jax.jit(lambda *a, fn=fn: fn(*a, out_dtype=jnp.float32))(*sets[0]),
                                                  ref)
-                        row["m_tiles"] = mg.launch_m_tiles(f"{kern}a16_gemv", M, N, K, cfg, jnp.bfloat16)
+                        row["m_tiles"], row["stages"] = mg.launch_tiles(f"{kern}a16_gemv", M, N, K, cfg,
+                                                                        jnp.bfloat16)
                     walls = timing.queued_wall_us(fn, sets, reps=10)
                     row.update(us=min(walls), us_all=walls)
                 except Exception as e:  # noqa: BLE001
                     row["error"] = repr(e)[:1500]
                 res["rows"].append(row)
-                print(shape, kern, M, name, {k: v for k, v in row.items() if k in ("us", "rel_err", "m_tiles", "error")},
-                      flush=True)
+                keep = ("us", "rel_err", "m_tiles", "stages", "error")
+                print(shape, kern, M, name, {k: v for k, v in row.items() if k in keep}, flush=True)
             with open(os.path.join(args.out, "gemv_batch.json"), "w") as fh:
                 json.dump(res, fh, indent=1)
 
