@@ -69,6 +69,7 @@ class GemvConfig:
                               # the widening only (w8: a constant A operand)
     m_tiles: int = 0          # w8 / w4 perm: 16-row x tiles per CTA, each against the same widened weight tile
                               # (0: auto, see launch_tiles; 1 = one CTA per 16 rows)
+    wide: bool = False        # several x tiles: one m64 x n(16 m_tiles) wgmma instead of one n16 wgmma per tile
 
 
 def _tf(cols_bytes: int, itemsize: int):
@@ -353,14 +354,15 @@ def _mma_values(a, b_refs, a_smem):
 
 
 def _store_out(accs, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, m_tiles: int = 1):
-    """accs: per 64-row group, [64, BM] tiles of out^T (one, or a tuple of m_tiles consecutive 16-row tiles).
+    """accs: per 64-row group, tiles of out^T: one [64, BM * m_tiles], or a tuple of m_tiles [64, BM] tiles.
     direct: into o_gmem [M, N] through transposed SMEM views (TMA clips rows past M and columns past N;
     16-bit outputs only). Else as float32 out^T partials into o_gmem [split, N, Mp] (summed and transposed by
     the caller)."""
     for g, acc in enumerate(accs):
-        rows = pl.ds(g * ROWS, ROWS)
-        for t, a in enumerate(acc if isinstance(acc, tuple) else (acc,)):
-            cols = pl.ds(t * BM, BM)
+        rows, col = pl.ds(g * ROWS, ROWS), 0
+        for a in acc if isinstance(acc, tuple) else (acc,):
+            cols = pl.ds(col, a.shape[1])
+            col += a.shape[1]
             dst = o_smem.at[cols, rows].transpose((1, 0)) if direct else o_smem.at[rows, cols]
             dst[...] = a.astype(o_smem.dtype)
     plgpu.commit_smem()
@@ -429,7 +431,7 @@ def _widen8(w_ref, load: str, widen: str, interpret: bool):
 
 
 def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, load, widen, interpret,
-               probe, m_tiles):
+               probe, m_tiles, wide):
     """One wgmma per 128-wide K step and 16-row x tile into a fresh accumulator, waited for before the block
     scale is applied. The widened weight tile serves all m_tiles x tiles of the CTA (read and widened once),
     and every row gets the same wgmma shape and order of operations whatever M is."""
@@ -442,6 +444,8 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, sta
         (k,) = idx
         s = s_gmem[s_row, k_first + k]
         xts = [x_smem.at[pl.ds(t * BM, BM)].transpose((1, 0)) for t in range(m_tiles)]   # [128, BM]: B operands
+        if wide:
+            xts = [x_smem.transpose((1, 0))]                                             # [128, BM * m_tiles]
         if probe == "stream":
             return acc
         out = []
@@ -450,17 +454,18 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, sta
                 a = plgpu.layout_cast(jnp.full((ROWS, W8_BK), 1.0, jnp.bfloat16), plgpu.Layout.WGMMA)
             else:
                 a = _widen8(w_smem.at[pl.ds(g * ROWS, ROWS)], load, widen, interpret)
-            prods = _mma_values(a, xts, a_smem)
+            prods = [_mma_value(a, xts[0], a_smem, BM * m_tiles)] if wide else _mma_values(a, xts, a_smem)
             out.append(tuple(acc_t + p * s for acc_t, p in zip(acc[g], prods)))
         return tuple(out)
 
-    zero = plgpu.layout_cast(jnp.zeros((ROWS, BM), jnp.float32), plgpu.Layout.WGMMA)
+    width, n_acc = (BM * m_tiles, 1) if wide else (BM, m_tiles)
+    zero = plgpu.layout_cast(jnp.zeros((ROWS, width), jnp.float32), plgpu.Layout.WGMMA)
     acc = plgpu.emit_pipeline(
         body, grid=(steps,),
         in_specs=[plgpu.BlockSpec((bn, W8_BK), lambda k: (n_blk, k_first + k), transforms=_tf(W8_BK, 1)),
                   plgpu.BlockSpec((BM * m_tiles, W8_BK), lambda k: (m_blk, k_first + k),
                                   transforms=_tf(2 * W8_BK, 2))],
-        max_concurrent_steps=stages, init_carry=((zero,) * m_tiles,) * groups)(w_gmem, x_gmem)
+        max_concurrent_steps=stages, init_carry=((zero,) * n_acc,) * groups)(w_gmem, x_gmem)
     _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, m_tiles)
 
 
@@ -553,7 +558,7 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
                                stages=stages, direct=direct, load=config.load, widen=config.widen,
                                interpret=bool(interpret))
     if not config.overlap:
-        kernel = functools.partial(kernel, probe=config.probe, m_tiles=mt)
+        kernel = functools.partial(kernel, probe=config.probe, m_tiles=mt, wide=config.wide)
     f = plgpu.kernel(
         kernel, out_type=out_type, grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s"),
         scratch_types=dict(o_smem=o_smem,
@@ -743,7 +748,7 @@ W4P_BK = 256      # K per step of the "perm" NVFP4 kernel (128 packed bytes, 16 
 
 
 def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, interpret,
-                probe, m_tiles):
+                probe, m_tiles, wide):
     """NVFP4 GEMV with the "perm" decoder: scales are multiplied in during the decode, so one accumulator per
     64 rows and 16-row x tile runs over all K; the decoded weight tile serves all m_tiles x tiles of the CTA.
     Each step waits for its own wgmmas (wait_group 0) before the next step's decode rewrites the A registers:
@@ -758,6 +763,8 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, s
     def scoped(*accs):                                                # [groups * m_tiles] x [64, BM]
         def body(idx, p_smem, s_smem, x_smem):
             xts = [x_smem.at[pl.ds(t * BM, BM)].transpose((1, 0)) for t in range(m_tiles)]   # [256, BM] each
+            if wide:
+                xts = [x_smem.transpose((1, 0))]                                             # [256, BM * m_tiles]
             if probe == "stream":
                 return
             for g in range(groups):
@@ -768,7 +775,7 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, s
                     a = _ptx_e2m1_perm_to_bf16(plgpu.load(p_smem.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X),
                                                plgpu.load(s_smem.at[rows], layout=W4_SCALE_LAYOUT))
                 for t, xt in enumerate(xts):
-                    _mma(accs[g * m_tiles + t], a, xt, a_smem)
+                    _mma(accs[g * len(xts) + t], a, xt, a_smem)
             plgpu.wgmma_wait(0)                                       # A registers and x stage free again
 
         spec = lambda shape, tf, row: plgpu.BlockSpec(shape, lambda k: (row, k_first + k), transforms=tf,
@@ -780,9 +787,10 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, s
             max_concurrent_steps=stages)(p_gmem, s_gmem, x_gmem)
         return tuple(acc[...] for acc in accs)
 
-    acc = pl.run_scoped(scoped, *[plgpu.ACC((ROWS, BM), jnp.float32) for _ in range(groups * m_tiles)])
+    width, n_acc = (BM * m_tiles, 1) if wide else (BM, m_tiles)
+    acc = pl.run_scoped(scoped, *[plgpu.ACC((ROWS, width), jnp.float32) for _ in range(groups * n_acc)])
     gs = g_gmem[0] * W4P_SHIFT
-    acc = [tuple(a * gs for a in acc[g * m_tiles:(g + 1) * m_tiles]) for g in range(groups)]
+    acc = [tuple(a * gs for a in acc[g * n_acc:(g + 1) * n_acc]) for g in range(groups)]
     _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, m_tiles)
 
 
@@ -795,7 +803,7 @@ def _w4p_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, 
     mt, stages = launch_tiles("w4a16_gemv", M, N, K, config, out_dtype)
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype, mt)
     kernel = functools.partial(_w4p_kernel, bn=bn, steps=steps, stages=stages, direct=direct,
-                               interpret=bool(interpret), probe=config.probe, m_tiles=mt)
+                               interpret=bool(interpret), probe=config.probe, m_tiles=mt, wide=config.wide)
     f = plgpu.kernel(
         kernel, out_type=out_type, grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s"),
         scratch_types=dict(o_smem=o_smem,
