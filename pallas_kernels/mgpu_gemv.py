@@ -1,8 +1,9 @@
 """Decode GEMVs on Hopper through Pallas Mosaic GPU: the Mosaic arms of `w8a16_gemv` and `w4a16_gemv`.
 
 Both compute out^T = W x^T with the weight tile as the wgmma A operand, widened to bf16 in registers
-(no shared-memory round trip), and x^T (16 rows, zero-filled past M by TMA) as the B operand in shared
-memory. Weight tiles stream through a multi-stage TMA pipeline (`emit_pipeline`).
+(no shared-memory round trip), and x^T (16 rows per tile, zero-filled past M by TMA) as the B operand in shared
+memory. Weight tiles stream through a multi-stage TMA pipeline (`emit_pipeline`). At larger M a CTA takes
+several 16-row x tiles (`m_tiles`, w8 and w4 perm) and one m64 x n(16 m_tiles) wgmma per widened weight tile.
 
   w8a16: E4M3 tile [64, 128] -> bf16 (exact); one block scale per 128-wide K step, applied in float32
          to that step's product, so the result equals dequantize-then-matmul up to f32 summation order.
@@ -22,8 +23,9 @@ GPU defaults (H200 runs of 2026-11-30, benchmarks/notes/quant.md): w8 jnp 64 row
 CTAs per SM (perm and overlap were no faster); w4 perm 64 rows, split 2 x 4 stages at in_proj. A "probe" config
 (benchmarks only) skips the compute to time the TMA pipeline alone: 20-23 us at in_proj, the floor of this design.
 
-Tiles never depend on M (x rows in tiles of 16, split-K chosen from (N, K) only, split partials added in a
-fixed order), so a row's result is meant to be bit-identical whatever the batch. Interpret mode (CPU tests)
+Weight tiles never depend on M (split-K chosen from (N, K) only, split partials added in a fixed order), and a
+wgmma gives each output column the same bits whatever its N (tested on the H200 at M = 1 / 16 / 40 / 256), so a
+row's result is bit-identical whatever the batch. Interpret mode (CPU tests)
 passes the A operand through shared memory, since the GPU interpreter's wgmma reads A from shared memory
 only, and always widens with jnp (in the same K order); everything else is shared with the compiled kernel.
 Shapes: bf16 x, N % 64 == 0, K % 128 (w8) / K % 512 (w4) == 0 (`supports`); else ShapeError.
@@ -67,9 +69,8 @@ class GemvConfig:
     overlap: bool = False     # w8: two step accumulators, step k's wgmma runs while step k+1 is widened
     probe: str = ""           # benchmark probe, WRONG results: "stream" skips the widening and the wgmma, "mma"
                               # the widening only (w8: a constant A operand)
-    m_tiles: int = 0          # w8 / w4 perm: 16-row x tiles per CTA, each against the same widened weight tile
-                              # (0: auto, see launch_tiles; 1 = one CTA per 16 rows)
-    wide: bool = False        # several x tiles: one m64 x n(16 m_tiles) wgmma instead of one n16 wgmma per tile
+    m_tiles: int = 0          # w8 / w4 perm: 16-row x tiles per CTA, one m64 x n(16 m_tiles) wgmma against the
+                              # widened weight tile (0: auto, see launch_tiles; 1 = one CTA per 16 rows)
 
 
 def _tf(cols_bytes: int, itemsize: int):
@@ -335,36 +336,15 @@ def _mma_value(a, b_ref, a_smem, n: int):
     return pl.run_scoped(run, plgpu.ACC((ROWS, n), jnp.float32))
 
 
-MMA_CHUNK = 4      # fresh [64, 16] products in flight at once (registers: 8 per product per thread)
-
-
-def _mma_values(a, b_refs, a_smem):
-    """Fresh [64, BM] float32 products a @ b for each b in b_refs (the same A registers), issued MMA_CHUNK at a
-    time and awaited together: per product the same wgmma as `_mma_value`, so the same bits."""
-    out = []
-    for c in range(0, len(b_refs), MMA_CHUNK):
-        chunk = b_refs[c:c + MMA_CHUNK]
-
-        def run(*acc_refs, chunk=chunk):
-            for r, b in zip(acc_refs, chunk):
-                _mma(r, a, b, a_smem)
-            return tuple(r[...] for r in acc_refs)
-        out += pl.run_scoped(run, *[plgpu.ACC((ROWS, BM), jnp.float32) for _ in chunk])
-    return out
-
-
 def _store_out(accs, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, m_tiles: int = 1):
-    """accs: per 64-row group, tiles of out^T: one [64, BM * m_tiles], or a tuple of m_tiles [64, BM] tiles.
+    """accs: per 64-row group, a [64, BM * m_tiles] tile of out^T.
     direct: into o_gmem [M, N] through transposed SMEM views (TMA clips rows past M and columns past N;
     16-bit outputs only). Else as float32 out^T partials into o_gmem [split, N, Mp] (summed and transposed by
     the caller)."""
     for g, acc in enumerate(accs):
-        rows, col = pl.ds(g * ROWS, ROWS), 0
-        for a in acc if isinstance(acc, tuple) else (acc,):
-            cols = pl.ds(col, a.shape[1])
-            col += a.shape[1]
-            dst = o_smem.at[cols, rows].transpose((1, 0)) if direct else o_smem.at[rows, cols]
-            dst[...] = a.astype(o_smem.dtype)
+        rows, cols = pl.ds(g * ROWS, ROWS), pl.ds(0, BM * m_tiles)
+        dst = o_smem.at[cols, rows].transpose((1, 0)) if direct else o_smem.at[rows, cols]
+        dst[...] = acc.astype(o_smem.dtype)
     plgpu.commit_smem()
     mrows = pl.ds(m_blk * BM * m_tiles, BM * m_tiles)
     if direct:
@@ -431,10 +411,11 @@ def _widen8(w_ref, load: str, widen: str, interpret: bool):
 
 
 def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, load, widen, interpret,
-               probe, m_tiles, wide):
-    """One wgmma per 128-wide K step and 16-row x tile into a fresh accumulator, waited for before the block
-    scale is applied. The widened weight tile serves all m_tiles x tiles of the CTA (read and widened once),
-    and every row gets the same wgmma shape and order of operations whatever M is."""
+               probe, m_tiles):
+    """One wgmma per 128-wide K step over all m_tiles 16-row x tiles of the CTA (the weight tile is read and
+    widened once) into a fresh accumulator, waited for before the block scale is applied. A wgmma computes each
+    output column the same way whatever its N (H200 s9-4: rows bit-identical at M = 1, 16, 40 and 256), so a
+    row's result does not depend on M."""
     n_blk, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
     k_first = split * steps
     s_row = n_blk * bn // FP8_BLOCK                    # bn divides 128: one block-scale row per CTA
@@ -443,9 +424,7 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, sta
     def body(idx, w_smem, x_smem, acc):
         (k,) = idx
         s = s_gmem[s_row, k_first + k]
-        xts = [x_smem.at[pl.ds(t * BM, BM)].transpose((1, 0)) for t in range(m_tiles)]   # [128, BM]: B operands
-        if wide:
-            xts = [x_smem.transpose((1, 0))]                                             # [128, BM * m_tiles]
+        xt = x_smem.transpose((1, 0))                  # [128, BM * m_tiles]: the B operand
         if probe == "stream":
             return acc
         out = []
@@ -454,18 +433,16 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, sta
                 a = plgpu.layout_cast(jnp.full((ROWS, W8_BK), 1.0, jnp.bfloat16), plgpu.Layout.WGMMA)
             else:
                 a = _widen8(w_smem.at[pl.ds(g * ROWS, ROWS)], load, widen, interpret)
-            prods = [_mma_value(a, xts[0], a_smem, BM * m_tiles)] if wide else _mma_values(a, xts, a_smem)
-            out.append(tuple(acc_t + p * s for acc_t, p in zip(acc[g], prods)))
+            out.append(acc[g] + _mma_value(a, xt, a_smem, BM * m_tiles) * s)
         return tuple(out)
 
-    width, n_acc = (BM * m_tiles, 1) if wide else (BM, m_tiles)
-    zero = plgpu.layout_cast(jnp.zeros((ROWS, width), jnp.float32), plgpu.Layout.WGMMA)
+    zero = plgpu.layout_cast(jnp.zeros((ROWS, BM * m_tiles), jnp.float32), plgpu.Layout.WGMMA)
     acc = plgpu.emit_pipeline(
         body, grid=(steps,),
         in_specs=[plgpu.BlockSpec((bn, W8_BK), lambda k: (n_blk, k_first + k), transforms=_tf(W8_BK, 1)),
                   plgpu.BlockSpec((BM * m_tiles, W8_BK), lambda k: (m_blk, k_first + k),
                                   transforms=_tf(2 * W8_BK, 2))],
-        max_concurrent_steps=stages, init_carry=((zero,) * n_acc,) * groups)(w_gmem, x_gmem)
+        max_concurrent_steps=stages, init_carry=(zero,) * groups)(w_gmem, x_gmem)
     _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, m_tiles)
 
 
@@ -558,7 +535,7 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
                                stages=stages, direct=direct, load=config.load, widen=config.widen,
                                interpret=bool(interpret))
     if not config.overlap:
-        kernel = functools.partial(kernel, probe=config.probe, m_tiles=mt, wide=config.wide)
+        kernel = functools.partial(kernel, probe=config.probe, m_tiles=mt)
     f = plgpu.kernel(
         kernel, out_type=out_type, grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s"),
         scratch_types=dict(o_smem=o_smem,
@@ -748,7 +725,7 @@ W4P_BK = 256      # K per step of the "perm" NVFP4 kernel (128 packed bytes, 16 
 
 
 def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, interpret,
-                probe, m_tiles, wide):
+                probe, m_tiles):
     """NVFP4 GEMV with the "perm" decoder: scales are multiplied in during the decode, so one accumulator per
     64 rows and 16-row x tile runs over all K; the decoded weight tile serves all m_tiles x tiles of the CTA.
     Each step waits for its own wgmmas (wait_group 0) before the next step's decode rewrites the A registers:
@@ -762,9 +739,7 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, s
 
     def scoped(*accs):                                                # [groups * m_tiles] x [64, BM]
         def body(idx, p_smem, s_smem, x_smem):
-            xts = [x_smem.at[pl.ds(t * BM, BM)].transpose((1, 0)) for t in range(m_tiles)]   # [256, BM] each
-            if wide:
-                xts = [x_smem.transpose((1, 0))]                                             # [256, BM * m_tiles]
+            xt = x_smem.transpose((1, 0))                             # [256, BM * m_tiles]
             if probe == "stream":
                 return
             for g in range(groups):
@@ -774,8 +749,7 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, s
                 else:
                     a = _ptx_e2m1_perm_to_bf16(plgpu.load(p_smem.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X),
                                                plgpu.load(s_smem.at[rows], layout=W4_SCALE_LAYOUT))
-                for t, xt in enumerate(xts):
-                    _mma(accs[g * len(xts) + t], a, xt, a_smem)
+                _mma(accs[g], a, xt, a_smem)
             plgpu.wgmma_wait(0)                                       # A registers and x stage free again
 
         spec = lambda shape, tf, row: plgpu.BlockSpec(shape, lambda k: (row, k_first + k), transforms=tf,
@@ -787,10 +761,9 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, s
             max_concurrent_steps=stages)(p_gmem, s_gmem, x_gmem)
         return tuple(acc[...] for acc in accs)
 
-    width, n_acc = (BM * m_tiles, 1) if wide else (BM, m_tiles)
-    acc = pl.run_scoped(scoped, *[plgpu.ACC((ROWS, width), jnp.float32) for _ in range(groups * n_acc)])
+    acc = pl.run_scoped(scoped, *[plgpu.ACC((ROWS, BM * m_tiles), jnp.float32) for _ in range(groups)])
     gs = g_gmem[0] * W4P_SHIFT
-    acc = [tuple(a * gs for a in acc[g * n_acc:(g + 1) * n_acc]) for g in range(groups)]
+    acc = [a * gs for a in acc]
     _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, m_tiles)
 
 
@@ -803,7 +776,7 @@ def _w4p_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, 
     mt, stages = launch_tiles("w4a16_gemv", M, N, K, config, out_dtype)
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype, mt)
     kernel = functools.partial(_w4p_kernel, bn=bn, steps=steps, stages=stages, direct=direct,
-                               interpret=bool(interpret), probe=config.probe, m_tiles=mt, wide=config.wide)
+                               interpret=bool(interpret), probe=config.probe, m_tiles=mt)
     f = plgpu.kernel(
         kernel, out_type=out_type, grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s"),
         scratch_types=dict(o_smem=o_smem,

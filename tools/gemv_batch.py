@@ -4,7 +4,7 @@ Nemotron-H-8B projection shapes, M = 1 .. 256. Each arm checked against the refe
 (4 distinct argument sets queued in one executable, best of 3 trials).
 
     PYTHONPATH=. python3 tools/gemv_batch.py --out $OUT [--kernels w8,w4] [--ms 1,16,64,256] [--m-tiles 1,2]
-        [--launch 128/4/2,64/2/0/8] [--wide]
+        [--launch 128/4/2,64/2/0/8]
 writes OUT/gemv_batch.json."""
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ def main():
                     help="fixed m_tiles configs timed beside the auto one")
     ap.add_argument("--launch", default="", help="extra launches beside the default, block_n/stages/split_k"
                     "[/m_tiles] comma-separated (e.g. 128/4/2,64/2/0/8; split 0 = the default launch's split)")
-    ap.add_argument("--wide", action="store_true", help="also each several-tile launch with wide=True")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     res = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "method": __doc__.split("\n\n")[0],
@@ -69,10 +68,7 @@ def main():
                 extra.append((f"mosaic {spec}", dataclasses.replace(base, block_n=bn, stages=st,
                                                                     split_k=sk or base.split_k,
                                                                     m_tiles=mt[0] if mt else base.m_tiles)))
-            launches = [("mosaic auto m_tiles", base)] + extra
-            if args.wide:                   # each several-tile launch also with one wide wgmma per weight tile
-                launches += [(f"{n} wide", dataclasses.replace(c, wide=True)) for n, c in launches if c.m_tiles != 1]
-            for name, cfg in launches:
+            for name, cfg in [("mosaic auto m_tiles", base)] + extra:
                 fn = lambda *a, cfg=cfg, gemv=gemv, **kw: gemv(*a, config=cfg, **kw)
                 arms[name] = (fn, [(xs[i], *wq[i % 2]) for i in range(4)], cfg)
             for name, (fn, sets, cfg) in arms.items():
