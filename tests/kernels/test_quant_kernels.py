@@ -184,6 +184,30 @@ def test_w4a4(rng, interpret, decode, static):
     assert 1e-3 < rel_err(ref, w4) < 0.3          # the activations really were quantized
 
 
+@pytest.mark.parametrize("m", [3, 40])
+def test_w4a4_mosaic_decode_arm(rng, interpret, m):
+    """The Mosaic decode arm (compiled on a GPU, GPU interpret mode on the CPU): the same activation pass and
+    result as the reference (M = 40 takes several x tiles per CTA); prefill calls and unsupported shapes go to
+    the Triton arm."""
+    x, (p, s, g) = _x(rng, m=m, k=512), (jnp.asarray(a) for a in qf.quantize_nvfp4(_w(rng, n=128, k=512)))
+    try:
+        y = w4a4.w4a4_gemm_mosaic(x, p, s, g, out_dtype=jnp.float32, decode=True, interpret=interpret)
+    finally:
+        if interpret:
+            from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
+            reset_gpu_interpret_mode_state()
+    _finite(y)
+    assert rel_err(y, w4a4.w4a4_reference(x, p, s, g, out_dtype=jnp.float32)) < 1e-5
+    with pytest.raises(ShapeError, match="w4a4_gemm.mosaic.: serves decode=True only"):
+        w4a4.w4a4_gemm_mosaic(x, p, s, g, decode=False, interpret=interpret)
+    spec = registry._KERNELS["w4a4_gemm"]
+    assert spec.gpu_default == "mosaic"
+    assert spec.mosaic_supports(x, p, s, g, None, decode=True)
+    assert not spec.mosaic_supports(x, p, s, g, None, decode=False)                  # prefill: Triton
+    assert not spec.mosaic_supports(x.astype(jnp.float32), p, s, g, decode=True)     # f32 x: Triton
+    assert not spec.mosaic_supports(x[:, :256], p[:, :128], s[:, :16], g, decode=True)   # K % 512 != 0
+
+
 def test_gemv_row_does_not_depend_on_batch(rng, interpret):
     """Decode tiles never depend on M: row 0 alone and inside 7 rows are bit-identical."""
     x, (q, s), (p, s4, g) = _x(rng, m=7), _fp8_args(rng), _nvfp4_args(rng)
