@@ -169,6 +169,16 @@ def dequantize_nvfp4(packed, scale, global_scale):
     return w.reshape(n, k) * xp.asarray(global_scale, xp.float32)
 
 
+def round_e4m3(v: jax.Array) -> jax.Array:
+    """float32 v (|v| <= 448) -> the nearest E4M3FN value (ties to even) as float32: the same numbers as
+    v.astype(float8_e4m3fn).astype(float32), but through reduce_precision and round, which XLA keeps in jitted
+    code; XLA GPU may drop a narrowing convert that is converted straight back (excess precision), so that
+    round trip gives other numbers jitted on the GPU than op by op."""
+    normal = jax.lax.reduce_precision(v, exponent_bits=5, mantissa_bits=3)   # 3 mantissa bits, E4M3's normals
+    subnormal = jnp.round(v * 512.0) / 512.0                                 # E4M3 subnormals: steps of 2^-9
+    return jnp.where(jnp.abs(v) < 2.0 ** -6, subnormal, normal)
+
+
 def nvfp4_fake_quant(x: jax.Array, global_scale: jax.Array) -> jax.Array:
     """Quantize-dequantize activations [M, K] to NVFP4 (per 16 along K); global_scale [M] or scalar.
 
@@ -179,7 +189,7 @@ def nvfp4_fake_quant(x: jax.Array, global_scale: jax.Array) -> jax.Array:
     g = jnp.broadcast_to(jnp.asarray(global_scale, jnp.float32).reshape(-1, 1, 1), (m, 1, 1))
     groups = x.astype(jnp.float32).reshape(m, k // NVFP4_GROUP, NVFP4_GROUP)
     block = jnp.max(jnp.abs(groups), axis=-1, keepdims=True) / E2M1_MAX / g
-    s = jnp.clip(block, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn).astype(jnp.float32)
+    s = round_e4m3(jnp.clip(block, -E4M3_MAX, E4M3_MAX))
     denom = s * g
     scaled = jnp.where(denom > 0, groups / jnp.where(denom > 0, denom, 1.0), 0.0)
     q = e2m1_decode(e2m1_encode_jnp(scaled)) * s * g

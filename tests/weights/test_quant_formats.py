@@ -85,6 +85,22 @@ def test_nvfp4_fake_quant_matches_weight_quantizer(rng):
     np.testing.assert_allclose(np.asarray(per_row), np.abs(x).max(1) / (6 * 448), rtol=1e-6)
 
 
+def test_round_e4m3_is_the_e4m3_round_trip_and_survives_jit(rng):
+    """Every E4M3 value, every midpoint (ties to even) and its neighbours, random values over the whole range and
+    the subnormals: the same numbers as a round trip through float8_e4m3fn; and the jitted activation fake-quant
+    keeps an explicit rounding op (XLA GPU may fold a convert pair away, so it must not rely on one)."""
+    vals = np.unique(np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32))
+    vals = vals[np.isfinite(vals)]
+    mids = (vals[1:] + vals[:-1]) / 2
+    v = np.concatenate([vals, mids, np.nextafter(mids, np.float32(np.inf)), np.nextafter(mids, np.float32(-np.inf)),
+                        rng.uniform(-448, 448, 20000), rng.uniform(-2 ** -5, 2 ** -5, 20000)]).astype(np.float32)
+    v = np.clip(v, -448, 448)
+    want = v.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    np.testing.assert_array_equal(np.asarray(jax.jit(qf.round_e4m3)(jnp.asarray(v))), want)
+    hlo = jax.jit(lambda x: qf.nvfp4_fake_quant(x, 1.0)).lower(jnp.ones((2, 32), jnp.bfloat16)).as_text("hlo")
+    assert "reduce-precision" in hlo and "f8e4m3fn" not in hlo
+
+
 def test_fp8_activation_quantizers(rng):
     x = jnp.asarray(rng.standard_normal((3, 300)), jnp.bfloat16)
     q, s = qf.quantize_rows_fp8_blocks(x)
