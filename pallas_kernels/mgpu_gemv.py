@@ -727,7 +727,7 @@ W4P_BK = 256      # K per step of the "perm" NVFP4 kernel (128 packed bytes, 16 
 def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, interpret,
                 probe, m_tiles):
     """NVFP4 GEMV with the "perm" decoder: scales are multiplied in during the decode, so one accumulator per
-    64 rows and 16-row x tile runs over all K; the decoded weight tile serves all m_tiles x tiles of the CTA.
+    64 rows (over all m_tiles x tiles of the CTA, one wgmma against the decoded tile) runs over all K.
     Each step waits for its own wgmmas (wait_group 0) before the next step's decode rewrites the A registers:
     PTX makes touching an in-flight wgmma's A registers undefined, and the loop body writes the same registers
     every step (H200 run s3-1: a wait_group(1) version gave wrong, M-dependent rows whenever ptxas did not
@@ -737,7 +737,7 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, s
     k_first = split * steps
     groups = bn // ROWS
 
-    def scoped(*accs):                                                # [groups * m_tiles] x [64, BM]
+    def scoped(*accs):                                                # per 64-row group: [64, BM * m_tiles]
         def body(idx, p_smem, s_smem, x_smem):
             xt = x_smem.transpose((1, 0))                             # [256, BM * m_tiles]
             if probe == "stream":
