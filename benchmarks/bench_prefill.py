@@ -456,16 +456,18 @@ def nvfp4_main(args, result, save, key):
             W = [nvfp4_weights(k, N, K) for k in jax.random.split(kw, 2)]
             wb = [(qf.dequantize_nvfp4(pt.T, st.T, 1.0).astype(jnp.bfloat16),) for pt, st, _ in W]
             P = [mgpu_gemm_nvfp4.prepare_weights(pt, st) + (g,) for pt, st, g in W]
+            plain = [(pt.T, st.T, g) for pt, st, g in W]                  # the decode layout [N, K/2], [N, K/16]
             x0 = xs[0]
             ref = w4a16.w4a16_t_reference(x0, *W[0], out_dtype=jnp.float32)
-            jax.block_until_ready((xs, W, wb, P, ref))
+            jax.block_until_ready((xs, W, wb, P, plain, ref))
         except Exception:  # noqa: BLE001
             result["errors"].append({"shape": shape, "stage": "setup", "traceback": traceback.format_exc()})
             log(traceback.format_exc())
             save()
             continue
         sets = {"w": lambda i: (xs[i], *W[i % 2]), "bf16": lambda i: (xs[i], *wb[i % 2]),
-                "prep": lambda i: (xs[i], *P[i % 2]), "x": lambda i: (xs[i],)}
+                "prep": lambda i: (xs[i], *P[i % 2]), "plain": lambda i: (xs[i], *plain[i % 2]),
+                "x": lambda i: (xs[i],)}
         arms = [("xla_bf16", "xla", "bf16 weight [N, K]", "bf16", xla_bf16),
                 ("dequant+xla_dot", "xla", "dequantize to bf16, then dot", "w", dequant_xla_dot)]
         if not args.no_triton:
@@ -473,6 +475,8 @@ def nvfp4_main(args, result, save, key):
                          lambda x, p, s, g, **kw: w4a16.w4a16_gemm_t_m128_pallas(x, p, s, g, interpret=DRY, **kw)))
         arms += [("w4a16_gemm_t prepared", "mosaic", "default; weights relaid out once (not timed)", "prep",
                   lambda x, p, s, g, **kw: mgpu_gemm_nvfp4.w4a16_gemm_t_prepared(x, p, s, g, interpret=DRY, **kw)),
+                 ("w4a16_gemm (plain layout)", "mosaic", "default; packed [N, K/2] as is, scales relaid out", "plain",
+                  lambda x, p, s, g, **kw: mgpu_gemm_nvfp4.w4a16_gemm_mosaic(x, p, s, g, interpret=DRY, **kw)),
                  ("x even/odd split (part of the Mosaic arm)", "xla", "", "x",
                   lambda x: mgpu_gemm_nvfp4.split_x(x, x.shape[0])),
                  ("weight relayout (part of the Mosaic arm)", "xla", "", "w",

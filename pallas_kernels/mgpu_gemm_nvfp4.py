@@ -1,5 +1,6 @@
-"""NVFP4 transposed prefill GEMMs on Hopper through Pallas Mosaic GPU: the Mosaic arms of `w4a16_gemm_t` and
-`w4a16_gemm_t_m128` (same call, same result as `w4a16_t_reference` up to float32 summation order).
+"""NVFP4 prefill GEMMs on Hopper through Pallas Mosaic GPU: the Mosaic arms of `w4a16_gemm_t` and
+`w4a16_gemm_t_m128` (same call, same result as `w4a16_t_reference` up to float32 summation order), and of
+`w4a16_gemm` on the plain layout, whose packed [N, K/2] already is the kernel's weight layout (no transpose).
 
 Hopper has no FP4 matrix math and W4A16 keeps bf16 activations, so the matrix work is a bf16 wgmma GEMM and the
 e2m1 * E4M3 weights are decoded in registers (the products are exact in bf16). Orientation: out^T = W x^T, so
@@ -25,8 +26,8 @@ TMA to out [M, N] (float32: out^T, transposed by XLA; a transposed 32-bit store 
 lower). Interpret mode (CPU tests) passes the A operand through shared memory (the GPU
 interpreter's wgmma reads A from shared memory only).
 Shapes: N % 128 == 0, K % 256 == 0 (ShapeError otherwise; `supports` sends others to the Triton arm); M is
-padded to tile_m here. Output dtype bf16 / f16 / f32. H200 results and status (compiled and correct for bf16 on
-the H200; not yet timed; Triton stays the GPU default): benchmarks/notes/quant_prefill.md.
+padded to tile_m here. Output dtype bf16 / f16 / f32. H200 results (GPU default since session 3: 0.73-0.76x XLA
+BF16 with the per-call transpose, 1.5-1.8x the Triton arm): benchmarks/notes/quant_prefill.md.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ from metrale_jax.errors import ShapeError
 from pallas_kernels import registry
 from pallas_kernels.mgpu_gemm import _num_sms
 from pallas_kernels.mgpu_gemv import _ptx_e2m1_to_bf16, _tf
-from pallas_kernels.w4a16 import (check_nvfp4_args, split_even_odd, w4a16_gemm_t_m128_pallas, w4a16_gemm_t_pallas,
-                                  w4a16_t_reference)
+from pallas_kernels.w4a16 import (check_nvfp4_args, split_even_odd, w4a16_gemm_pallas, w4a16_gemm_t_m128_pallas,
+                                  w4a16_gemm_t_pallas, w4a16_reference, w4a16_t_reference)
 
 ROWS = 64            # weight rows (N) per compute warpgroup: the wgmma M
 CTA_N = 2 * ROWS     # weight rows per CTA (two compute warpgroups)
@@ -223,14 +224,19 @@ def _call(x2, p, s, g, *, tiles: Nvfp4Tiles, out_dtype, interpret: bool, name: s
 
 
 # ---- operand preparation and arms ----------------------------------------------------------------------------
+def prepare_scales(scale):
+    """scale [N, K/16] E4M3 -> [N, K/8] bf16: per 128-wide K step the step's 8 group scales and 8 zeros (the
+    expansion wgmma needs K = 16; the pipeline loads one tile per step: a tile shared by two steps is not
+    re-sent by the TMA pipeline and deadlocks it)."""
+    N, G = scale.shape
+    s = scale.astype(BF16).reshape(N, G // 8, 8)
+    return jnp.pad(s, ((0, 0), (0, 0), (0, 8))).reshape(N, 2 * G)
+
+
 def prepare_weights(packed_t, scale_t):
     """(packed_t [K/2, N] u8, scale_t [K/16, N] E4M3) -> (p [N, K/2] u8, s [N, K/8] bf16): the kernel's weight
-    layout (one XLA pass; depends only on the weights, so a layer may keep it). s holds per 128-wide K step
-    the step's 8 group scales and 8 zeros (the expansion wgmma needs K = 16; the pipeline loads one tile per
-    step: a tile shared by two steps is not re-sent by the TMA pipeline and deadlocks it)."""
-    G, N = scale_t.shape
-    s = scale_t.T.astype(BF16).reshape(N, G // 8, 8)
-    return packed_t.T, jnp.pad(s, ((0, 0), (0, 0), (0, 8))).reshape(N, 2 * G)
+    layout (one XLA pass; depends only on the weights, so a layer may keep it)."""
+    return packed_t.T, prepare_scales(scale_t.T)
 
 
 def split_x(x, rows: int):
@@ -241,7 +247,7 @@ def split_x(x, rows: int):
 
 def _check(name: str, N: int, K: int, t: Nvfp4Tiles, out_dtype) -> None:
     if N % CTA_N:
-        raise ShapeError(f"{name}(mosaic): N={N} (packed_t columns) is not a multiple of {CTA_N}; use the Triton arm")
+        raise ShapeError(f"{name}(mosaic): N={N} (weight rows) is not a multiple of {CTA_N}; use the Triton arm")
     if K % (2 * STEP_K):
         raise ShapeError(f"{name}(mosaic): K={K} (x columns) is not a multiple of {2 * STEP_K}; use the Triton arm")
     if t.tile_m not in (64, 128, 192, 256):
@@ -286,12 +292,32 @@ def w4a16_gemm_t_m128_mosaic(x, packed_t, scale_t, global_scale, **kw):
     return w4a16_gemm_t_mosaic(x, packed_t, scale_t, global_scale, name="w4a16_gemm_t_m128", **kw)
 
 
+def w4a16_gemm_mosaic(x, packed, scale, global_scale, *, out_dtype=None, interpret: bool = False,
+                      tiles: Nvfp4Tiles | None = None, name: str = "w4a16_gemm"):
+    """Mosaic arm of w4a16_gemm (plain layout): same call and result as `w4a16_reference` (x [M, K], packed
+    uint8 [N, K/2], scale E4M3 [N, K/16], global f32). The packed bytes go in as they are; only the scales are
+    relaid out (`prepare_scales`, N K / 16 bytes)."""
+    check_nvfp4_args(name, x, packed, scale, global_scale, transposed=False)
+    return w4a16_gemm_t_prepared(x, packed, prepare_scales(scale), global_scale, out_dtype=out_dtype,
+                                 interpret=interpret, tiles=tiles, name=name)
+
+
+def supports_shape(N: int, K: int, x_dtype, out_dtype) -> bool:
+    """Calls the Mosaic GEMM takes: N % 128 == 0, K % 256 == 0, bf16 x (the kernel's B operand; it would round
+    any other x to bf16), a bf16/f16/f32 output."""
+    od = jnp.dtype(out_dtype)
+    return (N % CTA_N == 0 and K % (2 * STEP_K) == 0 and jnp.dtype(x_dtype) == jnp.dtype(BF16)
+            and od in (jnp.dtype(BF16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)))
+
+
 def supports(x, packed_t, scale_t, global_scale, *, out_dtype=None, **_) -> bool:
-    """Shapes the Mosaic arm takes: N % 128 == 0, K % 256 == 0, a bf16/f16/f32 output."""
-    N, K = packed_t.shape[1], 2 * packed_t.shape[0]
-    od = jnp.dtype(out_dtype or x.dtype)
-    return N % CTA_N == 0 and K % (2 * STEP_K) == 0 and od in (jnp.dtype(BF16), jnp.dtype(jnp.float16),
-                                                                 jnp.dtype(jnp.float32))
+    """The transposed arms' calls the Mosaic GEMM takes (`supports_shape`)."""
+    return supports_shape(packed_t.shape[1], 2 * packed_t.shape[0], x.dtype, out_dtype or x.dtype)
+
+
+def supports_plain(x, packed, scale, global_scale, *, out_dtype=None, **_) -> bool:
+    """The plain-layout (w4a16_gemm) calls the Mosaic GEMM takes (`supports_shape`)."""
+    return supports_shape(packed.shape[0], 2 * packed.shape[1], x.dtype, out_dtype or x.dtype)
 
 
 # GPU default Mosaic: 0.63-0.76x XLA BF16 at the 8B shapes (M=4096) against the Triton arm's 0.42x, correct on
@@ -300,4 +326,9 @@ registry.register("w4a16_gemm_t", reference=w4a16_t_reference, pallas=w4a16_gemm
                   mosaic_supports=supports, gpu_default="mosaic")
 registry.register("w4a16_gemm_t_m128", reference=w4a16_t_reference, pallas=w4a16_gemm_t_m128_pallas,
                   mosaic=w4a16_gemm_t_m128_mosaic, mosaic_supports=supports, gpu_default="mosaic")
+# The plain layout on the same kernel, minus the per-call weight transpose (H200 s3: the transposed arm 1025 /
+# 501 us with it, the transpose alone 66.5 / 39.5 us; the Triton w4a16_gemm 8276 us at in_proj in call 1);
+# not yet timed as this arm (benchmarks/notes/quant_prefill.md, session 9).
+registry.register("w4a16_gemm", reference=w4a16_reference, pallas=w4a16_gemm_pallas, mosaic=w4a16_gemm_mosaic,
+                  mosaic_supports=supports_plain, gpu_default="mosaic")
 

@@ -7,8 +7,9 @@ does the same activation pass and then dequantize-then-matmul.
 
 w4a4_gemm(x, packed, scale, global_scale, input_scale=None, *, decode=False): `decode` picks the
 GEMV tiles (16-row blocks, independent of M, for decode steps) instead of the prefill GEMM tiles.
-On Hopper the decode calls go to the Mosaic GEMV of w4a16_gemv (pallas_kernels/mgpu_gemv.py; 2x the Triton
-GEMV at M = 1, several x tiles per CTA at large batch); prefill calls and shapes it does not take to Triton.
+On Hopper the Mosaic arm runs the same activation pass, then for decode the Mosaic GEMV of w4a16_gemv
+(pallas_kernels/mgpu_gemv.py; 1.9x the Triton GEMV at M = 1, 3.3x at 256) and for prefill the Mosaic NVFP4 GEMM on
+the plain layout (pallas_kernels/mgpu_gemm_nvfp4.py); shapes they do not take go to Triton.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from metrale_jax.weights.quant_formats import nvfp4_activation_global, nvfp4_fake_quant
-from metrale_jax.errors import ShapeError
-from pallas_kernels import mgpu_gemv, registry
+from pallas_kernels import mgpu_gemm_nvfp4, mgpu_gemv, registry
 from pallas_kernels.w4a16 import (check_nvfp4_args, w4a16_gemm_pallas, w4a16_gemv_pallas, w4a16_reference)
 
 
@@ -44,19 +44,24 @@ def w4a4_gemm_pallas(x, packed, scale, global_scale, input_scale=None, *, out_dt
 
 
 def w4a4_gemm_mosaic(x, packed, scale, global_scale, input_scale=None, *, out_dtype=None, decode=False,
-                     interpret=False, config=None):
-    """Mosaic arm, decode only: the same activation pass, then the Mosaic w4a16 GEMV (bf16 x, N % 64 == 0,
-    K % 512 == 0). Same call and result as `w4a4_reference`."""
+                     interpret=False):
+    """Mosaic arm: the same activation pass, then the Mosaic w4a16 GEMV (decode: bf16 x, N % 64 == 0,
+    K % 512 == 0) or the Mosaic NVFP4 GEMM (prefill: N % 128 == 0, K % 256 == 0). Same call and result as
+    `w4a4_reference`."""
     check_nvfp4_args("w4a4_gemm", x, packed, scale, global_scale, transposed=False)
-    if not decode:
-        raise ShapeError("w4a4_gemm(mosaic): serves decode=True only (the Mosaic NVFP4 GEMM takes the transposed "
-                         "prefill layout); use the Triton arm for prefill")
-    return mgpu_gemv.w4a16_gemv_mosaic(quantize_activations_nvfp4(x, input_scale), packed, scale, global_scale,
-                                       out_dtype=out_dtype or x.dtype, interpret=interpret, config=config)
+    xq = quantize_activations_nvfp4(x, input_scale)
+    out_dtype = out_dtype or x.dtype
+    if decode:
+        return mgpu_gemv.w4a16_gemv_mosaic(xq, packed, scale, global_scale, out_dtype=out_dtype, interpret=interpret)
+    return mgpu_gemm_nvfp4.w4a16_gemm_mosaic(xq, packed, scale, global_scale, out_dtype=out_dtype,
+                                             interpret=interpret, name="w4a4_gemm")
 
 
-def _mosaic_supports(x, packed, *_, decode=False, **__) -> bool:
-    return decode and mgpu_gemv.supports("w4a16_gemv", packed.shape[0], 2 * packed.shape[1], x.dtype)
+def _mosaic_supports(x, packed, scale, global_scale, input_scale=None, *, out_dtype=None, decode=False, **_) -> bool:
+    N, K = packed.shape[0], 2 * packed.shape[1]
+    if decode:
+        return mgpu_gemv.supports("w4a16_gemv", N, K, x.dtype)
+    return mgpu_gemm_nvfp4.supports_shape(N, K, x.dtype, out_dtype or x.dtype)
 
 
 registry.register("w4a4_gemm", reference=w4a4_reference, pallas=w4a4_gemm_pallas, mosaic=w4a4_gemm_mosaic,

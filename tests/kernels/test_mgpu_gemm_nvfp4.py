@@ -1,5 +1,5 @@
-"""Mosaic GPU arm of the NVFP4 transposed prefill GEMMs (pallas_kernels/mgpu_gemm_nvfp4.py) against
-`w4a16_t_reference` and float64 numpy.
+"""Mosaic GPU arms of the NVFP4 prefill GEMMs (pallas_kernels/mgpu_gemm_nvfp4.py: transposed and plain layout)
+against `w4a16_t_reference` / `w4a16_reference` and float64 numpy.
 
 On the CPU the kernel runs in GPU interpret mode (tiny shapes, a 2-SM persistent grid so each CTA loops over
 several output tiles, the jnp nibble decoder); on a GPU the same tests run compiled (METRALE_TEST_GPU=1) with
@@ -13,7 +13,7 @@ from metrale_jax.errors import ShapeError
 from metrale_jax.weights import quant_formats as qf
 from pallas_kernels import mgpu_gemm_nvfp4 as mn
 from pallas_kernels import registry
-from pallas_kernels.w4a16 import w4a16_t_reference
+from pallas_kernels.w4a16 import w4a16_reference, w4a16_t_reference
 from tests.numpy_refs import rel_err
 
 TOL = 2e-5      # bf16 products are exact; only the f32 summation order differs
@@ -73,6 +73,22 @@ def test_prepared_weights_same_result(rng, interpret):
     _check(a, _want(x, pt, st, g), 64, 128, TOL)
 
 
+def test_plain_layout_arm_same_bits_as_the_transposed_one(rng, interpret):
+    """w4a16_gemm's Mosaic arm takes packed [N, K/2] as the kernel's weight layout (no transpose): the same bits
+    as the transposed arm on the same weights, and right against w4a16_reference / float64."""
+    x, pt, st, g = _operands(rng, 100, 256, 512)
+    t = mn.Nvfp4Tiles(tile_m=64, stages=2)
+    y = mn.w4a16_gemm_mosaic(x, pt.T, st.T, g, out_dtype=jnp.float32, interpret=interpret, tiles=t)
+    yt = mn.w4a16_gemm_t_mosaic(x, pt, st, g, out_dtype=jnp.float32, interpret=interpret, tiles=t)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(yt))
+    _check(y, np.asarray(w4a16_reference(x, pt.T, st.T, g, out_dtype=jnp.float32), np.float64), 100, 256, TOL)
+    _check(y, _want(x, pt, st, g), 100, 256, TOL)
+    with pytest.raises(ShapeError, match=r"w4a16_gemm\(mosaic\): N=64 \(weight rows\) is not a multiple of 128"):
+        mn.w4a16_gemm_mosaic(x, pt.T[:64], st.T[:64], g, interpret=True)
+    with pytest.raises(ShapeError, match="w4a16_gemm: packed weight expected uint8"):
+        mn.w4a16_gemm_mosaic(x, pt.T.astype(jnp.int8), st.T, g, interpret=True)
+
+
 def test_argument_errors(rng):
     x, pt, st, g = _operands(rng, 64, 128, 256)
     with pytest.raises(ShapeError, match=r"N=64 .* not a multiple of 128"):
@@ -91,7 +107,7 @@ def test_argument_errors(rng):
 
 
 def test_registered_beside_triton():
-    """Both names carry the Mosaic arm; shapes it does not take go to the Triton arm."""
+    """The three names carry the Mosaic arm; calls it does not take (shapes, f32 x) go to the Triton arm."""
     for name in ("w4a16_gemm_t", "w4a16_gemm_t_m128"):
         spec = registry._KERNELS[name]
         assert spec.pallas is not None and spec.mosaic is not None
@@ -103,3 +119,11 @@ def test_registered_beside_triton():
             pt = jnp.zeros((k // 2, n), jnp.uint8)
             st = jnp.zeros((k // 16, n), jnp.float8_e4m3fn)
             assert spec.mosaic_supports(x[:, :k], pt, st, 1.0) is ok
+            assert spec.mosaic_supports(x[:, :k].astype(jnp.float32), pt, st, 1.0) is False
+    spec = registry._KERNELS["w4a16_gemm"]
+    assert spec.gpu_default == "mosaic" and registry.resolve("w4a16_gemm", "auto", platform="gpu").impl == "mosaic"
+    x = jnp.zeros((7, 4096), jnp.bfloat16)
+    for (n, k), ok in (((18560, 4096), True), ((4096, 8192), True), ((200, 4096), False), ((256, 400), False)):
+        p, s = jnp.zeros((n, k // 2), jnp.uint8), jnp.zeros((n, k // 16), jnp.float8_e4m3fn)
+        assert spec.mosaic_supports(x[:, :k], p, s, 1.0) is ok
+        assert spec.mosaic_supports(x[:, :k], p, s, 1.0, out_dtype=jnp.int8) is False

@@ -184,28 +184,26 @@ def test_w4a4(rng, interpret, decode, static):
     assert 1e-3 < rel_err(ref, w4) < 0.3          # the activations really were quantized
 
 
-@pytest.mark.parametrize("m", [3, 40])
-def test_w4a4_mosaic_decode_arm(rng, interpret, m):
-    """The Mosaic decode arm (compiled on a GPU, GPU interpret mode on the CPU): the same activation pass and
-    result as the reference (M = 40 takes several x tiles per CTA); prefill calls and unsupported shapes go to
-    the Triton arm."""
+@pytest.mark.parametrize("m,decode", [(3, True), (40, True), (70, False)])
+def test_w4a4_mosaic_arm(rng, interpret, m, decode):
+    """The Mosaic arm (compiled on a GPU, GPU interpret mode on the CPU): the same activation pass and result as
+    the reference, decode through the Mosaic GEMV (M = 40: several x tiles per CTA), prefill through the Mosaic
+    NVFP4 GEMM on the plain layout; calls they do not take go to the Triton arm."""
     x, (p, s, g) = _x(rng, m=m, k=512), (jnp.asarray(a) for a in qf.quantize_nvfp4(_w(rng, n=128, k=512)))
     try:
-        y = w4a4.w4a4_gemm_mosaic(x, p, s, g, out_dtype=jnp.float32, decode=True, interpret=interpret)
+        y = w4a4.w4a4_gemm_mosaic(x, p, s, g, out_dtype=jnp.float32, decode=decode, interpret=interpret)
     finally:
         if interpret:
             from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
             reset_gpu_interpret_mode_state()
     _finite(y)
-    assert rel_err(y, w4a4.w4a4_reference(x, p, s, g, out_dtype=jnp.float32)) < 1e-5
-    with pytest.raises(ShapeError, match="w4a4_gemm.mosaic.: serves decode=True only"):
-        w4a4.w4a4_gemm_mosaic(x, p, s, g, decode=False, interpret=interpret)
+    assert y.shape == (m, 128) and rel_err(y, w4a4.w4a4_reference(x, p, s, g, out_dtype=jnp.float32)) < 1e-5
     spec = registry._KERNELS["w4a4_gemm"]
     assert spec.gpu_default == "mosaic"
-    assert spec.mosaic_supports(x, p, s, g, None, decode=True)
-    assert not spec.mosaic_supports(x, p, s, g, None, decode=False)                  # prefill: Triton
-    assert not spec.mosaic_supports(x.astype(jnp.float32), p, s, g, decode=True)     # f32 x: Triton
-    assert not spec.mosaic_supports(x[:, :256], p[:, :128], s[:, :16], g, decode=True)   # K % 512 != 0
+    assert spec.mosaic_supports(x, p, s, g, None, decode=decode)
+    assert not spec.mosaic_supports(x.astype(jnp.float32), p, s, g, decode=decode)   # f32 x: Triton
+    assert spec.mosaic_supports(x[:, :256], p[:, :128], s[:, :16], g, decode=decode) is (not decode)  # K = 256
+    assert not spec.mosaic_supports(x, p[:64], s[:64], g, decode=False)              # N % 128 != 0: Triton
 
 
 def test_w4a4_activation_pass_same_bits_jitted_and_eager(rng):
