@@ -127,3 +127,15 @@ def test_registered_beside_triton():
         p, s = jnp.zeros((n, k // 2), jnp.uint8), jnp.zeros((n, k // 16), jnp.float8_e4m3fn)
         assert spec.mosaic_supports(x[:, :k], p, s, 1.0) is ok
         assert spec.mosaic_supports(x[:, :k], p, s, 1.0, out_dtype=jnp.int8) is False
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(18560, 4096), (4096, 8192)])
+def test_plain_and_transposed_arms_at_8b_shapes_on_gpu(rng, n, k):
+    """Compiled at the Nemotron-H-8B projection shapes with the default tiles (M = 300: padded to 256-row tiles):
+    the plain-layout arm gives the transposed arm's bits and matches the reference."""
+    x, pt, st, g = _operands(rng, 300, n, k)
+    y = mn.w4a16_gemm_mosaic(x, pt.T, st.T, g, out_dtype=jnp.bfloat16)
+    np.testing.assert_array_equal(np.asarray(y, np.float32),
+                                  np.asarray(mn.w4a16_gemm_t_mosaic(x, pt, st, g, out_dtype=jnp.bfloat16), np.float32))
+    assert rel_err(y, w4a16_reference(x, pt.T, st.T, g, out_dtype=jnp.float32)) < 1e-2
