@@ -19,16 +19,15 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import timing
-from benchmarks.bench_prefill import SHAPES, fp8_blocks, rel_err, xla_bf16
+from benchmarks.bench_prefill import SHAPES, fp8_blocks, nvfp4_weights, rel_err, xla_bf16
 from pallas_kernels import mgpu_gemv as mg
 from pallas_kernels import w4a16, w8a16
 
 
 def nvfp4_rows(key, N, K):
-    """Random NVFP4 weights in the GEMV layout: packed [N, K/2] (all 256 codes), scale E4M3 [N, K/16], global."""
-    kp, ks = jax.random.split(key)
-    p = jax.random.randint(kp, (N, K // 2), 0, 256, jnp.int32).astype(jnp.uint8)
-    return p, jax.random.uniform(ks, (N, K // 16), minval=0.25, maxval=4.0).astype(jnp.float8_e4m3fn), jnp.float32(0.01)
+    """bench_prefill's random NVFP4 weights in the GEMV layout: packed [N, K/2], scale E4M3 [N, K/16], global."""
+    pt, st, g = nvfp4_weights(key, N, K)
+    return pt.T, st.T, g
 
 
 KERNELS = {"w8": (mg.w8a16_gemv_mosaic, mg.w8a16_gemv_blocks, w8a16.w8a16_reference),
