@@ -18,7 +18,7 @@ Sections (each against a floor or baseline measured in the same run):
 Times: wall clock around block_until_ready; median of repeats; compiles happen in warm-up, never timed.
 
     PYTHONPATH=. python benchmarks/bench_runtime.py [--out DIR] [--sections decode,prefill,ttft,spec,spec_builtin]
-        [--deadline SECONDS] [--weights bf16|fp8-block]
+        [--deadline SECONDS] [--weights bf16|fp8-block|nvfp4]
     CPU dry run (tiny config with every block kind, small sizes):
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_runtime.py --tiny --out /tmp/rt
 writes DIR/runtime_<date>.json (DIR default benchmarks/results).
@@ -39,16 +39,18 @@ import traceback
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from benchmarks.random_weights import device_tensors, matmul_params
 from metrale_jax.config import ModelConfig
+from metrale_jax.layers.projection import PREFILL_ONLY_ARMS, Projection
 from metrale_jax.model import NemotronH
 from metrale_jax.runtime import Engine, Executables, SpeculativeConfig, steps
 from metrale_jax.runtime.prefix_cache import tree_nbytes
 from metrale_jax.runtime.sampling import sample_tokens
 from metrale_jax.weights import quant_formats, quantize
+from metrale_jax.weights.containers import Fp8Weight, Nvfp4Weight, StackedExperts
 from pallas_kernels import registry
-from metrale_jax.weights.containers import Fp8Weight, StackedExperts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIG_8B = os.path.join(ROOT, "tests", "fixtures", "configs", "nemotron_h_8b.json")
@@ -70,10 +72,20 @@ def log(*a):
 
 
 # ---- model and baselines ----------------------------------------------------------------------------
+def _quantized(w: jax.Array, weights: str):
+    """One dense [N, K] weight (or a stack [E, N, K]) in the container the quantized checkpoint loads as."""
+    if weights == "fp8-block":
+        fn, box = quant_formats.quantize_fp8_block, lambda a: Fp8Weight(*a)
+    else:
+        fn, box = quant_formats.quantize_nvfp4, lambda a: Nvfp4Weight(*a)
+    return StackedExperts(box(jax.vmap(fn)(w))) if w.ndim == 3 else box(fn(w))
+
+
 def random_model(config: ModelConfig, dtype, seed: int = 0, weights: str = "bf16") -> NemotronH:
-    """Random weights drawn on the device (benchmarks/random_weights.py). weights="fp8-block": the linear layers
-    `metrale-jax quantize --format fp8-block` would quantize become block-scaled FP8 containers (quantized on the
-    device; a layer's stacked routed experts as StackedExperts), as a block-FP8 checkpoint loads."""
+    """Random weights drawn on the device (benchmarks/random_weights.py). weights="fp8-block" / "nvfp4": the linear
+    layers `metrale-jax quantize --format fp8-block|nvfp4` would quantize become block-scaled FP8 / NVFP4
+    containers (quantized on the device; a layer's stacked routed experts as StackedExperts), as such a checkpoint
+    loads."""
     tensors = device_tensors(config, dtype, None, seed)
     if weights == "bf16":
         return NemotronH(config, tensors, dtype=dtype)
@@ -82,13 +94,17 @@ def random_model(config: ModelConfig, dtype, seed: int = 0, weights: str = "bf16
     entries += [(m + ".weight", "BF16", tuple(tensors[n].shape[1:])) for m, n in stacks.items()]  # as the quantizer
     qcfg, todo = quantize.plan(entries, weights)                                              # sees expert 0
     for module in todo:
-        if module in stacks:                                    # a layer's routed experts, quantized as one stack
-            q, scale = jax.vmap(quant_formats.quantize_fp8_block)(tensors[stacks[module]])
-            tensors[stacks[module]] = StackedExperts(Fp8Weight(q, scale))
-        else:
-            q, scale = quant_formats.quantize_fp8_block(tensors[module + ".weight"])
-            tensors[module + ".weight"] = Fp8Weight(q, scale)
+        name = stacks.get(module, module + ".weight")          # a layer's routed experts: quantized as one stack
+        tensors[name] = _quantized(tensors[name], weights)
     return NemotronH(config, tensors, dtype=dtype, quant_config=qcfg)
+
+
+def decode_weight_bytes(model) -> int:
+    """Bytes of the weights a decode step reads: the whole model less the prefill-only copies of its projections
+    (pre-dequantized FP8, transposed NVFP4)."""
+    copies = [getattr(node, arm).get_value() for _, node in nnx.iter_graph(model) if isinstance(node, Projection)
+              for arm in PREFILL_ONLY_ARMS if getattr(node, arm) is not None]
+    return tree_nbytes(jax.tree.leaves(model)) - tree_nbytes(jax.tree.leaves(copies))
 
 
 def block(x):
@@ -147,7 +163,7 @@ def bench_decode(model, sz, exe, bw, out):
                  prefill_batch_buckets=(pre,), token_buckets=(prompt,), prefill_token_budget=prompt * pre,
                  executables=exe, eos_ids=[])
     log(f"decode: warm-up compiles {eng.warmup()}")
-    wbytes = tree_nbytes(jax.tree.leaves(model))
+    wbytes = decode_weight_bytes(model)
     rng = np.random.default_rng(0)
     V = model.config.vocab_size
     greedy = functools.partial(sample_tokens, sampling=False)
@@ -337,8 +353,8 @@ def main():
     ap.add_argument("--config", default=CONFIG_8B, help="HF config.json (default: Nemotron-H-8B shapes)")
     ap.add_argument("--sections", default="decode,prefill,ttft,spec,spec_builtin")
     ap.add_argument("--deadline", type=float, default=float("inf"), help="skip sections that start after this")
-    ap.add_argument("--weights", default="bf16", choices=("bf16", "fp8-block"),
-                    help="linear weights: BF16, or block-scaled FP8 (the FP8 arms)")
+    ap.add_argument("--weights", default="bf16", choices=("bf16", "fp8-block", "nvfp4"),
+                    help="linear weights: BF16, block-scaled FP8 (the FP8 arms) or NVFP4 (the W4A16 arms)")
     args = ap.parse_args()
     sz = SIZES["tiny" if args.tiny else "full"]
     config = ModelConfig.from_hf(TINY if args.tiny else args.config)

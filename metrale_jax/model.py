@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from metrale_jax import sharding
 from metrale_jax.config import ModelConfig, ModelLevers
-from metrale_jax.errors import CheckpointError, ConfigError, ShapeError, SlotError
+from metrale_jax.errors import CheckpointError, ConfigError, KernelUnavailableError, ShapeError, SlotError
 from metrale_jax.layers.attention import NemotronAttentionLayer
 from metrale_jax.layers.capabilities import ModelCapabilities, combine_capabilities
 from metrale_jax.layers.mamba2 import NemotronMamba2Layer
@@ -130,7 +130,7 @@ class NemotronH(nnx.Module):
             norm, weights = layer_weights(config, i, t)
             kw = {"expert_shards": shard_of.size} if shard_of is not None and kind == "E" else {}
             if kind == "M":
-                layer = _mamba_layer(norm, weights, config, i, self.levers)
+                layer = _mamba_layer(norm, weights, config, i, self.levers, self.dtype)
             else:
                 layer = LAYER_CLASSES[kind](norm, weights, config, i, levers=self.levers, **kw)
             if shard_of is not None:
@@ -601,10 +601,24 @@ def _method_of(w) -> str:
     return "fp8" if w.format is WeightQuantFormat.FP8_PER_TENSOR else "fp8_block"
 
 
-def _mamba_layer(norm, w, config: ModelConfig, i: int, levers: ModelLevers) -> NemotronMamba2Layer:
+def nvfp4_prefill_copy_pays(shape: tuple[int, int], dtype, kernels: str, platform: str | None = None) -> bool:
+    """Whether an NVFP4 projection [N, K] gets a transposed prefill copy (w4a16_gemm_t). Not where the plain-layout
+    GEMM (w4a16_gemm) resolves to its Mosaic arm and takes the shape: that arm serves prefill from the layer's own
+    weights at least as fast (H200 s10-1, 8B in_proj / out_proj: 998 / 533 us against the transposed arm's 1029 /
+    534) and the copy would cost another 0.56 N K bytes. Elsewhere the plain GEMM is Triton's (8x slower)."""
+    from pallas_kernels import mgpu_gemm_nvfp4   # the kernels import metrale_jax: not at this module's import
+    try:
+        plain = registry.resolve("w4a16_gemm", kernels, platform).impl == "mosaic"
+    except KernelUnavailableError:
+        return True
+    return not (plain and mgpu_gemm_nvfp4.supports_shape(*shape, dtype, dtype))
+
+
+def _mamba_layer(norm, w, config: ModelConfig, i: int, levers: ModelLevers, dtype) -> NemotronMamba2Layer:
     """A Mamba-2 layer with the arms its projections' formats call for (each projection on its own):
       dense           BF16 native.
-      NVFP4           the default w4a16 arm (decode) + its transposed copy (prefill: w4a16_gemm_t).
+      NVFP4           the default w4a16 arm (decode), and for prefill the plain Mosaic w4a16_gemm on Hopper or
+                      else a transposed copy (w4a16_gemm_t; `nvfp4_prefill_copy_pays`).
       FP8 (block, or per-tensor expanded to the block grid), by levers.native_fp8_ssm:
         full          native FP8 for decode and prefill (w8a16_gemv / w8a16_gemm_pipelined).
         decode        native FP8 for decode only + a pre-dequantized FP8 E4M3 prefill copy (fp8_gemm_t).
@@ -625,7 +639,8 @@ def _mamba_layer(norm, w, config: ModelConfig, i: int, levers: ModelLevers) -> N
     layer = NemotronMamba2Layer(norm, dataclasses.replace(w, **projs), config, i, levers=levers)
     if fp8 and mode == "decode":
         layer.set_fp8_prefill_weights(*(fp8_prefill_copy(fp8[k]) if k in fp8 else None for k in names))
-    nvfp4 = {k: v for k, v in projs.items() if isinstance(v, Nvfp4Weight)}
+    nvfp4 = {k: v for k, v in projs.items()
+             if isinstance(v, Nvfp4Weight) and nvfp4_prefill_copy_pays(v.shape, dtype, levers.kernels)}
     if nvfp4:
         layer.set_prefill_weights(*(nvfp4[k].transposed() if k in nvfp4 else None for k in names))
     return layer

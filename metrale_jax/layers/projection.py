@@ -39,6 +39,7 @@ ARM_KERNELS = {
 }
 # kernels that quantize their activations to E4M3 (and so also take Fp8Activations): how
 INPUT_QUANT = {"fp8_gemm_t": "rows", "w8a16_gemm_pipelined": "blocks"}
+PREFILL_ONLY_ARMS = ("fp8_prefill", "nvfp4_t")   # copies no decode call reads
 M128_ABOVE = 128   # prefill tokens above which the transposed NVFP4 arm takes w4a16_gemm_t_m128
 # the layer's own ("base") weights: the first installed of these (what ssm_weights() reports)
 BASE_PRIORITY = ("nvfp4", "w4a4", "bf16_native", "fp8_native")

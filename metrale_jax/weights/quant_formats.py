@@ -74,9 +74,10 @@ def e2m1_decode(codes):
     return f16.astype(jnp.float32) * 16384.0
 
 
-def pack_nibbles(codes: np.ndarray) -> np.ndarray:
-    """[..., K] codes (0..15) -> [..., K/2] uint8, low nibble = even element."""
-    codes = np.asarray(codes, np.uint8)
+def pack_nibbles(codes):
+    """[..., K] codes (0..15) -> [..., K/2] uint8, low nibble = even element (numpy or jnp)."""
+    xp = jnp if isinstance(codes, jax.Array) else np
+    codes = xp.asarray(codes).astype(xp.uint8)
     if codes.shape[-1] % 2:
         raise ValueError(f"pack_nibbles: last dimension must be even, got {codes.shape[-1]}")
     return (codes[..., 0::2] & 15) | ((codes[..., 1::2] & 15) << 4)
@@ -140,22 +141,33 @@ def nvfp4_global_scale(amax: float) -> np.float32:
     return np.float32(amax / (E2M1_MAX * E4M3_MAX) if amax > 0 else 1.0)
 
 
-def quantize_nvfp4(w: np.ndarray, global_scale: float | None = None
-                   ) -> tuple[np.ndarray, np.ndarray, np.float32]:
-    """[N, K] float (K % 16 == 0) -> (packed uint8 [N, K/2], E4M3 scale [N, K/16], f32 global)."""
-    w = np.asarray(w, np.float32)
+def quantize_nvfp4(w, global_scale: float | None = None):
+    """[N, K] float (K % 16 == 0) -> (packed uint8 [N, K/2], E4M3 scale [N, K/16], f32 global).
+
+    ModelOpt's recipe bit for bit: group scale amax / (6 g) (one division by the product, as the activation pass
+    `nvfp4_fake_quant` does), 1.0 for an all-zero group, then E4M3; codes of w / (scale g), ties to even.
+    numpy in, numpy out; a jax array is quantized on its device (the benchmarks' 8B random weights).
+    """
+    xp = jnp if isinstance(w, jax.Array) else np
+    w = xp.asarray(w, xp.float32)
     n, k = w.shape
     if k % NVFP4_GROUP:
         raise ValueError(f"quantize_nvfp4: K={k} is not a multiple of {NVFP4_GROUP}")
-    g = nvfp4_global_scale(float(np.abs(w).max()) if w.size else 0.0) if global_scale is None \
-        else np.float32(global_scale)
+    if global_scale is not None:
+        g = xp.float32(global_scale) if xp is np else jnp.asarray(global_scale, jnp.float32)
+    elif xp is np:
+        g = nvfp4_global_scale(float(np.abs(w).max()) if w.size else 0.0)
+    else:
+        amax = jnp.max(jnp.abs(w))
+        g = jnp.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), 1.0)
     groups = w.reshape(n, k // NVFP4_GROUP, NVFP4_GROUP)
-    block_scale = (np.abs(groups).max(axis=-1) / E2M1_MAX / g)
-    scale = np.clip(block_scale, -E4M3_MAX, E4M3_MAX).astype(E4M3)
-    denom = scale.astype(np.float32)[..., None] * g
+    block_scale = xp.abs(groups).max(axis=-1) / (xp.float32(E2M1_MAX) * g)
+    block_scale = xp.where(block_scale == 0, xp.float32(1.0), block_scale)
+    scale = xp.clip(block_scale, -E4M3_MAX, E4M3_MAX).astype(E4M3 if xp is np else jnp.float8_e4m3fn)
+    denom = scale.astype(xp.float32)[..., None] * g
     with np.errstate(divide="ignore", invalid="ignore"):
-        scaled = np.where(denom > 0, groups / denom, 0.0)
-    codes = e2m1_encode(scaled).reshape(n, k)
+        scaled = xp.where(denom > 0, groups / xp.where(denom > 0, denom, 1.0), 0.0)
+    codes = (e2m1_encode if xp is np else e2m1_encode_jnp)(scaled).reshape(n, k)
     return pack_nibbles(codes), scale, g
 
 

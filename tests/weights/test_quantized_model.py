@@ -424,3 +424,16 @@ def test_latent_projections_and_biases_of_a_random_model(tmp_path, rng, fmt):
     ids = rng.integers(0, SMALL.vocab_size, (1, NEW + 4))
     got, want = _decode_logits(model, ids, 4), _decode_logits(twin(tmp_path / "q"), ids, 4)
     assert np.isfinite(got).all() and rel_err(got, want) <= 1e-6
+
+
+def test_nvfp4_prefill_copy_only_where_the_plain_gemm_is_not_mosaic():
+    """On Hopper the plain-layout Mosaic GEMM serves NVFP4 prefill from the layer's own weights, so no transposed
+    copy is built; where the plain GEMM would be Triton's (or Mosaic does not take the shape / dtype) it is."""
+    from metrale_jax.model import nvfp4_prefill_copy_pays
+    bf16 = jnp.bfloat16
+    assert not nvfp4_prefill_copy_pays((18560, 4096), bf16, "auto", platform="gpu")
+    assert not nvfp4_prefill_copy_pays((4096, 8192), bf16, "pallas", platform="gpu")
+    assert nvfp4_prefill_copy_pays((18560, 4096), jnp.float32, "auto", platform="gpu")   # the Mosaic arm: bf16 x
+    assert nvfp4_prefill_copy_pays((18560 + 64, 4096), bf16, "auto", platform="gpu")     # N % 128
+    assert nvfp4_prefill_copy_pays((18560, 4096), bf16, "triton", platform="gpu")
+    assert nvfp4_prefill_copy_pays((18560, 4096), bf16, "auto")                           # this CPU: the reference
