@@ -26,8 +26,8 @@ TMA to out [M, N] (float32: out^T, transposed by XLA; a transposed 32-bit store 
 lower). Interpret mode (CPU tests) passes the A operand through shared memory (the GPU
 interpreter's wgmma reads A from shared memory only).
 Shapes: N % 128 == 0, K % 256 == 0 (ShapeError otherwise; `supports` sends others to the Triton arm); M is
-padded to tile_m here. Output dtype bf16 / f16 / f32. H200 results (GPU default since session 3: 0.73-0.76x XLA
-BF16 with the per-call transpose, 1.5-1.8x the Triton arm): benchmarks/notes/quant_prefill.md.
+padded to tile_m here. Output dtype bf16 / f16 / f32. H200 results (GPU default since session 3: 0.67-0.78x XLA
+BF16, 1.5-1.8x the Triton arm; the x split is 50 / 95 us of it at the 8B shapes): benchmarks/notes/quant_prefill.md.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from metrale_jax.errors import ShapeError
 from pallas_kernels import registry
 from pallas_kernels.mgpu_gemm import _num_sms
 from pallas_kernels.mgpu_gemv import _ptx_e2m1_to_bf16, _tf
-from pallas_kernels.w4a16 import (check_nvfp4_args, split_even_odd, w4a16_gemm_pallas, w4a16_gemm_t_m128_pallas,
+from pallas_kernels.w4a16 import (check_nvfp4_args, w4a16_gemm_pallas, w4a16_gemm_t_m128_pallas,
                                   w4a16_gemm_t_pallas, w4a16_reference, w4a16_t_reference)
 
 ROWS = 64            # weight rows (N) per compute warpgroup: the wgmma M
@@ -240,9 +240,15 @@ def prepare_weights(packed_t, scale_t):
 
 
 def split_x(x, rows: int):
-    """x [M, K] -> [2, rows, K/2]: even and odd columns (rows >= M zero-padded)."""
-    x2 = jnp.stack(split_even_odd(x.astype(BF16)))
-    return x2 if rows == x.shape[0] else jnp.pad(x2, ((0, 0), (0, rows - x.shape[0]), (0, 0)))
+    """x [M, K] -> [2, rows, K/2]: even and odd columns (rows >= M zero-padded). Each column pair is read as one
+    uint32 (element 2j in the low half, XLA's little-endian bitcast) and its halves written out as integers, so every
+    bf16 value (subnormals, signed zeros, quiet NaNs) moves unchanged: XLA:CPU flushed subnormals when it split the
+    bf16 columns by strided slices.
+    Both forms take ~50 / 93 us at the 8B in_proj / out_proj on the H200 (s10-4)."""
+    m, k = x.shape
+    u = lax.bitcast_convert_type(x.astype(BF16).reshape(m, k // 2, 2), jnp.uint32)             # [M, K/2]
+    x2 = lax.bitcast_convert_type(jnp.stack([u & 0xFFFF, u >> 16]).astype(jnp.uint16), BF16)  # [2, M, K/2]
+    return x2 if rows == m else jnp.pad(x2, ((0, 0), (0, rows - m), (0, 0)))
 
 
 def _check(name: str, N: int, K: int, t: Nvfp4Tiles, out_dtype) -> None:
@@ -326,9 +332,9 @@ registry.register("w4a16_gemm_t", reference=w4a16_t_reference, pallas=w4a16_gemm
                   mosaic_supports=supports, gpu_default="mosaic")
 registry.register("w4a16_gemm_t_m128", reference=w4a16_t_reference, pallas=w4a16_gemm_t_m128_pallas,
                   mosaic=w4a16_gemm_t_m128_mosaic, mosaic_supports=supports, gpu_default="mosaic")
-# The plain layout on the same kernel, minus the per-call weight transpose (H200 s3: the transposed arm 1025 /
-# 501 us with it, the transpose alone 66.5 / 39.5 us; the Triton w4a16_gemm 8276 us at in_proj in call 1);
-# not yet timed as this arm (benchmarks/notes/quant_prefill.md, session 9).
+# The plain layout on the same kernel, minus the per-call weight transpose: H200 s10-1, 998 / 533 us at the 8B
+# in_proj / out_proj against the transposed arm's 1029 / 534 (the Triton w4a16_gemm: 8276 us at in_proj), so on
+# Hopper the model serves NVFP4 prefill from it and builds no transposed copy (benchmarks/notes/quant_prefill.md).
 registry.register("w4a16_gemm", reference=w4a16_reference, pallas=w4a16_gemm_pallas, mosaic=w4a16_gemm_mosaic,
                   mosaic_supports=supports_plain, gpu_default="mosaic")
 

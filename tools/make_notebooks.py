@@ -635,7 +635,7 @@ KERNELS = [
     ax1.set_title(f"tensor parallel, {t.get('device')} ({t.get('dtype')})")
     ax1.legend()
 
-    r_name, r = latest(runtime)
+    r_name, r = latest({k: v for k, v in runtime.items() if v.get("decode")})     # the newest run with decode
     by_batch = r.get("decode", {}).get("by_batch", {})
     batches = sorted(by_batch, key=int)
     for key, label in (("device_tokens_per_s", "compiled decode step"), ("engine_tokens_per_s", "engine step")):
@@ -645,7 +645,7 @@ KERNELS = [
     ax2.set_xlabel("batch")
     ax2.set_ylabel("tokens/s (log)")
     ttft = r.get("ttft", {})
-    title = "decode throughput, 1 GPU"
+    title = f"decode throughput, 1 GPU, {r.get('weights', 'bf16')} weights ({r_name})"
     if ttft:
         title += f"\\nTTFT {ttft['prefix_tokens']}-token prefix: hit {ttft['hit_s'] * 1e3:.1f} ms, " \\
                  f"miss {ttft['miss_s'] * 1e3:.1f} ms"

@@ -40,13 +40,14 @@ def block_grid(n: int, k: int, block: int = FP8_BLOCK) -> tuple[int, int]:
 
 # ---- E2M1 codes -------------------------------------------------------------------------------
 def e2m1_encode(x: np.ndarray) -> np.ndarray:
-    """Round float values (already divided by their scale) to E2M1 codes, ties to even; saturates at 6."""
+    """Round float values (already divided by their scale) to E2M1 codes, ties to even; saturates at 6. Negative
+    values keep the sign bit even when they round to zero (code 8, -0), as ModelOpt's exporter writes them."""
     x = np.asarray(x, np.float32)
     mag = np.abs(x)
     code = np.zeros(x.shape, np.uint8)
     for c, t in enumerate(_E2M1_MIDPOINTS):
         code += (mag > t) if c % 2 == 0 else (mag >= t)
-    return code | (np.signbit(x) & (code > 0)).astype(np.uint8) << 3
+    return code | (x < 0).astype(np.uint8) << 3
 
 
 def e2m1_encode_jnp(x: jax.Array) -> jax.Array:
@@ -55,7 +56,7 @@ def e2m1_encode_jnp(x: jax.Array) -> jax.Array:
     code = jnp.zeros(x.shape, jnp.int32)
     for c, t in enumerate(_E2M1_MIDPOINTS):
         code = code + ((mag > t) if c % 2 == 0 else (mag >= t)).astype(jnp.int32)
-    return code | jnp.where((x < 0) & (code > 0), 8, 0)
+    return code | jnp.where(x < 0, 8, 0)
 
 
 def e2m1_decode(codes):

@@ -28,6 +28,10 @@ def test_e2m1_encode_rounds_to_nearest_ties_to_even(rng):
     ties = np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.75, 9.0], np.float32)
     np.testing.assert_array_equal(qf.E2M1_VALUES[qf.e2m1_encode(ties)], [0, 1, 1, 2, 2, 4, 4, -1, 6])
     np.testing.assert_array_equal(np.asarray(qf.e2m1_encode_jnp(jnp.asarray(ties))), qf.e2m1_encode(ties))
+    zeros = np.array([-0.1, -0.25, -0.0, 0.0, 0.1], np.float32)           # ModelOpt: sign bit iff x < 0
+    np.testing.assert_array_equal(qf.e2m1_encode(zeros), [8, 8, 0, 0, 0])
+    np.testing.assert_array_equal(np.asarray(qf.e2m1_encode_jnp(jnp.asarray(zeros))), [8, 8, 0, 0, 0])
+    assert np.all(qf.e2m1_decode(np.array([8])) == 0)
 
 
 def test_pack_unpack_low_nibble_is_even(rng):
