@@ -137,8 +137,11 @@ def dequantize_fp8_block(q, scale):
 
 
 # ---- NVFP4 -------------------------------------------------------------------------------------
-def nvfp4_global_scale(amax: float) -> np.float32:
-    """ModelOpt's weight_scale_2: amax / (6 * 448), so the largest block scale lands on 448."""
+def nvfp4_global_scale(amax):
+    """ModelOpt's weight_scale_2: amax / (6 * 448), so the largest block scale lands on 448; 1.0 for amax 0.
+    A float gives an np.float32; a jax array (any shape: per tensor or per row) an f32 array on its device."""
+    if isinstance(amax, jax.Array):
+        return jnp.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), 1.0).astype(jnp.float32)
     return np.float32(amax / (E2M1_MAX * E4M3_MAX) if amax > 0 else 1.0)
 
 
@@ -159,8 +162,7 @@ def quantize_nvfp4(w, global_scale: float | None = None):
     elif xp is np:
         g = nvfp4_global_scale(float(np.abs(w).max()) if w.size else 0.0)
     else:
-        amax = jnp.max(jnp.abs(w))
-        g = jnp.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), 1.0)
+        g = nvfp4_global_scale(jnp.max(jnp.abs(w)))
     groups = w.reshape(n, k // NVFP4_GROUP, NVFP4_GROUP)
     block_scale = xp.abs(groups).max(axis=-1) / (xp.float32(E2M1_MAX) * g)
     block_scale = xp.where(block_scale == 0, xp.float32(1.0), block_scale)
@@ -218,8 +220,7 @@ def nvfp4_activation_global(x: jax.Array, input_scale: jax.Array | None) -> jax.
     """
     if input_scale is not None:
         return jnp.asarray(input_scale, jnp.float32).reshape(())
-    amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1)
-    return jnp.where(amax > 0, amax / (E2M1_MAX * E4M3_MAX), 1.0)
+    return nvfp4_global_scale(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1))
 
 
 # ---- activation quantization for the FP8 matrix-unit kernels ------------------------------------

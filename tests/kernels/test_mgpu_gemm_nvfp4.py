@@ -5,6 +5,7 @@ On the CPU the kernel runs in GPU interpret mode (tiny shapes, a 2-SM persistent
 several output tiles, the jnp nibble decoder); on a GPU the same tests run compiled (METRALE_TEST_GPU=1) with
 the PTX decoder."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -50,7 +51,6 @@ def test_split_x_is_the_even_and_odd_columns_bit_for_bit(rng):
     """The x layout of every Mosaic NVFP4 arm: [2, rows, K/2] even / odd columns, rows past M zero, every bf16 bit
     pattern (signed zeros, subnormals, inf, quiet NaN) moved unchanged, eager and jitted (on a GPU: compiled).
     Signalling NaNs are left out: XLA may quiet them."""
-    import jax
     bits = rng.integers(0, 1 << 16, (5, 64), dtype=np.uint16)
     nan = ((bits & 0x7F80) == 0x7F80) & ((bits & 0x7F) != 0)
     bits[nan] |= 0x40
