@@ -7,8 +7,9 @@ before), warmed up twice, best of 3 trials of `reps` executions; the time per ca
 activation quantization (an XLA pass), as the layer pays it. Baseline: XLA BF16 matmul in the same run.
 
     PYTHONPATH=. python3 benchmarks/bench_prefill.py --out $OUT --tag s2_call1 [--sweep] [--deadline 150]
-writes OUT/prefill_<date>_<tag>.json and .md. `--nvfp4` runs the NVFP4 transposed set instead (w4a16_gemm_t:
-Mosaic arm and variants, Triton arm, dequantize-to-bf16 + XLA dot, the Mosaic arm's XLA layout passes alone).
+writes OUT/prefill_<date>_<tag>.json and .md. `--nvfp4` runs the NVFP4 set instead (Mosaic arms on the plain and
+transposed layouts, with --sweep the plain arm's launch neighbours and its skip_decode probe; Triton arm,
+dequantize-to-bf16 + XLA dot, the transposed arm's weight relayout alone).
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def main():
     ap.add_argument("--shapes", default="in_proj,out_proj")
     ap.add_argument("--no-triton", action="store_true")
     ap.add_argument("--no-xla-fp8", action="store_true")
-    ap.add_argument("--nvfp4", action="store_true", help="the NVFP4 transposed GEMMs (w4a16_gemm_t) only")
+    ap.add_argument("--nvfp4", action="store_true", help="the NVFP4 GEMMs (w4a16_gemm, w4a16_gemm_t) only")
     ap.add_argument("--quick-quant", action="store_true",
                     help="only XLA BF16, the quantization passes (XLA vs fused) and the Mosaic arms with each")
     ap.add_argument("--norm-fp8", action="store_true",
@@ -429,9 +430,10 @@ def dequant_xla_dot(x, pt, st, g):
 def nvfp4_variants(sweep: bool) -> list:
     out = [None]
     if sweep:
-        out += [Nvfp4Tiles(tile_m=256, stages=2), Nvfp4Tiles(tile_m=128, stages=3),
-                Nvfp4Tiles(decode="skip_decode"), Nvfp4Tiles(decode="skip_scales"),     # timing probes (wrong results)
-                Nvfp4Tiles(tile_m=128, stages=4, decode="jnp")]
+        out += [Nvfp4Tiles(tile_m=128, stages=4), Nvfp4Tiles(tile_m=128, stages=3),
+                Nvfp4Tiles(tile_m=256, stages=2, grid_minor="n"), Nvfp4Tiles(tile_m=256, stages=2, grid_tile_width=16),
+                Nvfp4Tiles(tile_m=256, stages=2, grid_tile_width=4),
+                Nvfp4Tiles(tile_m=256, stages=2, decode="skip_decode")]                # timing probe (wrong results)
     return out
 
 
@@ -466,8 +468,7 @@ def nvfp4_main(args, result, save, key):
             save()
             continue
         sets = {"w": lambda i: (xs[i], *W[i % 2]), "bf16": lambda i: (xs[i], *wb[i % 2]),
-                "prep": lambda i: (xs[i], *P[i % 2]), "plain": lambda i: (xs[i], *plain[i % 2]),
-                "x": lambda i: (xs[i],)}
+                "prep": lambda i: (xs[i], *P[i % 2]), "plain": lambda i: (xs[i], *plain[i % 2])}
         arms = [("xla_bf16", "xla", "bf16 weight [N, K]", "bf16", xla_bf16),
                 ("dequant+xla_dot", "xla", "dequantize to bf16, then dot", "w", dequant_xla_dot)]
         if not args.no_triton:
@@ -477,15 +478,15 @@ def nvfp4_main(args, result, save, key):
                   lambda x, p, s, g, **kw: mgpu_gemm_nvfp4.w4a16_gemm_t_prepared(x, p, s, g, interpret=DRY, **kw)),
                  ("w4a16_gemm (plain layout)", "mosaic", "default; packed [N, K/2] as is, scales relaid out", "plain",
                   lambda x, p, s, g, **kw: mgpu_gemm_nvfp4.w4a16_gemm_mosaic(x, p, s, g, interpret=DRY, **kw)),
-                 ("x even/odd split (part of the Mosaic arm)", "xla", "", "x",
-                  lambda x: mgpu_gemm_nvfp4.split_x(x, x.shape[0])),
                  ("weight relayout (part of the Mosaic arm)", "xla", "", "w",
                   lambda x, p, s, g: mgpu_gemm_nvfp4.prepare_weights(p, s))]
-        for i, t in enumerate(nvfp4_variants(args.sweep)):        # the default first, then the sweep
-            arms.insert(len(arms) - 3 if i == 0 else len(arms),
-                        ("w4a16_gemm_t", "mosaic", short_nv(t), "w",
-                         lambda x, p, s, g, t=t, **kw: mgpu_gemm_nvfp4.w4a16_gemm_t_mosaic(x, p, s, g, tiles=t,
-                                                                                            interpret=DRY, **kw)))
+        arms.insert(len(arms) - 1, ("w4a16_gemm_t", "mosaic", "default; packed_t transposed back per call", "w",
+                                    lambda x, p, s, g, **kw: mgpu_gemm_nvfp4.w4a16_gemm_t_mosaic(x, p, s, g,
+                                                                                               interpret=DRY, **kw)))
+        for t in nvfp4_variants(args.sweep)[1:]:                  # launch neighbours of the plain arm's default
+            arms.append(("w4a16_gemm (plain layout)", "mosaic", short_nv(t), "plain",
+                         lambda x, p, s, g, t=t, **kw: mgpu_gemm_nvfp4.w4a16_gemm_mosaic(x, p, s, g, tiles=t,
+                                                                                          interpret=DRY, **kw)))
         if args.only:
             arms = [a for a in arms if a[0] in args.only.split(",")]
         base_us = None

@@ -7,27 +7,22 @@ e2m1 * E4M3 weights are decoded in registers (the products are exact in bf16). O
 the decoded weight tile is the wgmma A operand straight from registers (it never touches shared memory) and x
 is the B operand in shared memory (transposed view, K-major).
 
-Per call, XLA first lays the operands out for the kernel (`split_x`, `prepare_weights`; part of the arm's
-time):
-  x          [M, K] bf16  -> [2, M, K/2]: even and odd columns (a packed byte holds k = 2j low, 2j + 1 high),
-  packed_t   [K/2, N] u8  -> [N, K/2]: weight rows with their bytes contiguous (the A operand's rows),
-  scale_t    [K/16, N] E4M3 -> [N, K/8] bf16 (per 128-wide K step: its 8 group scales, 8 zeros).
-The weight-side two depend only on the weights: a layer can keep them (`prepare_weights`) and call
-`w4a16_gemm_t_prepared` so that only the x split remains per call.
+The kernel reads x as it is and the packed bytes in their checkpoint layout (p [N, K/2], low nibble = even k);
+per call XLA only relays out the group scales (`prepare_scales`: [N, K/16] E4M3 -> [N, K/8] bf16, per 128-wide K
+step the step's 8 group scales and 8 zeros; N K / 4 bytes). The transposed arms (packed_t [K/2, N]) transpose the
+weights back per call (`prepare_weights`; a layer can keep the result and call `w4a16_gemm_t_prepared`).
 
-Kernel: persistent CTAs (snake order over [N/128, M/tile_m] output tiles), a memory warpgroup streaming
-per 128-wide K step the x even / odd tiles [tile_m, 64], the packed tile [128, 64 bytes] and the scale tile
-[128, 16] through a TMA pipeline; two compute warpgroups, each owning 64 weight rows and a [64, tile_m]
-float32 accumulator. Per step a warpgroup expands its group scales to the plane's register
-layout with a small wgmma (scales [64, 16] x a 0/1 matrix [16, 64]: 8 / tile_m of the main FLOPs),
-decodes the low and high nibbles (inline PTX on the GPU, jnp bit operations in interpret mode) and issues two
-wgmmas (low nibbles x even columns, high x odd). Epilogue: global scale, transposed store to shared memory,
-TMA to out [M, N] (float32: out^T, transposed by XLA; a transposed 32-bit store does not
-lower). Interpret mode (CPU tests) passes the A operand through shared memory (the GPU
-interpreter's wgmma reads A from shared memory only).
-Shapes: N % 128 == 0, K % 256 == 0 (ShapeError otherwise; `supports` sends others to the Triton arm); M is
-padded to tile_m here. Output dtype bf16 / f16 / f32. H200 results (GPU default since session 3: 0.67-0.78x XLA
-BF16, 1.5-1.8x the Triton arm; the x split is 50 / 95 us of it at the 8B shapes): benchmarks/notes/quant_prefill.md.
+Kernel: persistent CTAs (snake order over [N/128, M/tile_m] output tiles), a memory warpgroup streaming per 128-wide
+K step the x tile [tile_m, 128], the packed tile [128, 64 bytes] and the scale tile [128, 16] through a TMA pipeline;
+two compute warpgroups, each owning 64 weight rows and a [64, tile_m] float32 accumulator. Per step a warpgroup
+decodes its [64, 128] A operand (inline PTX, "natural K order" below; jnp in interpret mode), issues one wgmma
+against x^T and waits for it (the next step's decode rewrites the A registers). Epilogue: global scale, transposed
+store to shared memory, TMA to out [M, N] (float32: out^T, transposed by XLA; a transposed 32-bit store does not
+lower). Interpret mode (CPU tests) passes the A operand through shared memory (the GPU interpreter's wgmma reads A
+from shared memory only).
+Shapes: N % 128 == 0, K % 256 == 0 (ShapeError otherwise; `supports` sends others to the Triton arm); M is padded
+to tile_m here. Output dtype bf16 / f16 / f32. H200 (session 11, M = 4096): 913 / 412 us at the 8B in_proj /
+out_proj, 0.85 / 0.86x XLA BF16 (the earlier even / odd split of x: 998 / 508 us); benchmarks/notes/quant_prefill.md.
 """
 
 from __future__ import annotations
@@ -45,23 +40,24 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from metrale_jax.errors import ShapeError
 from pallas_kernels import registry
 from pallas_kernels.mgpu_gemm import _num_sms
-from pallas_kernels.mgpu_gemv import _ptx_e2m1_to_bf16, _tf
+from pallas_kernels.mgpu_gemv import _tf
 from pallas_kernels.w4a16 import (check_nvfp4_args, w4a16_gemm_pallas, w4a16_gemm_t_m128_pallas,
                                   w4a16_gemm_t_pallas, w4a16_reference, w4a16_t_reference)
 
 ROWS = 64            # weight rows (N) per compute warpgroup: the wgmma M
 CTA_N = 2 * ROWS     # weight rows per CTA (two compute warpgroups)
 STEP_K = 128         # K per pipeline step: 64 packed bytes per weight row
-GROUPS = 16          # scale columns per step: the step's 8 groups + 8 zero columns (the expansion wgmma's K)
+GROUPS = 16          # scale columns per step: the step's 8 groups + 8 zero columns (a TMA box is >= 16 bytes)
 SMEM_BYTES = 227 * 1024
 BF16 = jnp.bfloat16
+A_SHIFT = 2.0 ** 8  # the decoders' A operand is weight * 2^-8
 
 
 @dataclasses.dataclass(frozen=True)
 class Nvfp4Tiles:
-    """tile_m: x rows per CTA (the wgmma N, 64..256); stages: TMA pipeline depth; decode: "ptx" | "jnp"
-    (interpret mode always decodes with jnp), or the benchmark's timing probes "skip_decode" / "skip_scales"
-    (leave out the nibble decode / the scale expansion: wrong results, GPU only); grid order as in mgpu_gemm."""
+    """tile_m: x rows per CTA (the wgmma N, 64..256); stages: TMA pipeline depth; decode: "ptx" (interpret mode
+    decodes with jnp) or the benchmark's timing probe "skip_decode" (a constant A operand: no packed-byte loads or
+    decode, wrong results); grid order as in mgpu_gemm."""
 
     tile_m: int = 128
     stages: int = 4
@@ -71,9 +67,9 @@ class Nvfp4Tiles:
 
 
 def default_tiles(M: int, N: int, K: int, out_dtype=BF16) -> Nvfp4Tiles:
-    """Above 128 rows with a 16-bit output: 256 x rows per CTA, 2 stages (H200, session 3: 1025 / 501 us at
-    the 8B in_proj / out_proj, M=4096, against 1231 / 605 for 128 rows x 4 stages). Else 128 rows and the
-    deepest pipeline (<= 4) that fits shared memory (3 for a float32 output)."""
+    """Above 128 rows with a 16-bit output: 256 x rows per CTA, 2 stages (H200 s11: 913 / 412 us at the 8B
+    in_proj / out_proj, M = 4096, against 1073 / 493 for 128 rows x 4 stages). Else 128 rows and the deepest
+    pipeline (<= 4) that fits shared memory (3 for a float32 output)."""
     wide = Nvfp4Tiles(tile_m=256, stages=2)
     if M > 128 and jnp.dtype(out_dtype).itemsize == 2 and _smem_bytes(wide, out_dtype) <= SMEM_BYTES:
         return wide
@@ -84,20 +80,10 @@ def default_tiles(M: int, N: int, K: int, out_dtype=BF16) -> Nvfp4Tiles:
 
 
 def _smem_bytes(t: Nvfp4Tiles, out_dtype) -> int:
-    stage = 2 * t.tile_m * (STEP_K // 2) * 2 + CTA_N * (STEP_K // 2) + CTA_N * GROUPS * 2
-    fixed = 2 * t.tile_m * ROWS * jnp.dtype(out_dtype).itemsize + 2 * GROUPS * ROWS * 2
-    return t.stages * stage + fixed
+    stage = t.tile_m * STEP_K * 2 + CTA_N * (STEP_K // 2) + CTA_N * GROUPS * 2
+    return t.stages * stage + 2 * t.tile_m * ROWS * jnp.dtype(out_dtype).itemsize
 
 
-def expander(value: float) -> np.ndarray:
-    """[16, 64] 0/value matrix mapping the step's scale group j // 8 to plane column j (rows 8..15 zero: the
-    padding of the step's scale tile). value = 2^14 for the jnp decoder (which yields e2m1 * 2^-14), 1 for PTX."""
-    e = np.zeros((GROUPS, ROWS), np.float32)
-    e[np.arange(ROWS) // 8, np.arange(ROWS)] = value
-    return e
-
-
-# ---- nibble decoding -----------------------------------------------------------------------------------------
 def _nibble_f32(p16, high: bool):
     """uint16 tile of packed bytes -> f32 e2m1 value * 2^-14 of the low or high nibble (exact): the code's sign
     goes to bit 15 and its 3 magnitude bits to bits 11:9 of an f16."""
@@ -106,27 +92,121 @@ def _nibble_f32(p16, high: bool):
     return lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
 
 
-def _decode(p, sexp, how: str):
-    """p uint8 [64, 64], sexp f32 [64, 64] (expanded scales; x 2^14 for jnp) -> (lo, hi) bf16 [64, 64]."""
-    if how == "ptx":
-        return _ptx_e2m1_to_bf16(p, sexp.astype(BF16))     # the GEMV's exact decoder (mgpu_gemv.py)
+# ---- decoding in natural K order (x as it is) ----------------------------------------------------------------
+# In the WGMMA A fragment, register j of lane q (of its quad) holds columns 8j + 2q, +1 of a row: in natural K order
+# that is packed byte 4j + q, both nibbles in scale group j // 2 (a 128-wide step: 16 registers, 8 groups). A
+# WGMMA_UPCAST_4X load gives lane q bytes 32c + 8q .. +8 instead (one 8-byte vector per c), so the quad transposes
+# its bytes (per word: two shuffles, two prmt), gathers its rows' 8 group scales (four shuffles) and decodes each
+# byte into one bf16 pair as the GEMV's perm decoder does, with a scale per byte: value * scale * 2^-8, exact.
+# Lane q's word (c, hh) holds bytes 32c + 8q + 4hh + b, b < 4, wanted by lane b (j = 8c + 2q + hh): a 4 x 4 byte
+# transpose over the quad for each (c, hh). Step 1 (xor 1) swaps bit 0 of the lane with bit 0 of the byte index,
+# step 2 (xor 2) bit 1; the prmt selectors pick, per output byte, the own or the partner's byte.
+_QUAD_TRANSPOSE = """{
+.reg .b32 l, s1, s2, p, t;
+.reg .pred o;
+mov.u32 l, %laneid;
+and.b32 t, l, 1;
+setp.ne.u32 o, t, 0;
+selp.b32 s1, 0x3715, 0x6240, o;
+and.b32 t, l, 2;
+setp.ne.u32 o, t, 0;
+selp.b32 s2, 0x3276, 0x5410, o;
+""" + "".join(f"""shfl.sync.bfly.b32 p, ${4 + i}, 1, 0x1f, 0xffffffff;
+prmt.b32 t, ${4 + i}, p, s1;
+shfl.sync.bfly.b32 p, t, 2, 0x1f, 0xffffffff;
+prmt.b32 ${i}, t, p, s2;
+""" for i in range(4)) + "}"
+# Lane q holds its row's scales of groups 2q, 2q + 1 (a bf16 pair, `prepare_scales`); the quad's four pairs are
+# gathered, scaled by 2^118 (exact) and spread to (scale, scale) pairs for groups 0..7.
+_SCALE_PAIRS = """{
+.reg .b32 g, k, z;
+mov.b32 k, 0x7A807A80;
+mov.b32 z, 0x80008000;
+""" + "".join(f"""shfl.sync.idx.b32 g, $8, {p}, 0x1c1f, 0xffffffff;
+fma.rn.bf16x2 g, g, k, z;
+prmt.b32 ${2 * p}, g, g, 0x1010;
+prmt.b32 ${2 * p + 1}, g, g, 0x3232;
+""" for p in range(4)) + "}"
+# Four packed bytes -> four bf16 pairs (low nibble first), byte k times its own scale pair $(5 + k): the
+# `_E2M1X8_TO_BF16` recipe of the GEMV with one scale per byte.
+_E2M1X4_TO_BF16_S4 = """{
+.reg .b32 l, h, y, z;
+mov.b32 z, 0x80008000;
+and.b32 l, $4, 0x0F0F0F0F;
+shr.b32 h, $4, 4;
+and.b32 h, h, 0x0F0F0F0F;
+""" + "".join(f"""prmt.b32 y, l, h, 0x8{4 + k}8{k}; mul.lo.u32 y, y, 0x1040; and.b32 y, y, 0x81C081C0;
+fma.rn.bf16x2 ${k}, y, ${5 + k}, z;
+""" for k in range(4)) + "}"
+
+
+def natural_registers(src, scl, asm, words, scale_word, as_pair):
+    """Register plan of the natural-order decoder, independent of how registers are represented (Mosaic values on
+    the GPU, numpy lanes in the CPU test): src = the packed tile's registers (WGMMA_UPCAST_4X, [64, 64] u8), scl =
+    the scale tile's (WGMMA, [64, 16] bf16); `asm(template, n_out, ins)` runs one PTX block. Returns the A operand's
+    registers (WGMMA, [64, 128] bf16) = dequantized weight * 2^-8 in natural K order."""
+    out = np.empty((1, 16, 1, 1, 2, 1, 1, 1, 1), dtype=object)
+    for h in range(2):                                                  # rows r, r + 8 of the lane
+        w = [wd for c in range(2) for wd in words(src[0, c, 0, 0, h, 0, 0, 0, 0])]   # (c, hh) = 00, 01, 10, 11
+        t = asm(_QUAD_TRANSPOSE, 4, w)
+        sp = asm(_SCALE_PAIRS, 8, [scale_word(scl[0, 0, 0, 0, h, 0, 0, 0, 0])])
+        for c in range(2):
+            for hh in range(2):
+                o = asm(_E2M1X4_TO_BF16_S4, 4, [t[2 * c + hh], *sp[4 * c:4 * c + 4]])
+                for k in range(4):                                      # byte k came from lane k: j = 8c + 2k + hh
+                    out[0, 8 * c + 2 * k + hh, 0, 0, h, 0, 0, 0, 0] = as_pair(o[k])
+    return out
+
+
+def _ptx_e2m1_natural(p, s):
+    """Packed bytes [64, 64] (WGMMA_UPCAST_4X) and bf16 scales [64, 16] (WGMMA; `prepare_scales`) -> bf16 [64, 128]
+    = dequantized weight * 2^-8 in WGMMA layout, natural K order."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.Layout.WGMMA),
+                       return_type=plgpu.ShapeDtypeStruct((ROWS, STEP_K), BF16, plgpu.Layout.WGMMA))
+    def decode(ctx, fp, fs):
+        from jax.experimental.mosaic import gpu as mgpu
+        from jax.experimental.mosaic.gpu import utils as mu
+        from jaxlib.mlir import ir
+        from jaxlib.mlir.dialects import llvm, vector
+        i32 = ir.IntegerType.get_signless(32)
+        bf2 = ir.VectorType.get((2,), ir.BF16Type.get())
+
+        def asm(template, n_out, ins):
+            ty = ir.Type.parse("!llvm.struct<(" + ", ".join(["i32"] * n_out) + ")>")
+            res = llvm.inline_asm(ty, list(ins), template, ",".join(["=r"] * n_out + ["r"] * len(ins)),
+                                  convergent="shfl" in template)
+            return [llvm.extractvalue(i32, res, [i]) for i in range(n_out)]
+
+        def words(r):
+            ws = mu.bitcast(r, ir.VectorType.get((2,), i32))
+            return [vector.extract(ws, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
+                    for i in range(2)]
+
+        regs = natural_registers(fp.registers, fs.registers, asm, words, lambda r: mu.bitcast(r, i32),
+                                 lambda v: mu.bitcast(v, bf2))
+        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
+    return decode(p, s)
+
+
+def _jnp_e2m1_natural(p, s):
+    """Interpret-mode twin of `_ptx_e2m1_natural`: p uint8 [64, 64], s bf16 [64, 16] -> bf16 [64, 128], same values."""
     p16 = p.astype(jnp.uint16)
-    return (_nibble_f32(p16, False) * sexp).astype(BF16), (_nibble_f32(p16, True) * sexp).astype(BF16)
+    w = jnp.stack([_nibble_f32(p16, False), _nibble_f32(p16, True)], axis=-1).reshape(ROWS, 8, 16)  # e2m1 * 2^-14
+    sc = s[:, :8].astype(jnp.float32) * 2.0 ** 118                                                   # [64, 8]
+    return ((w * sc[:, :, None]) * 2.0 ** -112).reshape(ROWS, STEP_K).astype(BF16)
 
 
 # ---- kernel --------------------------------------------------------------------------------------------------
-def _kernel(x2_ref, p_ref, s_ref, g_ref, e_ref, out_ref, o_smem, e_smem, e_bar, a_smem, *, t: Nvfp4Tiles,
-            M: int, N: int, K: int, decode: str, out_t: bool):
-    """x2 [2, M, K/2] bf16, p [N, K/2] u8, s [N, K/8] bf16, g [1] f32, e [16, 64] bf16 -> out [M, N] (16-bit
-    outputs) or out^T [N, M] (out_t: float32)."""
+def _kernel(x_ref, p_ref, s_ref, g_ref, out_ref, o_smem, a_smem, *, t: Nvfp4Tiles, M: int, N: int, K: int,
+            decode: str, out_t: bool):
+    """x [M, K] bf16, p [N, K/2] u8, s [N, K/8] bf16, g [1] f32 -> out [M, N] (16-bit outputs) or out^T [N, M]
+    (out_t: float32)."""
     tm = t.tile_m
     m_iters, n_iters, k_iters = M // tm, N // CTA_N, K // STEP_K
     minor = 0 if t.grid_minor == "m" else 1
-    half = STEP_K // 2
-    # three specs: the GPU interpreter deadlocked with four (x even and odd as separate specs)
-    in_specs = [plgpu.BlockSpec((2, tm, half), lambda k: (0, 0, k), transforms=_tf(2 * half, 2)),  # x even, odd
-                plgpu.BlockSpec((CTA_N, half), lambda k: (0, k), transforms=_tf(half, 1)),         # packed
-                plgpu.BlockSpec((CTA_N, GROUPS), lambda k: (0, k), transforms=_tf(2 * GROUPS, 2))]  # scales
+    in_specs = [plgpu.BlockSpec((tm, STEP_K), lambda k: (0, k), transforms=_tf(128, 2)),               # x
+                plgpu.BlockSpec((CTA_N, STEP_K // 2), lambda k: (0, k), transforms=_tf(STEP_K // 2, 1)),  # packed
+                plgpu.BlockSpec((CTA_N, GROUPS), lambda k: (0, k), transforms=_tf(2 * GROUPS, 2))]       # scales
 
     def make_pipeline(body, context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -134,7 +214,7 @@ def _kernel(x2_ref, p_ref, s_ref, g_ref, e_ref, out_ref, o_smem, e_smem, e_bar, 
             max_concurrent_steps=t.stages, compute_context=context)
 
     ignore = lambda *_, **__: None
-    gmem_args = (x2_ref, p_ref, s_ref)
+    gmem_args = (x_ref, p_ref, s_ref)
 
     @functools.partial(pl.run_scoped, allocs=make_pipeline(ignore, ignore).get_allocations(*gmem_args),
                        collective_axes="wg")
@@ -142,30 +222,20 @@ def _kernel(x2_ref, p_ref, s_ref, g_ref, e_ref, out_ref, o_smem, e_smem, e_bar, 
         wg = lax.axis_index("wg")
         rows = pl.ds(wg * ROWS, ROWS)
 
-        def mma(acc_ref, a, b_ref, slot):
-            if a_smem is not None:           # interpret mode: A through shared memory
-                a_smem[wg, slot] = a
-                plgpu.commit_smem()
-                a = a_smem.at[wg, slot]
-            plgpu.wgmma(acc_ref, a, b_ref)
-
         def body(idx, x_s, p_s, s_s, acc_ref):
-            def expand(sacc):
-                plgpu.wgmma(sacc, s_s.at[rows], e_smem.at[wg])
-                return sacc[...]
-
-            if decode == "skip_scales":        # timing probe: no scale expansion (wrong results)
-                sexp = plgpu.layout_cast(jnp.full((ROWS, ROWS), 1.0, jnp.float32), plgpu.Layout.WGMMA)
+            if decode == "skip_decode":        # timing probe: the GEMM without loads or decode (wrong results)
+                a = plgpu.layout_cast(jnp.full((ROWS, STEP_K), 1.0, BF16), plgpu.Layout.WGMMA)
+            elif decode == "jnp":
+                a = _jnp_e2m1_natural(p_s.at[rows][...], s_s.at[rows][...])
             else:
-                sexp = pl.run_scoped(expand, plgpu.ACC((ROWS, ROWS), jnp.float32))  # [64, 64] scale per element
-            if decode == "skip_decode":        # timing probe: no packed-byte load or nibble decode (wrong results)
-                lo = hi = sexp.astype(BF16)
-            else:
-                p = plgpu.load(p_s.at[rows], layout=plgpu.Layout.WGMMA)        # [64, 64] packed bytes
-                lo, hi = _decode(p, sexp, "ptx" if decode == "skip_scales" else decode)
-            mma(acc_ref, lo, x_s.at[0].transpose((1, 0)), 0)
-            mma(acc_ref, hi, x_s.at[1].transpose((1, 0)), 1)
-            plgpu.wgmma_wait(0)
+                a = _ptx_e2m1_natural(plgpu.load(p_s.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X),
+                                      plgpu.load(s_s.at[rows], layout=plgpu.Layout.WGMMA))
+            if a_smem is not None:             # interpret mode: A through shared memory
+                a_smem[wg] = a
+                plgpu.commit_smem()
+                a = a_smem.at[wg]
+            plgpu.wgmma(acc_ref, a, x_s.transpose((1, 0)))
+            plgpu.wgmma_wait(0)                # the next step's decode rewrites the A registers
             return acc_ref
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
@@ -175,14 +245,10 @@ def _kernel(x2_ref, p_ref, s_ref, g_ref, e_ref, out_ref, o_smem, e_smem, e_bar, 
             m_rows, n_rows = pl.ds(mi * tm, tm), pl.ds(ni * CTA_N, CTA_N)
 
             def context(run):
-                # the expansion matrix (4 KB) per tile: a compute-warpgroup-only place to load it
-                plgpu.copy_gmem_to_smem(e_ref, e_smem.at[wg], e_bar.at[wg])
-                plgpu.barrier_wait(e_bar.at[wg])
-
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS, tm), jnp.float32))
                 def _acc(acc_ref):
                     run(acc_ref)
-                    y = (acc_ref[...] * g_ref[0]).astype(out_ref.dtype)              # [64, tm] of out^T
+                    y = (acc_ref[...] * (g_ref[0] * A_SHIFT)).astype(out_ref.dtype)   # [64, tm] of out^T
                     w_rows = pl.ds(ni * CTA_N + wg * ROWS, ROWS)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     if out_t:                  # 32-bit: out^T [N, M] (transposed stores do not lower)
@@ -193,41 +259,36 @@ def _kernel(x2_ref, p_ref, s_ref, g_ref, e_ref, out_ref, o_smem, e_smem, e_bar, 
                     plgpu.copy_smem_to_gmem(o_smem.at[wg], out_ref.at[w_rows, m_rows] if out_t else
                                             out_ref.at[m_rows, w_rows])
 
-            make_pipeline(body, context)(x2_ref.at[:, m_rows], p_ref.at[n_rows], s_ref.at[n_rows],
-                                         allocations=allocs)
+            make_pipeline(body, context)(x_ref.at[m_rows], p_ref.at[n_rows], s_ref.at[n_rows], allocations=allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
 @functools.partial(jax.jit, static_argnames=("tiles", "out_dtype", "interpret", "name"))
-def _call(x2, p, s, g, *, tiles: Nvfp4Tiles, out_dtype, interpret: bool, name: str):
-    """x2 [2, Mp, K/2] bf16 (Mp a multiple of tile_m), p [N, K/2] u8, s [N, K/8] bf16, g f32 [1] -> [Mp, N]."""
-    _, Mp, half_k = x2.shape
-    K, N = 2 * half_k, p.shape[0]
+def _call(x, p, s, g, *, tiles: Nvfp4Tiles, out_dtype, interpret: bool, name: str):
+    """x [Mp, K] bf16 (Mp a multiple of tile_m), p [N, K/2] u8, s [N, K/8] bf16, g f32 [1] -> [Mp, N]."""
     t = tiles
-    decode = "jnp" if interpret else t.decode
-    e = jnp.asarray(expander(16384.0 if decode == "jnp" else 1.0), BF16)
+    Mp, K = x.shape
+    N = p.shape[0]
     out_t = jnp.dtype(out_dtype).itemsize == 4
-    kernel = functools.partial(_kernel, t=t, M=Mp, N=N, K=K, decode=decode, out_t=out_t)
+    kernel = functools.partial(_kernel, t=t, M=Mp, N=N, K=K, decode="jnp" if interpret else t.decode, out_t=out_t)
     ncta = (Mp // t.tile_m) * (N // CTA_N)
     f = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((N, Mp) if out_t else (Mp, N), out_dtype),
         scratch_types=dict(
             o_smem=plgpu.SMEM((2, ROWS, t.tile_m) if out_t else (2, t.tile_m, ROWS), out_dtype),
-            e_smem=plgpu.SMEM((2, GROUPS, ROWS), BF16, transforms=_tf(2 * GROUPS, 2)),   # A and B: one swizzle
-            e_bar=plgpu.Barrier(num_barriers=2),
-            a_smem=plgpu.SMEM((2, 2, ROWS, ROWS), BF16, transforms=_tf(2 * ROWS, 2)) if interpret else None),
+            a_smem=plgpu.SMEM((2, ROWS, STEP_K), BF16, transforms=_tf(128, 2)) if interpret else None),
         grid=(min(_num_sms(interpret), ncta),), grid_names=("sm",), num_threads=3, thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)
-    y = f(x2, p, s, g, e)
+    y = f(x, p, s, g)
     return y.T if out_t else y
 
 
 # ---- operand preparation and arms ----------------------------------------------------------------------------
 def prepare_scales(scale):
-    """scale [N, K/16] E4M3 -> [N, K/8] bf16: per 128-wide K step the step's 8 group scales and 8 zeros (the
-    expansion wgmma needs K = 16; the pipeline loads one tile per step: a tile shared by two steps is not
-    re-sent by the TMA pipeline and deadlocks it)."""
+    """scale [N, K/16] E4M3 -> [N, K/8] bf16: per 128-wide K step the step's 8 group scales and 8 zeros (a TMA box
+    is at least 16 bytes wide, and the pipeline loads one tile per step: a tile shared by two steps is not re-sent
+    by the TMA pipeline and deadlocks it)."""
     N, G = scale.shape
     s = scale.astype(BF16).reshape(N, G // 8, 8)
     return jnp.pad(s, ((0, 0), (0, 0), (0, 8))).reshape(N, 2 * G)
@@ -239,18 +300,6 @@ def prepare_weights(packed_t, scale_t):
     return packed_t.T, prepare_scales(scale_t.T)
 
 
-def split_x(x, rows: int):
-    """x [M, K] -> [2, rows, K/2]: even and odd columns (rows >= M zero-padded). Each column pair is read as one
-    uint32 (element 2j in the low half, XLA's little-endian bitcast) and its halves written out as integers, so every
-    bf16 value (subnormals, signed zeros, quiet NaNs) moves unchanged: XLA:CPU flushed subnormals when it split the
-    bf16 columns by strided slices.
-    Both forms take ~50 / 93 us at the 8B in_proj / out_proj on the H200 (s10-4)."""
-    m, k = x.shape
-    u = lax.bitcast_convert_type(x.astype(BF16).reshape(m, k // 2, 2), jnp.uint32)             # [M, K/2]
-    x2 = lax.bitcast_convert_type(jnp.stack([u & 0xFFFF, u >> 16]).astype(jnp.uint16), BF16)  # [2, M, K/2]
-    return x2 if rows == m else jnp.pad(x2, ((0, 0), (0, rows - m), (0, 0)))
-
-
 def _check(name: str, N: int, K: int, t: Nvfp4Tiles, out_dtype) -> None:
     if N % CTA_N:
         raise ShapeError(f"{name}(mosaic): N={N} (weight rows) is not a multiple of {CTA_N}; use the Triton arm")
@@ -258,8 +307,9 @@ def _check(name: str, N: int, K: int, t: Nvfp4Tiles, out_dtype) -> None:
         raise ShapeError(f"{name}(mosaic): K={K} (x columns) is not a multiple of {2 * STEP_K}; use the Triton arm")
     if t.tile_m not in (64, 128, 192, 256):
         raise ShapeError(f"{name}(mosaic): tile_m={t.tile_m} must be one of 64, 128, 192, 256 (the wgmma N)")
-    if t.decode not in ("ptx", "jnp", "skip_decode", "skip_scales"):
-        raise ShapeError(f"{name}(mosaic): decode={t.decode!r} must be 'ptx', 'jnp' or a timing probe")
+    if t.decode not in ("ptx", "skip_decode"):
+        raise ShapeError(f"{name}(mosaic): decode={t.decode!r} must be 'ptx' or the timing probe 'skip_decode' "
+                         f"(interpret mode decodes with jnp)")
     if jnp.dtype(out_dtype) not in (jnp.dtype(BF16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
         raise ShapeError(f"{name}(mosaic): out_dtype {jnp.dtype(out_dtype).name} is not bfloat16, float16 or float32")
     if _smem_bytes(t, out_dtype) > SMEM_BYTES:
@@ -280,7 +330,8 @@ def w4a16_gemm_t_prepared(x, p, s, global_scale, *, out_dtype=None, interpret: b
                          f"got {list(p.shape)}, {list(s.shape)}")
     Mp = pl.cdiv(M, t.tile_m) * t.tile_m
     g = jnp.asarray(global_scale, jnp.float32).reshape(1)
-    y = _call(split_x(x, Mp), p, s.astype(BF16), g, tiles=t, out_dtype=out_dtype, interpret=interpret, name=name)
+    xp = jnp.pad(x.astype(BF16), ((0, Mp - M), (0, 0))) if Mp != M else x.astype(BF16)
+    y = _call(xp, p, s.astype(BF16), g, tiles=t, out_dtype=out_dtype, interpret=interpret, name=name)
     return y[:M] if Mp != M else y
 
 
@@ -326,15 +377,15 @@ def supports_plain(x, packed, scale, global_scale, *, out_dtype=None, **_) -> bo
     return supports_shape(packed.shape[0], 2 * packed.shape[1], x.dtype, out_dtype or x.dtype)
 
 
-# GPU default Mosaic: 0.63-0.76x XLA BF16 at the 8B shapes (M=4096) against the Triton arm's 0.42x, correct on
-# the H200 (benchmarks/notes/quant_prefill.md, session 3); still short of the issue's 1x.
+# GPU default Mosaic: H200 s11, 0.85 / 0.86x XLA BF16 at the 8B shapes (M=4096) with the per-call weight transpose
+# (plain layout below) against the Triton arm's 0.42x (benchmarks/notes/quant_prefill.md); still short of the 1x.
 registry.register("w4a16_gemm_t", reference=w4a16_t_reference, pallas=w4a16_gemm_t_pallas, mosaic=w4a16_gemm_t_mosaic,
                   mosaic_supports=supports, gpu_default="mosaic")
 registry.register("w4a16_gemm_t_m128", reference=w4a16_t_reference, pallas=w4a16_gemm_t_m128_pallas,
                   mosaic=w4a16_gemm_t_m128_mosaic, mosaic_supports=supports, gpu_default="mosaic")
-# The plain layout on the same kernel, minus the per-call weight transpose: H200 s10-1, 998 / 533 us at the 8B
-# in_proj / out_proj against the transposed arm's 1029 / 534 (the Triton w4a16_gemm: 8276 us at in_proj), so on
-# Hopper the model serves NVFP4 prefill from it and builds no transposed copy (benchmarks/notes/quant_prefill.md).
+# The plain layout on the same kernel, minus the per-call weight transpose (H200 s11: 913 / 412 us at the 8B
+# in_proj / out_proj; the Triton w4a16_gemm: 8276 us at in_proj), so on Hopper the model serves NVFP4 prefill from
+# it and builds no transposed copy (benchmarks/notes/quant_prefill.md).
 registry.register("w4a16_gemm", reference=w4a16_reference, pallas=w4a16_gemm_pallas, mosaic=w4a16_gemm_mosaic,
                   mosaic_supports=supports_plain, gpu_default="mosaic")
 

@@ -15,6 +15,7 @@ from metrale_jax.weights import quant_formats as qf
 from pallas_kernels import mgpu_gemm_nvfp4 as mn
 from pallas_kernels import registry
 from pallas_kernels.w4a16 import w4a16_reference, w4a16_t_reference
+from tests.kernels.ptx_emulator import bf16_pairs, element_map, run_ptx
 from tests.numpy_refs import rel_err
 
 TOL = 2e-5      # bf16 products are exact; only the f32 summation order differs
@@ -47,26 +48,6 @@ def _check(y, want, m, n, tol):
     assert rel_err(y, want) < tol
 
 
-def test_split_x_is_the_even_and_odd_columns_bit_for_bit(rng):
-    """The x layout of every Mosaic NVFP4 arm: [2, rows, K/2] even / odd columns, rows past M zero, every bf16 bit
-    pattern (signed zeros, subnormals, inf, quiet NaN) moved unchanged, eager and jitted (on a GPU: compiled).
-    Signalling NaNs are left out: XLA may quiet them."""
-    bits = rng.integers(0, 1 << 16, (5, 64), dtype=np.uint16)
-    nan = ((bits & 0x7F80) == 0x7F80) & ((bits & 0x7F) != 0)
-    bits[nan] |= 0x40
-    bits[0, :8] = [0x8000, 0x0001, 0x7F80, 0xFF80, 0x7FC1, 0x0000, 0x8075, 0x0042]     # subnormals too
-    x = jnp.asarray(bits).view(jnp.bfloat16)
-    want = np.zeros((2, 8, 32), np.uint16)
-    want[0, :5], want[1, :5] = bits[:, 0::2], bits[:, 1::2]
-    for split in (mn.split_x, jax.jit(mn.split_x, static_argnums=1)):
-        got = split(x, 8)
-        assert got.shape == (2, 8, 32) and got.dtype == jnp.bfloat16
-        np.testing.assert_array_equal(np.asarray(got.view(jnp.uint16)), want)
-    xf = jnp.asarray(rng.standard_normal((3, 16)), jnp.float32)                 # other dtypes: rounded to bf16 first
-    np.testing.assert_array_equal(np.asarray(mn.split_x(xf, 3), np.float32),
-                                  np.asarray(xf.astype(jnp.bfloat16), np.float32).reshape(3, 8, 2).transpose(2, 0, 1))
-
-
 # M ragged (padded to tile_m inside); 2 SMs x 2-4 output tiles; both output dtypes
 CASES = [(100, 256, 512, mn.Nvfp4Tiles(tile_m=64, stages=2), jnp.float32),
          (200, 128, 256, mn.Nvfp4Tiles(tile_m=128, stages=3, grid_minor="n", grid_tile_width=2), jnp.bfloat16)]
@@ -80,6 +61,42 @@ def test_w4a16_gemm_t_mosaic(rng, interpret, m, n, k, tiles, out_dtype):
     tol = TOL if out_dtype == jnp.float32 else 1e-2
     _check(y, np.asarray(ref, np.float64), m, n, tol)
     _check(y, _want(x, pt, st, g), m, n, tol)
+
+
+def _e2m1(codes):
+    return np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])[codes]
+
+
+def test_decoder_ptx_and_register_plan_give_the_dequantized_tile(rng):
+    """The decoder of the GPU (its PTX run lane by lane for a whole warpgroup, shuffles included,
+    through the same register plan as the kernel, on Mosaic's register layouts) yields weight * 2^-8 at every
+    element of the [64, 128] A tile, exactly: every packed byte, every finite E4M3 scale (subnormals too)."""
+    import ml_dtypes
+    from jax.experimental.mosaic.gpu import fragmented_array as fa
+    p = rng.permutation(np.resize(np.arange(256, dtype=np.uint8), 64 * 64)).reshape(64, 64)
+    finite = np.array([c for c in range(256) if c & 0x7F != 0x7F], np.uint8)
+    sc = rng.choice(finite, (64, 8)).view(ml_dtypes.float8_e4m3fn).astype(np.float64)              # [64 rows, 8 groups]
+    s_tile = np.asarray(mn.prepare_scales(jnp.asarray(sc, jnp.float8_e4m3fn)))                       # [64, 16] bf16
+    assert s_tile.shape == (64, 16) and s_tile.dtype == jnp.bfloat16
+    src_map = element_map(fa.WGMMA_LAYOUT_UPCAST_4X, (64, 64))
+    scl_map = element_map(fa.WGMMA_LAYOUT, (64, 16))
+    dst_map = element_map(fa.WGMMA_LAYOUT, (64, 128))
+    s_bits = s_tile.view(np.uint16).ravel().astype(np.uint32)
+    src, scl = np.empty(src_map.shape[1:-1], object), np.empty(scl_map.shape[1:-1], object)
+    for idx in np.ndindex(src.shape):
+        src[idx] = p.ravel()[src_map[(slice(None), *idx)]].astype(np.uint32)                        # [128, 8] bytes
+    for idx in np.ndindex(scl.shape):
+        scl[idx] = s_bits[scl_map[(slice(None), *idx)]]                                              # [128, 2]
+    words = lambda r: [r[:, 4 * i] | r[:, 4 * i + 1] << 8 | r[:, 4 * i + 2] << 16 | r[:, 4 * i + 3] << 24
+                       for i in range(2)]
+    out = mn.natural_registers(src, scl, lambda tpl, n, ins: run_ptx(tpl, n, *ins, threads=128), words,
+                               lambda r: r[:, 0] | r[:, 1] << 16, lambda v: v)
+    got = np.full(64 * 128, np.nan)
+    for idx in np.ndindex(out.shape):
+        got[dst_map[(slice(None), *idx)]] = bf16_pairs(out[idx])
+    want = np.stack([_e2m1(p & 15), _e2m1(p >> 4)], -1).reshape(64, 128) * np.repeat(sc, 16, axis=1) * 2.0 ** -8
+    np.testing.assert_array_equal(got.reshape(64, 128), want)
+    assert np.array_equal(np.signbit(got.reshape(64, 128)), np.signbit(want))
 
 
 def test_prepared_weights_same_result(rng, interpret):
@@ -123,6 +140,8 @@ def test_argument_errors(rng):
         mn.w4a16_gemm_t_mosaic(x, pt, st, g, interpret=True, tiles=mn.Nvfp4Tiles(tile_m=96))
     with pytest.raises(ShapeError, match="bytes of shared memory"):
         mn.w4a16_gemm_t_mosaic(x, pt, st, g, interpret=True, tiles=mn.Nvfp4Tiles(tile_m=256, stages=4))
+    with pytest.raises(ShapeError, match="decode='jnp' must be 'ptx' or the timing probe"):
+        mn.w4a16_gemm_t_mosaic(x, pt, st, g, interpret=True, tiles=mn.Nvfp4Tiles(decode="jnp"))
     with pytest.raises(ShapeError, match="prepared weights expected"):
         mn.w4a16_gemm_t_prepared(x, pt.T, st.T, g, interpret=True)
 
@@ -160,3 +179,16 @@ def test_plain_and_transposed_arms_at_8b_shapes_on_gpu(rng, n, k):
     np.testing.assert_array_equal(np.asarray(y, np.float32),
                                   np.asarray(mn.w4a16_gemm_t_mosaic(x, pt, st, g, out_dtype=jnp.bfloat16), np.float32))
     assert rel_err(y, w4a16_reference(x, pt.T, st.T, g, out_dtype=jnp.float32)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(18560, 4096), (4096, 8192)])
+@pytest.mark.parametrize("tiles,out_dtype", [(mn.Nvfp4Tiles(tile_m=256, stages=2), jnp.bfloat16),
+                                             (mn.Nvfp4Tiles(tile_m=128, stages=3), jnp.float32)])
+def test_plain_arm_at_8b_shapes_on_gpu(rng, n, k, tiles, out_dtype):
+    """The PTX decoder compiled at the 8B shapes (M = 300, padded): against the reference at f32 summation-order
+    tolerance (f32 out) or bf16 rounding (bf16 out), every row written."""
+    x, pt, st, g = _operands(rng, 300, n, k)
+    y = mn.w4a16_gemm_mosaic(x, pt.T, st.T, g, out_dtype=out_dtype, tiles=tiles)
+    _check(y, np.asarray(w4a16_reference(x, pt.T, st.T, g, out_dtype=jnp.float32), np.float64), 300, n,
+           TOL if out_dtype == jnp.float32 else 1e-2)

@@ -13,6 +13,7 @@ from metrale_jax.weights import quant_formats as qf
 from pallas_kernels import mgpu_gemv as mg
 from pallas_kernels import registry, w4a16, w8a16
 from pallas_kernels.mgpu_gemv import GemvConfig
+from tests.kernels.ptx_emulator import bf16_pairs, element_map, run_ptx
 from tests.numpy_refs import rel_err
 
 F32 = jnp.float32
@@ -219,61 +220,11 @@ def test_split_k_partials_sum_in_a_fixed_order():
 
 
 # ---- the "perm" decoders' PTX, run by a small PTX emulator, and their register maps against Mosaic's layouts ----
-def _run_ptx(asm: str, outs: int, *ins):
-    """Emulate the PTX subset of the decoders on uint32 numpy arrays (one lane per array element): mov, prmt
-    (default mode, msb-replicating selectors), shl / shr, and, mul.lo.u32, fma.rn.bf16x2 (float64 math rounded
-    once to bf16, subnormals kept, as the GPU's bf16 FMA does)."""
-    import ml_dtypes
-    regs = {f"${i + outs}": np.asarray(v, np.uint64) for i, v in enumerate(ins)}
-    val = lambda t: regs[t] if t in regs else np.uint64(int(t, 0))
-    bf = lambda u: (u & 0xFFFF).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
-    to_bits = lambda f: f.astype(ml_dtypes.bfloat16).view(np.uint16).astype(np.uint64)
-    for line in asm.replace("{", "").replace("}", "").split(";"):
-        line = line.strip()
-        if not line or line.startswith(".reg"):
-            continue
-        op, args = line.split(None, 1)
-        d, *a = [t.strip() for t in args.split(",")]
-        if op == "mov.b32":
-            r = val(a[0])
-        elif op == "prmt.b32":
-            src = val(a[0]) | (val(a[1]) << np.uint64(32))
-            sel, r = int(a[2], 0), np.uint64(0)
-            for k in range(4):
-                nib = (sel >> (4 * k)) & 0xF
-                byte = (src >> np.uint64(8 * (nib & 7))) & np.uint64(0xFF)
-                if nib & 8:
-                    byte = np.where(byte & np.uint64(0x80), np.uint64(0xFF), np.uint64(0))
-                r = r | (byte << np.uint64(8 * k))
-        elif op == "shl.b32":
-            r = val(a[0]) << np.uint64(int(a[1]))
-        elif op == "shr.b32":
-            r = val(a[0]) >> np.uint64(int(a[1]))
-        elif op == "and.b32":
-            r = val(a[0]) & val(a[1])
-        elif op == "mul.lo.u32":
-            r = val(a[0]) * val(a[1])
-        elif op == "fma.rn.bf16x2":
-            x, y, z = np.broadcast_arrays(*(np.asarray(val(t), np.uint64) for t in a))
-            r = sum(to_bits(bf(x >> np.uint64(16 * h)) * bf(y >> np.uint64(16 * h)) + bf(z >> np.uint64(16 * h)))
-                    << np.uint64(16 * h) for h in range(2))
-        else:
-            raise AssertionError(f"emulator lacks {op}")
-        regs[d] = np.asarray(r, np.uint64) & np.uint64(0xFFFFFFFF)
-    return [regs[f"${i}"] for i in range(outs)]
-
-
-def _bf16_pairs(u):
-    import ml_dtypes
-    u = np.asarray(u, np.uint32)
-    return np.stack([u & 0xFFFF, u >> 16], -1).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float64)
-
-
 def test_perm_e4m3_ptx_is_exact_for_every_code():
     codes = np.arange(256, dtype=np.uint32)
     words = codes | (np.roll(codes, 1) << 8) | (np.roll(codes, 2) << 16) | (np.roll(codes, 3) << 24)
-    a, b = _run_ptx(mg._E4M3X4_TO_BF16, 2, words)
-    got = np.concatenate([_bf16_pairs(a), _bf16_pairs(b)], -1)                 # bytes 0, 1, 2, 3 of each word
+    a, b = run_ptx(mg._E4M3X4_TO_BF16, 2, words)
+    got = np.concatenate([bf16_pairs(a), bf16_pairs(b)], -1)                 # bytes 0, 1, 2, 3 of each word
     want = np.stack([np.roll(codes, r) for r in range(4)], -1).astype(np.uint8).view(jnp.float8_e4m3fn)
     want = want.astype(np.float64)
     ok = np.isnan(want) | (got == want)
@@ -283,59 +234,32 @@ def test_perm_e4m3_ptx_is_exact_for_every_code():
 def test_perm_e2m1_ptx_is_exact_for_every_code_and_scale():
     """Every packed byte (two E2M1 codes) times every finite E4M3 scale: value * scale * 2^-8, exactly."""
     scales = np.arange(256, dtype=np.uint32)
-    (sc,) = _run_ptx(mg._E4M3_TO_BF16X2_SCALE, 1, scales)
+    (sc,) = run_ptx(mg._E4M3_TO_BF16X2_SCALE, 1, scales)
     sv = scales.astype(np.uint8).view(jnp.float8_e4m3fn).astype(np.float64)
     fin = ~np.isnan(sv)
-    np.testing.assert_array_equal(_bf16_pairs(sc)[fin], np.stack([sv, sv], -1)[fin] * 2.0 ** 118)
+    np.testing.assert_array_equal(bf16_pairs(sc)[fin], np.stack([sv, sv], -1)[fin] * 2.0 ** 118)
     b = np.arange(256, dtype=np.uint32)
     words = b | (np.roll(b, 1) << 8) | (np.roll(b, 2) << 16) | (np.roll(b, 3) << 24)
-    outs = _run_ptx(mg._E2M1X8_TO_BF16, 4, words[:, None], sc[None, fin])    # [256 words, finite scales]
+    outs = run_ptx(mg._E2M1X8_TO_BF16, 4, words[:, None], sc[None, fin])    # [256 words, finite scales]
     e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
     for k, o in enumerate(outs):
         byte = np.roll(b, k)[:, None]
         want = np.stack([e2m1[byte & 15], e2m1[byte >> 4]], -1) * sv[fin][None, :, None] * 2.0 ** -8
-        np.testing.assert_array_equal(_bf16_pairs(o), want)
-
-
-def _element_map(layout, shape):
-    """[128 threads, *registers_shape, vector] -> linear element index: a numpy mirror of Mosaic's
-    TiledLayout.thread_idxs (the map a layout's loads and stores use)."""
-    from jax.experimental.mosaic.gpu import fragmented_array as fa
-    contig = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
-    strides = layout.tiling.tile_strides(contig)
-    tshape, tstr = layout.tiled_tiling_shape, strides[-layout.tiled_tiling_rank:]
-
-    def offset(idx, dims):
-        sizes = [d.times if isinstance(d, fa.Replicated) else tshape[d] for d in dims]
-        out = 0
-        for j, (d, size) in enumerate(zip(dims, sizes)):
-            if not isinstance(d, fa.Replicated):
-                out += (idx // int(np.prod(sizes[j + 1:]))) % size * tstr[d]
-        return out
-
-    rs = layout.registers_shape(shape)
-    res = np.zeros((128, *rs, layout.vector_length), np.int64)
-    for t in range(128):
-        base = offset(t // 32, layout.warp_dims) + offset(t % 32, layout.lane_dims)
-        for ridx in np.ndindex(rs):
-            start = base + sum(i * st for i, st in zip(ridx, strides))
-            res[(t, *ridx)] = start + np.arange(layout.vector_length) * tstr[layout.vector_dim]
-    assert np.array_equal(np.sort(res.ravel()), np.arange(int(np.prod(shape))))   # a bijection
-    return res
+        np.testing.assert_array_equal(bf16_pairs(o), want)
 
 
 def test_perm_register_maps_match_the_permutations():
     """The decoders re-label registers without moving data: for every thread, the element they place at logical
     column L (WGMMA layout) must be the loaded element at physical column perm[L], in the same row."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
-    src, dst = _element_map(fa.WGMMA_LAYOUT_UPCAST_4X, (64, 128)), _element_map(fa.WGMMA_LAYOUT, (64, 128))
+    src, dst = element_map(fa.WGMMA_LAYOUT_UPCAST_4X, (64, 128)), element_map(fa.WGMMA_LAYOUT, (64, 128))
     perm = mg.perm_cols(np.arange(128)[None])[0]
     for c, h, wi, half, u in np.ndindex(4, 2, 2, 2, 2):                        # w8: vector (c, h), pair 2wi + half
         prow, pcol = np.divmod(src[:, 0, c, 0, 0, h, 0, 0, 0, 0, 4 * wi + 2 * half + u], 128)
         lrow, lcol = np.divmod(dst[:, 0, 4 * c + 2 * wi + half, 0, 0, h, 0, 0, 0, 0, u], 128)
         assert np.array_equal(prow, lrow) and np.array_equal(perm[lcol], pcol)
-    dst4 = _element_map(fa.WGMMA_LAYOUT, (64, 256))
-    scl = _element_map(mg.W4_SCALE_LAYOUT.to_mgpu(), (64, 16))
+    dst4 = element_map(fa.WGMMA_LAYOUT, (64, 256))
+    scl = element_map(mg.W4_SCALE_LAYOUT.to_mgpu(), (64, 16))
     perm = mg.perm64(np.arange(256)[None])[0]
     for c, h, i, u in np.ndindex(4, 2, 8, 2):                                    # w4: vector (c, h), byte i, nibble u
         prow, pbyte = np.divmod(src[:, 0, c, 0, 0, h, 0, 0, 0, 0, i], 128)
