@@ -431,9 +431,10 @@ def nvfp4_variants(sweep: bool) -> list:
     out = [None]
     if sweep:
         out += [Nvfp4Tiles(tile_m=128, stages=4), Nvfp4Tiles(tile_m=128, stages=3),
-                Nvfp4Tiles(tile_m=256, stages=2, grid_minor="n"), Nvfp4Tiles(tile_m=256, stages=2, grid_tile_width=16),
-                Nvfp4Tiles(tile_m=256, stages=2, grid_tile_width=4),
-                Nvfp4Tiles(tile_m=256, stages=2, decode="skip_decode")]                # timing probe (wrong results)
+                Nvfp4Tiles(tile_m=256, stages=2), Nvfp4Tiles(tile_m=256, stages=2, grid_minor="n", grid_tile_width=16),
+                Nvfp4Tiles(tile_m=256, stages=2, grid_minor="n", grid_tile_width=4),
+                Nvfp4Tiles(tile_m=256, stages=2, grid_minor="n", decode="skip_decode"),   # timing probe (wrong results)
+                Nvfp4Tiles(tile_m=128, stages=4, grid_minor="n", decode="skip_decode")]
     return out
 
 

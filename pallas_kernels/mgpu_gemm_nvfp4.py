@@ -21,8 +21,8 @@ store to shared memory, TMA to out [M, N] (float32: out^T, transposed by XLA; a 
 lower). Interpret mode (CPU tests) passes the A operand through shared memory (the GPU interpreter's wgmma reads A
 from shared memory only).
 Shapes: N % 128 == 0, K % 256 == 0 (ShapeError otherwise; `supports` sends others to the Triton arm); M is padded
-to tile_m here. Output dtype bf16 / f16 / f32. H200 (session 11, M = 4096): 913 / 412 us at the 8B in_proj /
-out_proj, 0.85 / 0.86x XLA BF16 (the earlier even / odd split of x: 998 / 508 us); benchmarks/notes/quant_prefill.md.
+to tile_m here. Output dtype bf16 / f16 / f32. H200 (session 11, M = 4096): 892-915 / 401-412 us at the 8B in_proj /
+out_proj, 0.85-0.89x XLA BF16 (the earlier even / odd split of x: 998 / 508 us); benchmarks/notes/quant_prefill.md.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from metrale_jax.errors import ShapeError
 from pallas_kernels import registry
 from pallas_kernels.mgpu_gemm import _num_sms
-from pallas_kernels.mgpu_gemv import _tf
+from pallas_kernels.mgpu_gemv import _tf, e2m1x4_to_bf16_asm
 from pallas_kernels.w4a16 import (check_nvfp4_args, w4a16_gemm_pallas, w4a16_gemm_t_m128_pallas,
                                   w4a16_gemm_t_pallas, w4a16_reference, w4a16_t_reference)
 
@@ -57,20 +57,23 @@ A_SHIFT = 2.0 ** 8  # the decoders' A operand is weight * 2^-8
 class Nvfp4Tiles:
     """tile_m: x rows per CTA (the wgmma N, 64..256); stages: TMA pipeline depth; decode: "ptx" (interpret mode
     decodes with jnp) or the benchmark's timing probe "skip_decode" (a constant A operand: no packed-byte loads or
-    decode, wrong results); grid order as in mgpu_gemm."""
+    decode, wrong results); grid order as in mgpu_gemm; overlap: each step waits for the previous step's wgmma only
+    (its x stage is released one step late, so at least 3 stages), the previous A registers pinned live until then."""
 
     tile_m: int = 128
     stages: int = 4
     grid_minor: str = "m"
     grid_tile_width: int = 8
     decode: str = "ptx"
+    overlap: bool = False     # one wgmma in flight across steps: step k+1 decodes while step k's wgmma runs
 
 
 def default_tiles(M: int, N: int, K: int, out_dtype=BF16) -> Nvfp4Tiles:
-    """Above 128 rows with a 16-bit output: 256 x rows per CTA, 2 stages (H200 s11: 913 / 412 us at the 8B
-    in_proj / out_proj, M = 4096, against 1073 / 493 for 128 rows x 4 stages). Else 128 rows and the deepest
-    pipeline (<= 4) that fits shared memory (3 for a float32 output)."""
-    wide = Nvfp4Tiles(tile_m=256, stages=2)
+    """Above 128 rows with a 16-bit output: 256 x rows per CTA, 2 stages, the grid's n index fastest (H200 s11:
+    892-902 / 401-402 us at the 8B in_proj / out_proj, M = 4096; m fastest 913-915 / 406-409; 128 rows x 4 stages
+    1073-1092 / 493-495). Else 128 rows and the deepest pipeline (<= 4) that fits shared memory (3 for a float32
+    output)."""
+    wide = Nvfp4Tiles(tile_m=256, stages=2, grid_minor="n")
     if M > 128 and jnp.dtype(out_dtype).itemsize == 2 and _smem_bytes(wide, out_dtype) <= SMEM_BYTES:
         return wide
     t = Nvfp4Tiles(tile_m=128, stages=4)
@@ -127,17 +130,8 @@ fma.rn.bf16x2 g, g, k, z;
 prmt.b32 ${2 * p}, g, g, 0x1010;
 prmt.b32 ${2 * p + 1}, g, g, 0x3232;
 """ for p in range(4)) + "}"
-# Four packed bytes -> four bf16 pairs (low nibble first), byte k times its own scale pair $(5 + k): the
-# `_E2M1X8_TO_BF16` recipe of the GEMV with one scale per byte.
-_E2M1X4_TO_BF16_S4 = """{
-.reg .b32 l, h, y, z;
-mov.b32 z, 0x80008000;
-and.b32 l, $4, 0x0F0F0F0F;
-shr.b32 h, $4, 4;
-and.b32 h, h, 0x0F0F0F0F;
-""" + "".join(f"""prmt.b32 y, l, h, 0x8{4 + k}8{k}; mul.lo.u32 y, y, 0x1040; and.b32 y, y, 0x81C081C0;
-fma.rn.bf16x2 ${k}, y, ${5 + k}, z;
-""" for k in range(4)) + "}"
+# Four packed bytes -> four bf16 pairs, byte k times its own scale pair $(5 + k): the GEMV's perm recipe.
+_E2M1X4_TO_BF16_S4 = e2m1x4_to_bf16_asm(("$5", "$6", "$7", "$8"))
 
 
 def natural_registers(src, scl, asm, words, scale_word, as_pair):
@@ -196,6 +190,21 @@ def _jnp_e2m1_natural(p, s):
     return ((w * sc[:, :, None]) * 2.0 ** -112).reshape(ROWS, STEP_K).astype(BF16)
 
 
+def _keep_live(a):
+    """An empty side-effecting asm that reads every register of `a` (WGMMA layout): `a` keeps its registers up to
+    this point, so the allocator cannot give them to the next decode while a wgmma in flight still reads them
+    (PTX leaves an in-flight wgmma's A registers undefined if they are written)."""
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,))
+    def pin(ctx, fa):
+        from jax.experimental.mosaic.gpu import utils as mu
+        from jaxlib.mlir import ir
+        from jaxlib.mlir.dialects import llvm
+        i32 = ir.IntegerType.get_signless(32)
+        regs = [mu.bitcast(r, i32) for r in fa.registers.flat]
+        llvm.inline_asm(None, regs, "", ",".join(["r"] * len(regs)), has_side_effects=True)
+    pin(a)
+
+
 # ---- kernel --------------------------------------------------------------------------------------------------
 def _kernel(x_ref, p_ref, s_ref, g_ref, out_ref, o_smem, a_smem, *, t: Nvfp4Tiles, M: int, N: int, K: int,
             decode: str, out_t: bool):
@@ -204,9 +213,12 @@ def _kernel(x_ref, p_ref, s_ref, g_ref, out_ref, o_smem, a_smem, *, t: Nvfp4Tile
     tm = t.tile_m
     m_iters, n_iters, k_iters = M // tm, N // CTA_N, K // STEP_K
     minor = 0 if t.grid_minor == "m" else 1
-    in_specs = [plgpu.BlockSpec((tm, STEP_K), lambda k: (0, k), transforms=_tf(128, 2)),               # x
-                plgpu.BlockSpec((CTA_N, STEP_K // 2), lambda k: (0, k), transforms=_tf(STEP_K // 2, 1)),  # packed
-                plgpu.BlockSpec((CTA_N, GROUPS), lambda k: (0, k), transforms=_tf(2 * GROUPS, 2))]       # scales
+    dr = 1 if t.overlap else 0         # x stages read by a wgmma in flight are released one step late
+    in_specs = [plgpu.BlockSpec((tm, STEP_K), lambda k: (0, k), transforms=_tf(128, 2), delay_release=dr),  # x
+                plgpu.BlockSpec((CTA_N, STEP_K // 2), lambda k: (0, k), transforms=_tf(STEP_K // 2, 1),
+                                delay_release=dr),                                                         # packed
+                plgpu.BlockSpec((CTA_N, GROUPS), lambda k: (0, k), transforms=_tf(2 * GROUPS, 2),
+                                delay_release=dr)]                                                         # scales
 
     def make_pipeline(body, context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -222,7 +234,8 @@ def _kernel(x_ref, p_ref, s_ref, g_ref, out_ref, o_smem, a_smem, *, t: Nvfp4Tile
         wg = lax.axis_index("wg")
         rows = pl.ds(wg * ROWS, ROWS)
 
-        def body(idx, x_s, p_s, s_s, acc_ref):
+        def body(idx, x_s, p_s, s_s, carry):
+            acc_ref, a_prev = carry if t.overlap else (carry, None)
             if decode == "skip_decode":        # timing probe: the GEMM without loads or decode (wrong results)
                 a = plgpu.layout_cast(jnp.full((ROWS, STEP_K), 1.0, BF16), plgpu.Layout.WGMMA)
             elif decode == "jnp":
@@ -230,13 +243,19 @@ def _kernel(x_ref, p_ref, s_ref, g_ref, out_ref, o_smem, a_smem, *, t: Nvfp4Tile
             else:
                 a = _ptx_e2m1_natural(plgpu.load(p_s.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X),
                                       plgpu.load(s_s.at[rows], layout=plgpu.Layout.WGMMA))
+            a_op = a
             if a_smem is not None:             # interpret mode: A through shared memory
                 a_smem[wg] = a
                 plgpu.commit_smem()
-                a = a_smem.at[wg]
-            plgpu.wgmma(acc_ref, a, x_s.transpose((1, 0)))
-            plgpu.wgmma_wait(0)                # the next step's decode rewrites the A registers
-            return acc_ref
+                a_op = a_smem.at[wg]
+            plgpu.wgmma(acc_ref, a_op, x_s.transpose((1, 0)))
+            if not t.overlap:
+                plgpu.wgmma_wait(0)            # the next step's decode rewrites the A registers
+                return acc_ref
+            plgpu.wgmma_wait(1)                # the previous step's wgmma is done: its A registers are free
+            if a_smem is None:
+                _keep_live(a_prev)
+            return acc_ref, a
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
         def _tiles(info: plgpu.NDLoopInfo):
@@ -247,7 +266,14 @@ def _kernel(x_ref, p_ref, s_ref, g_ref, out_ref, o_smem, a_smem, *, t: Nvfp4Tile
             def context(run):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS, tm), jnp.float32))
                 def _acc(acc_ref):
-                    run(acc_ref)
+                    if t.overlap:
+                        a0 = plgpu.layout_cast(jnp.zeros((ROWS, STEP_K), BF16), plgpu.Layout.WGMMA)
+                        _, a_last = run((acc_ref, a0))
+                        plgpu.wgmma_wait(0)
+                        if a_smem is None:
+                            _keep_live(a_last)
+                    else:
+                        run(acc_ref)
                     y = (acc_ref[...] * (g_ref[0] * A_SHIFT)).astype(out_ref.dtype)   # [64, tm] of out^T
                     w_rows = pl.ds(ni * CTA_N + wg * ROWS, ROWS)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -307,6 +333,9 @@ def _check(name: str, N: int, K: int, t: Nvfp4Tiles, out_dtype) -> None:
         raise ShapeError(f"{name}(mosaic): K={K} (x columns) is not a multiple of {2 * STEP_K}; use the Triton arm")
     if t.tile_m not in (64, 128, 192, 256):
         raise ShapeError(f"{name}(mosaic): tile_m={t.tile_m} must be one of 64, 128, 192, 256 (the wgmma N)")
+    if t.overlap and t.stages < 3:
+        raise ShapeError(f"{name}(mosaic): overlap releases each stage one step late and needs stages >= 3, got "
+                         f"{t.stages}")
     if t.decode not in ("ptx", "skip_decode"):
         raise ShapeError(f"{name}(mosaic): decode={t.decode!r} must be 'ptx' or the timing probe 'skip_decode' "
                          f"(interpret mode decodes with jnp)")

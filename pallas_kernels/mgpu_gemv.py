@@ -237,17 +237,20 @@ def _ptx_e2m1_to_bf16(p, s_bf16):
 # no overlapping bits) and masked. One bf16x2 multiply by the pair's scale * 2^118 (from `_E4M3_TO_BF16X2_SCALE`)
 # gives value * scale * 2^-8, exact (2-bit times 4-bit significands, >= 2^-18); the result is scaled by 2^8 at
 # the end.
-_E2M1X8_TO_BF16 = """{
+def e2m1x4_to_bf16_asm(scales: tuple[str, ...]) -> str:
+    """PTX: packed word $4 (4 bytes) -> bf16 pairs $0..$3 (low nibble first), byte k times the scale pair scales[k]."""
+    return """{
 .reg .b32 l, h, y, z;
 mov.b32 z, 0x80008000;
 and.b32 l, $4, 0x0F0F0F0F;
 shr.b32 h, $4, 4;
 and.b32 h, h, 0x0F0F0F0F;
-prmt.b32 y, l, h, 0x8480; mul.lo.u32 y, y, 0x1040; and.b32 y, y, 0x81C081C0; fma.rn.bf16x2 $0, y, $5, z;
-prmt.b32 y, l, h, 0x8581; mul.lo.u32 y, y, 0x1040; and.b32 y, y, 0x81C081C0; fma.rn.bf16x2 $1, y, $5, z;
-prmt.b32 y, l, h, 0x8682; mul.lo.u32 y, y, 0x1040; and.b32 y, y, 0x81C081C0; fma.rn.bf16x2 $2, y, $5, z;
-prmt.b32 y, l, h, 0x8783; mul.lo.u32 y, y, 0x1040; and.b32 y, y, 0x81C081C0; fma.rn.bf16x2 $3, y, $5, z;
-}"""
+""" + "".join(f"""prmt.b32 y, l, h, 0x8{4 + k}8{k}; mul.lo.u32 y, y, 0x1040; and.b32 y, y, 0x81C081C0;
+fma.rn.bf16x2 ${k}, y, {scales[k]}, z;
+""" for k in range(4)) + "}"
+
+
+_E2M1X8_TO_BF16 = e2m1x4_to_bf16_asm(("$5",) * 4)        # one scale pair for all four bytes (one group)
 # An E4M3 scale byte -> (scale, scale) * 2^118 as a bf16 pair, exact: the `_E4M3X4_TO_BF16` bit move (value *
 # 2^-120 in both lanes), then two multiplies by 2^119.
 _E4M3_TO_BF16X2_SCALE = """{

@@ -1,0 +1,84 @@
+"""Launch probes of the NVFP4 prefill GEMM (`w4a16_gemm` Mosaic arm) at the 8B shapes, M = 4096, on the GPU:
+each config (tm<rows>:st<stages>:<grid minor><tile width>:<decode>[:ov], ov = one wgmma in flight across steps) and
+XLA BF16 timed in interleaved rounds, so all see the same clocks. Before timing, every config's bf16 output is
+checked against the reference, and an ov config's bits against the same config without ov when both are listed.
+Writes OUT/nvfp4_probe_<date>_<tag>.json.
+
+    PYTHONPATH=. python3 tools/nvfp4_probe.py --out $OUT --tag s11c3 --configs tm256:st2:m8:ptx,tm128:st4:m8:skip_decode
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import timing
+from benchmarks.bench_prefill import SHAPES, nvfp4_weights, xla_bf16
+from metrale_jax.weights import quant_formats as qf
+from pallas_kernels import mgpu_gemm_nvfp4 as mn
+from pallas_kernels.w4a16 import w4a16_reference
+
+M = 4096
+
+
+def parse(cfg: str) -> mn.Nvfp4Tiles:
+    tm, st, grid, decode, *ov = cfg.split(":")
+    return mn.Nvfp4Tiles(tile_m=int(tm[2:]), stages=int(st[2:]), grid_minor=grid[0], grid_tile_width=int(grid[1:]),
+                         decode=decode, overlap=ov == ["ov"])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tag", default="probe")
+    ap.add_argument("--configs", required=True, help="comma-separated tm<rows>:st<stages>:<m|n><width>:<decode>")
+    ap.add_argument("--rounds", type=int, default=2)
+    args = ap.parse_args()
+    result = {"date": datetime.date.today().isoformat(), "tag": args.tag, "device": str(jax.devices()[0]),
+              "versions": {"jax": jax.__version__}, "M": M, "rounds": args.rounds, "rows": []}
+    for shape, (N, K) in SHAPES.items():
+        key = jax.random.PRNGKey(0)
+        kx, kw = jax.random.split(key)
+        xs = [jax.random.normal(k, (M, K), jnp.bfloat16) for k in jax.random.split(kx, 4)]
+        W = [nvfp4_weights(k, N, K) for k in jax.random.split(kw, 2)]
+        plain = [(pt.T, st.T, g) for pt, st, g in W]
+        wb = [qf.dequantize_nvfp4(pt.T, st.T, 1.0).astype(jnp.bfloat16) for pt, st, _ in W]
+        arms = {"xla_bf16": (xla_bf16, [(xs[i], wb[i % 2]) for i in range(4)])}
+        for cfg in args.configs.split(","):
+            t = parse(cfg)
+            arms[cfg] = (lambda x, p, s, g, t=t: mn.w4a16_gemm_mosaic(x, p, s, g, tiles=t),
+                         [(xs[i], *plain[i % 2]) for i in range(4)])
+        ref = w4a16_reference(xs[0], *plain[0], out_dtype=jnp.float32)
+        outs, checks = {}, {}
+        for cfg in args.configs.split(","):
+            outs[cfg] = jax.block_until_ready(jax.jit(arms[cfg][0])(*arms[cfg][1][0]))
+            y = outs[cfg].astype(jnp.float32)
+            checks[cfg] = {"rel_err": float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)),
+                           "finite": bool(jnp.all(jnp.isfinite(y)))}
+        for cfg in outs:
+            if cfg.endswith(":ov") and cfg[:-3] in outs:
+                checks[cfg]["bits_equal_without_ov"] = bool(jnp.array_equal(outs[cfg], outs[cfg[:-3]]))
+            print(f"{shape:8s} {cfg:28s} check {checks[cfg]}", flush=True)
+        walls = {name: [] for name in arms}
+        for _ in range(args.rounds):
+            for name, (fn, sets) in arms.items():
+                walls[name].append(min(timing.queued_wall_us(fn, sets, reps=6)))
+        base = min(walls["xla_bf16"])
+        for name, us in walls.items():
+            row = {"shape": shape, "N": N, "K": K, "config": name, "us_rounds": us, "us": min(us),
+                   "ratio_vs_xla_bf16": base / min(us), "flops": 2 * M * N * K, **checks.get(name, {})}
+            result["rows"].append(row)
+            print(f"{shape:8s} {name:28s} {min(us):8.1f} us x{base / min(us):.2f}  rounds {[round(u, 1) for u in us]}",
+                  flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"nvfp4_probe_{result['date']}_{args.tag}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
