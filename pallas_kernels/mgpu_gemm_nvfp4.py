@@ -21,8 +21,8 @@ store to shared memory, TMA to out [M, N] (float32: out^T, transposed by XLA; a 
 lower). Interpret mode (CPU tests) passes the A operand through shared memory (the GPU interpreter's wgmma reads A
 from shared memory only).
 Shapes: N % 128 == 0, K % 256 == 0 (ShapeError otherwise; `supports` sends others to the Triton arm); M is padded
-to tile_m here. Output dtype bf16 / f16 / f32. H200 (session 11, M = 4096): 892-915 / 401-412 us at the 8B in_proj /
-out_proj, 0.85-0.89x XLA BF16 (the earlier even / odd split of x: 998 / 508 us); benchmarks/notes/quant_prefill.md.
+to tile_m here. Output dtype bf16 / f16 / f32. H200 (session 11, M = 4096): 885-902 / 398-402 us at the 8B in_proj /
+out_proj, 0.87-0.89x XLA BF16 (the earlier even / odd split of x: 998 / 508 us); benchmarks/notes/quant_prefill.md.
 """
 
 from __future__ import annotations
@@ -51,26 +51,25 @@ GROUPS = 16          # scale columns per step: the step's 8 groups + 8 zero colu
 SMEM_BYTES = 227 * 1024
 BF16 = jnp.bfloat16
 A_SHIFT = 2.0 ** 8  # the decoders' A operand is weight * 2^-8
+PROBES = ("skip_decode", "skip_shuffles")   # timing probes (GPU only, wrong results)
 
 
 @dataclasses.dataclass(frozen=True)
 class Nvfp4Tiles:
     """tile_m: x rows per CTA (the wgmma N, 64..256); stages: TMA pipeline depth; decode: "ptx" (interpret mode
-    decodes with jnp) or the benchmark's timing probe "skip_decode" (a constant A operand: no packed-byte loads or
-    decode, wrong results); grid order as in mgpu_gemm; overlap: each step waits for the previous step's wgmma only
-    (its x stage is released one step late, so at least 3 stages), the previous A registers pinned live until then."""
+    decodes with jnp) or a timing probe (wrong results): "skip_decode" (a constant A operand: no packed-byte loads
+    or decode), "skip_shuffles" (no quad transpose or scale gather); grid order as in mgpu_gemm."""
 
     tile_m: int = 128
     stages: int = 4
     grid_minor: str = "m"
     grid_tile_width: int = 8
     decode: str = "ptx"
-    overlap: bool = False     # one wgmma in flight across steps: step k+1 decodes while step k's wgmma runs
 
 
 def default_tiles(M: int, N: int, K: int, out_dtype=BF16) -> Nvfp4Tiles:
     """Above 128 rows with a 16-bit output: 256 x rows per CTA, 2 stages, the grid's n index fastest (H200 s11:
-    892-902 / 401-402 us at the 8B in_proj / out_proj, M = 4096; m fastest 913-915 / 406-409; 128 rows x 4 stages
+    885-902 / 398-402 us at the 8B in_proj / out_proj, M = 4096; m fastest 913-915 / 406-409; 128 rows x 4 stages
     1073-1092 / 493-495). Else 128 rows and the deepest pipeline (<= 4) that fits shared memory (3 for a float32
     output)."""
     wide = Nvfp4Tiles(tile_m=256, stages=2, grid_minor="n")
@@ -104,7 +103,9 @@ def _nibble_f32(p16, high: bool):
 # Lane q's word (c, hh) holds bytes 32c + 8q + 4hh + b, b < 4, wanted by lane b (j = 8c + 2q + hh): a 4 x 4 byte
 # transpose over the quad for each (c, hh). Step 1 (xor 1) swaps bit 0 of the lane with bit 0 of the byte index,
 # step 2 (xor 2) bit 1; the prmt selectors pick, per output byte, the own or the partner's byte.
-_QUAD_TRANSPOSE = """{
+def _quad_transpose_asm(n: int) -> str:
+    """PTX: n words $n.. -> their quad transposes $0..$(n-1)."""
+    return """{
 .reg .b32 l, s1, s2, p, t;
 .reg .pred o;
 mov.u32 l, %laneid;
@@ -114,11 +115,13 @@ selp.b32 s1, 0x3715, 0x6240, o;
 and.b32 t, l, 2;
 setp.ne.u32 o, t, 0;
 selp.b32 s2, 0x3276, 0x5410, o;
-""" + "".join(f"""shfl.sync.bfly.b32 p, ${4 + i}, 1, 0x1f, 0xffffffff;
-prmt.b32 t, ${4 + i}, p, s1;
+""" + "".join(f"""shfl.sync.bfly.b32 p, ${n + i}, 1, 0x1f, 0xffffffff;
+prmt.b32 t, ${n + i}, p, s1;
 shfl.sync.bfly.b32 p, t, 2, 0x1f, 0xffffffff;
 prmt.b32 ${i}, t, p, s2;
-""" for i in range(4)) + "}"
+""" for i in range(n)) + "}"
+
+
 # Lane q holds its row's scales of groups 2q, 2q + 1 (a bf16 pair, `prepare_scales`); the quad's four pairs are
 # gathered, scaled by 2^118 (exact) and spread to (scale, scale) pairs for groups 0..7.
 _SCALE_PAIRS = """{
@@ -134,16 +137,20 @@ prmt.b32 ${2 * p + 1}, g, g, 0x3232;
 _E2M1X4_TO_BF16_S4 = e2m1x4_to_bf16_asm(("$5", "$6", "$7", "$8"))
 
 
-def natural_registers(src, scl, asm, words, scale_word, as_pair):
+def natural_registers(src, scl, asm, words, scale_word, as_pair, shuffles: bool = True):
     """Register plan of the natural-order decoder, independent of how registers are represented (Mosaic values on
     the GPU, numpy lanes in the CPU test): src = the packed tile's registers (WGMMA_UPCAST_4X, [64, 64] u8), scl =
     the scale tile's (WGMMA, [64, 16] bf16); `asm(template, n_out, ins)` runs one PTX block. Returns the A operand's
-    registers (WGMMA, [64, 128] bf16) = dequantized weight * 2^-8 in natural K order."""
+    registers (WGMMA, [64, 128] bf16) = dequantized weight * 2^-8 in natural K order. shuffles=False: the timing
+    probe without the quad transpose and scale gather (wrong values)."""
     out = np.empty((1, 16, 1, 1, 2, 1, 1, 1, 1), dtype=object)
     for h in range(2):                                                  # rows r, r + 8 of the lane
         w = [wd for c in range(2) for wd in words(src[0, c, 0, 0, h, 0, 0, 0, 0])]   # (c, hh) = 00, 01, 10, 11
-        t = asm(_QUAD_TRANSPOSE, 4, w)
-        sp = asm(_SCALE_PAIRS, 8, [scale_word(scl[0, 0, 0, 0, h, 0, 0, 0, 0])])
+        if shuffles:
+            t = asm(_quad_transpose_asm(len(w)), len(w), w)
+            sp = asm(_SCALE_PAIRS, 8, [scale_word(scl[0, 0, 0, 0, h, 0, 0, 0, 0])])
+        else:
+            t, sp = w, [scale_word(scl[0, 0, 0, 0, h, 0, 0, 0, 0])] * 8
         for c in range(2):
             for hh in range(2):
                 o = asm(_E2M1X4_TO_BF16_S4, 4, [t[2 * c + hh], *sp[4 * c:4 * c + 4]])
@@ -152,7 +159,7 @@ def natural_registers(src, scl, asm, words, scale_word, as_pair):
     return out
 
 
-def _ptx_e2m1_natural(p, s):
+def _ptx_e2m1_natural(p, s, shuffles: bool = True):
     """Packed bytes [64, 64] (WGMMA_UPCAST_4X) and bf16 scales [64, 16] (WGMMA; `prepare_scales`) -> bf16 [64, 128]
     = dequantized weight * 2^-8 in WGMMA layout, natural K order."""
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.Layout.WGMMA),
@@ -177,7 +184,7 @@ def _ptx_e2m1_natural(p, s):
                     for i in range(2)]
 
         regs = natural_registers(fp.registers, fs.registers, asm, words, lambda r: mu.bitcast(r, i32),
-                                 lambda v: mu.bitcast(v, bf2))
+                                 lambda v: mu.bitcast(v, bf2), shuffles)
         return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
     return decode(p, s)
 
@@ -190,21 +197,6 @@ def _jnp_e2m1_natural(p, s):
     return ((w * sc[:, :, None]) * 2.0 ** -112).reshape(ROWS, STEP_K).astype(BF16)
 
 
-def _keep_live(a):
-    """An empty side-effecting asm that reads every register of `a` (WGMMA layout): `a` keeps its registers up to
-    this point, so the allocator cannot give them to the next decode while a wgmma in flight still reads them
-    (PTX leaves an in-flight wgmma's A registers undefined if they are written)."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,))
-    def pin(ctx, fa):
-        from jax.experimental.mosaic.gpu import utils as mu
-        from jaxlib.mlir import ir
-        from jaxlib.mlir.dialects import llvm
-        i32 = ir.IntegerType.get_signless(32)
-        regs = [mu.bitcast(r, i32) for r in fa.registers.flat]
-        llvm.inline_asm(None, regs, "", ",".join(["r"] * len(regs)), has_side_effects=True)
-    pin(a)
-
-
 # ---- kernel --------------------------------------------------------------------------------------------------
 def _kernel(x_ref, p_ref, s_ref, g_ref, out_ref, o_smem, a_smem, *, t: Nvfp4Tiles, M: int, N: int, K: int,
             decode: str, out_t: bool):
@@ -213,12 +205,9 @@ def _kernel(x_ref, p_ref, s_ref, g_ref, out_ref, o_smem, a_smem, *, t: Nvfp4Tile
     tm = t.tile_m
     m_iters, n_iters, k_iters = M // tm, N // CTA_N, K // STEP_K
     minor = 0 if t.grid_minor == "m" else 1
-    dr = 1 if t.overlap else 0         # x stages read by a wgmma in flight are released one step late
-    in_specs = [plgpu.BlockSpec((tm, STEP_K), lambda k: (0, k), transforms=_tf(128, 2), delay_release=dr),  # x
-                plgpu.BlockSpec((CTA_N, STEP_K // 2), lambda k: (0, k), transforms=_tf(STEP_K // 2, 1),
-                                delay_release=dr),                                                         # packed
-                plgpu.BlockSpec((CTA_N, GROUPS), lambda k: (0, k), transforms=_tf(2 * GROUPS, 2),
-                                delay_release=dr)]                                                         # scales
+    in_specs = [plgpu.BlockSpec((tm, STEP_K), lambda k: (0, k), transforms=_tf(128, 2)),               # x
+                plgpu.BlockSpec((CTA_N, STEP_K // 2), lambda k: (0, k), transforms=_tf(STEP_K // 2, 1)),  # packed
+                plgpu.BlockSpec((CTA_N, GROUPS), lambda k: (0, k), transforms=_tf(2 * GROUPS, 2))]       # scales
 
     def make_pipeline(body, context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -234,28 +223,22 @@ def _kernel(x_ref, p_ref, s_ref, g_ref, out_ref, o_smem, a_smem, *, t: Nvfp4Tile
         wg = lax.axis_index("wg")
         rows = pl.ds(wg * ROWS, ROWS)
 
-        def body(idx, x_s, p_s, s_s, carry):
-            acc_ref, a_prev = carry if t.overlap else (carry, None)
+        def body(idx, x_s, p_s, s_s, acc_ref):
             if decode == "skip_decode":        # timing probe: the GEMM without loads or decode (wrong results)
                 a = plgpu.layout_cast(jnp.full((ROWS, STEP_K), 1.0, BF16), plgpu.Layout.WGMMA)
             elif decode == "jnp":
                 a = _jnp_e2m1_natural(p_s.at[rows][...], s_s.at[rows][...])
             else:
                 a = _ptx_e2m1_natural(plgpu.load(p_s.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X),
-                                      plgpu.load(s_s.at[rows], layout=plgpu.Layout.WGMMA))
-            a_op = a
+                                      plgpu.load(s_s.at[rows], layout=plgpu.Layout.WGMMA),
+                                      shuffles=decode != "skip_shuffles")
             if a_smem is not None:             # interpret mode: A through shared memory
                 a_smem[wg] = a
                 plgpu.commit_smem()
-                a_op = a_smem.at[wg]
-            plgpu.wgmma(acc_ref, a_op, x_s.transpose((1, 0)))
-            if not t.overlap:
-                plgpu.wgmma_wait(0)            # the next step's decode rewrites the A registers
-                return acc_ref
-            plgpu.wgmma_wait(1)                # the previous step's wgmma is done: its A registers are free
-            if a_smem is None:
-                _keep_live(a_prev)
-            return acc_ref, a
+                a = a_smem.at[wg]
+            plgpu.wgmma(acc_ref, a, x_s.transpose((1, 0)))
+            plgpu.wgmma_wait(0)                # the next step's decode rewrites the A registers
+            return acc_ref
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
         def _tiles(info: plgpu.NDLoopInfo):
@@ -266,14 +249,7 @@ def _kernel(x_ref, p_ref, s_ref, g_ref, out_ref, o_smem, a_smem, *, t: Nvfp4Tile
             def context(run):
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS, tm), jnp.float32))
                 def _acc(acc_ref):
-                    if t.overlap:
-                        a0 = plgpu.layout_cast(jnp.zeros((ROWS, STEP_K), BF16), plgpu.Layout.WGMMA)
-                        _, a_last = run((acc_ref, a0))
-                        plgpu.wgmma_wait(0)
-                        if a_smem is None:
-                            _keep_live(a_last)
-                    else:
-                        run(acc_ref)
+                    run(acc_ref)
                     y = (acc_ref[...] * (g_ref[0] * A_SHIFT)).astype(out_ref.dtype)   # [64, tm] of out^T
                     w_rows = pl.ds(ni * CTA_N + wg * ROWS, ROWS)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -333,11 +309,8 @@ def _check(name: str, N: int, K: int, t: Nvfp4Tiles, out_dtype) -> None:
         raise ShapeError(f"{name}(mosaic): K={K} (x columns) is not a multiple of {2 * STEP_K}; use the Triton arm")
     if t.tile_m not in (64, 128, 192, 256):
         raise ShapeError(f"{name}(mosaic): tile_m={t.tile_m} must be one of 64, 128, 192, 256 (the wgmma N)")
-    if t.overlap and t.stages < 3:
-        raise ShapeError(f"{name}(mosaic): overlap releases each stage one step late and needs stages >= 3, got "
-                         f"{t.stages}")
-    if t.decode not in ("ptx", "skip_decode"):
-        raise ShapeError(f"{name}(mosaic): decode={t.decode!r} must be 'ptx' or the timing probe 'skip_decode' "
+    if t.decode not in ("ptx",) + PROBES:
+        raise ShapeError(f"{name}(mosaic): decode={t.decode!r} must be 'ptx' or a timing probe {PROBES} "
                          f"(interpret mode decodes with jnp)")
     if jnp.dtype(out_dtype) not in (jnp.dtype(BF16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
         raise ShapeError(f"{name}(mosaic): out_dtype {jnp.dtype(out_dtype).name} is not bfloat16, float16 or float32")
