@@ -428,7 +428,8 @@ def dequant_xla_dot(x, pt, st, g):
 
 
 def nvfp4_variants(sweep: bool) -> list:
-    out = [None]
+    """Launch neighbours of the plain arm's default (with --sweep)."""
+    out = []
     if sweep:
         out += [Nvfp4Tiles(tile_m=128, stages=4), Nvfp4Tiles(tile_m=128, stages=3),
                 Nvfp4Tiles(tile_m=256, stages=2), Nvfp4Tiles(tile_m=256, stages=2, grid_minor="n", grid_tile_width=16),
@@ -484,7 +485,7 @@ def nvfp4_main(args, result, save, key):
         arms.insert(len(arms) - 1, ("w4a16_gemm_t", "mosaic", "default; packed_t transposed back per call", "w",
                                     lambda x, p, s, g, **kw: mgpu_gemm_nvfp4.w4a16_gemm_t_mosaic(x, p, s, g,
                                                                                                interpret=DRY, **kw)))
-        for t in nvfp4_variants(args.sweep)[1:]:                  # launch neighbours of the plain arm's default
+        for t in nvfp4_variants(args.sweep):
             arms.append(("w4a16_gemm (plain layout)", "mosaic", short_nv(t), "plain",
                          lambda x, p, s, g, t=t, **kw: mgpu_gemm_nvfp4.w4a16_gemm_mosaic(x, p, s, g, tiles=t,
                                                                                           interpret=DRY, **kw)))

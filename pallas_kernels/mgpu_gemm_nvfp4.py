@@ -40,7 +40,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from metrale_jax.errors import ShapeError
 from pallas_kernels import registry
 from pallas_kernels.mgpu_gemm import _num_sms
-from pallas_kernels.mgpu_gemv import _tf, e2m1x4_to_bf16_asm
+from pallas_kernels.mgpu_gemv import _nibble_f32, _tf, e2m1x4_to_bf16_asm
 from pallas_kernels.w4a16 import (check_nvfp4_args, w4a16_gemm_pallas, w4a16_gemm_t_m128_pallas,
                                   w4a16_gemm_t_pallas, w4a16_reference, w4a16_t_reference)
 
@@ -86,14 +86,6 @@ def _smem_bytes(t: Nvfp4Tiles, out_dtype) -> int:
     return t.stages * stage + 2 * t.tile_m * ROWS * jnp.dtype(out_dtype).itemsize
 
 
-def _nibble_f32(p16, high: bool):
-    """uint16 tile of packed bytes -> f32 e2m1 value * 2^-14 of the low or high nibble (exact): the code's sign
-    goes to bit 15 and its 3 magnitude bits to bits 11:9 of an f16."""
-    n = p16 >> 4 if high else p16
-    bits = ((n & 8) << 12) | ((n & 7) << 9)
-    return lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
-
-
 # ---- decoding in natural K order (x as it is) ----------------------------------------------------------------
 # In the WGMMA A fragment, register j of lane q (of its quad) holds columns 8j + 2q, +1 of a row: in natural K order
 # that is packed byte 4j + q, both nibbles in scale group j // 2 (a 128-wide step: 16 registers, 8 groups). A
@@ -103,9 +95,7 @@ def _nibble_f32(p16, high: bool):
 # Lane q's word (c, hh) holds bytes 32c + 8q + 4hh + b, b < 4, wanted by lane b (j = 8c + 2q + hh): a 4 x 4 byte
 # transpose over the quad for each (c, hh). Step 1 (xor 1) swaps bit 0 of the lane with bit 0 of the byte index,
 # step 2 (xor 2) bit 1; the prmt selectors pick, per output byte, the own or the partner's byte.
-def _quad_transpose_asm(n: int) -> str:
-    """PTX: n words $n.. -> their quad transposes $0..$(n-1)."""
-    return """{
+_QUAD_TRANSPOSE = """{
 .reg .b32 l, s1, s2, p, t;
 .reg .pred o;
 mov.u32 l, %laneid;
@@ -115,11 +105,11 @@ selp.b32 s1, 0x3715, 0x6240, o;
 and.b32 t, l, 2;
 setp.ne.u32 o, t, 0;
 selp.b32 s2, 0x3276, 0x5410, o;
-""" + "".join(f"""shfl.sync.bfly.b32 p, ${n + i}, 1, 0x1f, 0xffffffff;
-prmt.b32 t, ${n + i}, p, s1;
+""" + "".join(f"""shfl.sync.bfly.b32 p, ${4 + i}, 1, 0x1f, 0xffffffff;
+prmt.b32 t, ${4 + i}, p, s1;
 shfl.sync.bfly.b32 p, t, 2, 0x1f, 0xffffffff;
 prmt.b32 ${i}, t, p, s2;
-""" for i in range(n)) + "}"
+""" for i in range(4)) + "}"                # words $4..$7 -> their quad transposes $0..$3
 
 
 # Lane q holds its row's scales of groups 2q, 2q + 1 (a bf16 pair, `prepare_scales`); the quad's four pairs are
@@ -147,7 +137,7 @@ def natural_registers(src, scl, asm, words, scale_word, as_pair, shuffles: bool 
     for h in range(2):                                                  # rows r, r + 8 of the lane
         w = [wd for c in range(2) for wd in words(src[0, c, 0, 0, h, 0, 0, 0, 0])]   # (c, hh) = 00, 01, 10, 11
         if shuffles:
-            t = asm(_quad_transpose_asm(len(w)), len(w), w)
+            t = asm(_QUAD_TRANSPOSE, 4, w)
             sp = asm(_SCALE_PAIRS, 8, [scale_word(scl[0, 0, 0, 0, h, 0, 0, 0, 0])])
         else:
             t, sp = w, [scale_word(scl[0, 0, 0, 0, h, 0, 0, 0, 0])] * 8
@@ -379,15 +369,15 @@ def supports_plain(x, packed, scale, global_scale, *, out_dtype=None, **_) -> bo
     return supports_shape(packed.shape[0], 2 * packed.shape[1], x.dtype, out_dtype or x.dtype)
 
 
-# GPU default Mosaic: H200 s11, 0.85 / 0.86x XLA BF16 at the 8B shapes (M=4096) with the per-call weight transpose
-# (plain layout below) against the Triton arm's 0.42x (benchmarks/notes/quant_prefill.md); still short of the 1x.
+# GPU default Mosaic: H200 s11, 0.82 / 0.83x XLA BF16 at the 8B shapes (M=4096) with the per-call weight transpose
+# (953 / 430 us; the plain layout below skips it) against the Triton arm's 0.42x (benchmarks/notes/quant_prefill.md).
 registry.register("w4a16_gemm_t", reference=w4a16_t_reference, pallas=w4a16_gemm_t_pallas, mosaic=w4a16_gemm_t_mosaic,
                   mosaic_supports=supports, gpu_default="mosaic")
 registry.register("w4a16_gemm_t_m128", reference=w4a16_t_reference, pallas=w4a16_gemm_t_m128_pallas,
                   mosaic=w4a16_gemm_t_m128_mosaic, mosaic_supports=supports, gpu_default="mosaic")
-# The plain layout on the same kernel, minus the per-call weight transpose (H200 s11: 913 / 412 us at the 8B
-# in_proj / out_proj; the Triton w4a16_gemm: 8276 us at in_proj), so on Hopper the model serves NVFP4 prefill from
-# it and builds no transposed copy (benchmarks/notes/quant_prefill.md).
+# The plain layout on the same kernel, minus the per-call weight transpose (H200 s11: 885-902 / 398-402 us at the
+# 8B in_proj / out_proj, 0.87-0.89x XLA BF16; the Triton w4a16_gemm: 8276 us at in_proj), so on Hopper the model
+# serves NVFP4 prefill from it and builds no transposed copy (benchmarks/notes/quant_prefill.md).
 registry.register("w4a16_gemm", reference=w4a16_reference, pallas=w4a16_gemm_pallas, mosaic=w4a16_gemm_mosaic,
                   mosaic_supports=supports_plain, gpu_default="mosaic")
 
