@@ -9,8 +9,9 @@ is the B operand in shared memory (transposed view, K-major).
 
 The kernel reads x as it is and the packed bytes in their checkpoint layout (p [N, K/2], low nibble = even k);
 per call XLA only relays out the group scales (`prepare_scales`: [N, K/16] E4M3 -> [N, K/8] bf16, per 128-wide K
-step the step's 8 group scales and 8 zeros; N K / 4 bytes). The transposed arms (packed_t [K/2, N]) transpose the
-weights back per call (`prepare_weights`; a layer can keep the result and call `w4a16_gemm_t_prepared`).
+step the step's 8 group scales as (scale, scale) pairs times 2^118; N K / 4 bytes). The transposed arms (packed_t
+[K/2, N]) transpose the weights back per call (`prepare_weights`; a layer can keep the result and call
+`w4a16_gemm_t_prepared`).
 
 Kernel: persistent CTAs (snake order over [N/128, M/tile_m] output tiles), a memory warpgroup streaming per 128-wide
 K step the x tile [tile_m, 128], the packed tile [128, 64 bytes] and the scale tile [128, 16] through a TMA pipeline;
@@ -21,8 +22,10 @@ store to shared memory, TMA to out [M, N] (float32: out^T, transposed by XLA; a 
 lower). Interpret mode (CPU tests) passes the A operand through shared memory (the GPU interpreter's wgmma reads A
 from shared memory only).
 Shapes: N % 128 == 0, K % 256 == 0 (ShapeError otherwise; `supports` sends others to the Triton arm); M is padded
-to tile_m here. Output dtype bf16 / f16 / f32. H200 (session 11, M = 4096): 885-902 / 398-402 us at the 8B in_proj /
-out_proj, 0.87-0.89x XLA BF16 (the earlier even / odd split of x: 998 / 508 us); benchmarks/notes/quant_prefill.md.
+to tile_m here. Output dtype bf16 / f16 / f32. H200 (sessions 11-12, M = 4096): 874-898 / 388-402 us at the 8B
+in_proj / out_proj, 0.87-0.90x XLA BF16 (the earlier even / odd split of x: 998 / 508 us). The decode costs its
+ALU throughput beside the wgmmas however it is scheduled (s12: halves, ping-pong), so only fewer decode
+instructions move it; benchmarks/notes/quant_prefill.md.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from metrale_jax.errors import ShapeError
@@ -47,7 +51,7 @@ from pallas_kernels.w4a16 import (check_nvfp4_args, w4a16_gemm_pallas, w4a16_gem
 ROWS = 64            # weight rows (N) per compute warpgroup: the wgmma M
 CTA_N = 2 * ROWS     # weight rows per CTA (two compute warpgroups)
 STEP_K = 128         # K per pipeline step: 64 packed bytes per weight row
-GROUPS = 16          # scale columns per step: the step's 8 groups + 8 zero columns (a TMA box is >= 16 bytes)
+GROUPS = 16          # scale columns per step: the step's 8 groups as (scale, scale) pairs
 SMEM_BYTES = 227 * 1024
 BF16 = jnp.bfloat16
 A_SHIFT = 2.0 ** 8  # the decoders' A operand is weight * 2^-8
@@ -90,69 +94,64 @@ def _smem_bytes(t: Nvfp4Tiles, out_dtype) -> int:
 # In the WGMMA A fragment, register j of lane q (of its quad) holds columns 8j + 2q, +1 of a row: in natural K order
 # that is packed byte 4j + q, both nibbles in scale group j // 2 (a 128-wide step: 16 registers, 8 groups). A
 # WGMMA_UPCAST_4X load gives lane q bytes 32c + 8q .. +8 instead (one 8-byte vector per c), so the quad transposes
-# its bytes (per word: two shuffles, two prmt), gathers its rows' 8 group scales (four shuffles) and decodes each
-# byte into one bf16 pair as the GEMV's perm decoder does, with a scale per byte: value * scale * 2^-8, exact.
+# its bytes (per word: two shuffles, two prmt) and decodes each byte into one bf16 pair as the GEMV's perm decoder
+# does, with a scale per byte: value * scale * 2^-8, exact. The scales come ready (`prepare_scales`: per step and
+# row the 8 groups' (scale, scale) * 2^118 bf16 pairs) and every lane loads all of its rows' pairs (SCALE_LAYOUT).
 # Lane q's word (c, hh) holds bytes 32c + 8q + 4hh + b, b < 4, wanted by lane b (j = 8c + 2q + hh): a 4 x 4 byte
 # transpose over the quad for each (c, hh). Step 1 (xor 1) swaps bit 0 of the lane with bit 0 of the byte index,
-# step 2 (xor 2) bit 1; the prmt selectors pick, per output byte, the own or the partner's byte.
-_QUAD_TRANSPOSE = """{
-.reg .b32 l, s1, s2, p, t;
+# step 2 (xor 2) bit 1; the prmt selectors (lane-dependent, `_QUAD_SELECTORS`) pick, per output byte, the own or
+# the partner's byte.
+_QUAD_SELECTORS = """{
+.reg .b32 l, t;
 .reg .pred o;
 mov.u32 l, %laneid;
 and.b32 t, l, 1;
 setp.ne.u32 o, t, 0;
-selp.b32 s1, 0x3715, 0x6240, o;
+selp.b32 $0, 0x3715, 0x6240, o;
 and.b32 t, l, 2;
 setp.ne.u32 o, t, 0;
-selp.b32 s2, 0x3276, 0x5410, o;
-""" + "".join(f"""shfl.sync.bfly.b32 p, ${4 + i}, 1, 0x1f, 0xffffffff;
-prmt.b32 t, ${4 + i}, p, s1;
+selp.b32 $1, 0x3276, 0x5410, o;
+}"""
+_QUAD_TRANSPOSE_2 = """{
+.reg .b32 p, t;
+""" + "".join(f"""shfl.sync.bfly.b32 p, ${2 + i}, 1, 0x1f, 0xffffffff;
+prmt.b32 t, ${2 + i}, p, $4;
 shfl.sync.bfly.b32 p, t, 2, 0x1f, 0xffffffff;
-prmt.b32 ${i}, t, p, s2;
-""" for i in range(4)) + "}"                # words $4..$7 -> their quad transposes $0..$3
-
-
-# Lane q holds its row's scales of groups 2q, 2q + 1 (a bf16 pair, `prepare_scales`); the quad's four pairs are
-# gathered, scaled by 2^118 (exact) and spread to (scale, scale) pairs for groups 0..7.
-_SCALE_PAIRS = """{
-.reg .b32 g, k, z;
-mov.b32 k, 0x7A807A80;
-mov.b32 z, 0x80008000;
-""" + "".join(f"""shfl.sync.idx.b32 g, $8, {p}, 0x1c1f, 0xffffffff;
-fma.rn.bf16x2 g, g, k, z;
-prmt.b32 ${2 * p}, g, g, 0x1010;
-prmt.b32 ${2 * p + 1}, g, g, 0x3232;
-""" for p in range(4)) + "}"
+prmt.b32 ${i}, t, p, $5;
+""" for i in range(2)) + "}"                # words $2, $3, selectors $4, $5 -> the words' quad transposes $0, $1
 # Four packed bytes -> four bf16 pairs, byte k times its own scale pair $(5 + k): the GEMV's perm recipe.
 _E2M1X4_TO_BF16_S4 = e2m1x4_to_bf16_asm(("$5", "$6", "$7", "$8"))
+SCALE_SHIFT = 2.0 ** 118   # prepared scales are scale * 2^118 (the decoder's bf16 pattern is e2m1 * 2^-126)
+# The scale tile [64 rows, 16] bf16 with every lane holding all 16 columns of its rows r, r + 8 (two 16-byte vectors
+# per row, the same in the four lanes of a quad): the rows' 8 scale pairs straight from shared memory.
+SCALE_LAYOUT = plgpu.Layout.TILED(mgpu_fa.Tiling(((ROWS, GROUPS), (16, GROUPS), (8, GROUPS), (8, 8))),
+                                  warp_dims=(-8,), lane_dims=(-2, mgpu_fa.Replicated(4)), vector_dim=-1)
 
 
-def natural_registers(src, scl, asm, words, scale_word, as_pair, shuffles: bool = True):
+def natural_registers(src, scl, asm, words, as_pair, shuffles: bool = True):
     """Register plan of the natural-order decoder, independent of how registers are represented (Mosaic values on
     the GPU, numpy lanes in the CPU test): src = the packed tile's registers (WGMMA_UPCAST_4X, [64, 64] u8), scl =
-    the scale tile's (WGMMA, [64, 16] bf16); `asm(template, n_out, ins)` runs one PTX block. Returns the A operand's
-    registers (WGMMA, [64, 128] bf16) = dequantized weight * 2^-8 in natural K order. shuffles=False: the timing
-    probe without the quad transpose and scale gather (wrong values)."""
+    the scale tile's (SCALE_LAYOUT, [64, 16] bf16); `words(r)` splits a register into 32-bit words, `asm(template,
+    n_out, ins)` runs one PTX block. Returns the A operand's registers (WGMMA, [64, 128] bf16) = dequantized weight
+    * 2^-8 in natural K order. shuffles=False: the timing probe without the quad transpose (wrong values)."""
     out = np.empty((1, 16, 1, 1, 2, 1, 1, 1, 1), dtype=object)
+    sel = asm(_QUAD_SELECTORS, 2, []) if shuffles else None
     for h in range(2):                                                  # rows r, r + 8 of the lane
-        w = [wd for c in range(2) for wd in words(src[0, c, 0, 0, h, 0, 0, 0, 0])]   # (c, hh) = 00, 01, 10, 11
-        if shuffles:
-            t = asm(_QUAD_TRANSPOSE, 4, w)
-            sp = asm(_SCALE_PAIRS, 8, [scale_word(scl[0, 0, 0, 0, h, 0, 0, 0, 0])])
-        else:
-            t, sp = w, [scale_word(scl[0, 0, 0, 0, h, 0, 0, 0, 0])] * 8
-        for c in range(2):
+        for c in range(2):                                              # K halves: bytes 32c .. 32c + 31
+            w = words(src[0, c, 0, 0, h, 0, 0, 0, 0])                   # hh = 0, 1
+            t = asm(_QUAD_TRANSPOSE_2, 2, w + sel) if shuffles else w
+            sp = words(scl[0, 0, 0, 0, h, 0, 0, c, 0, 0])               # groups 4c .. 4c + 3
             for hh in range(2):
-                o = asm(_E2M1X4_TO_BF16_S4, 4, [t[2 * c + hh], *sp[4 * c:4 * c + 4]])
+                o = asm(_E2M1X4_TO_BF16_S4, 4, [t[hh], *sp])
                 for k in range(4):                                      # byte k came from lane k: j = 8c + 2k + hh
                     out[0, 8 * c + 2 * k + hh, 0, 0, h, 0, 0, 0, 0] = as_pair(o[k])
     return out
 
 
 def _ptx_e2m1_natural(p, s, shuffles: bool = True):
-    """Packed bytes [64, 64] (WGMMA_UPCAST_4X) and bf16 scales [64, 16] (WGMMA; `prepare_scales`) -> bf16 [64, 128]
+    """Packed bytes [64, 64] (WGMMA_UPCAST_4X) and prepared scales [64, 16] (SCALE_LAYOUT) -> bf16 [64, 128]
     = dequantized weight * 2^-8 in WGMMA layout, natural K order."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, plgpu.Layout.WGMMA),
+    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, SCALE_LAYOUT),
                        return_type=plgpu.ShapeDtypeStruct((ROWS, STEP_K), BF16, plgpu.Layout.WGMMA))
     def decode(ctx, fp, fs):
         from jax.experimental.mosaic import gpu as mgpu
@@ -169,12 +168,13 @@ def _ptx_e2m1_natural(p, s, shuffles: bool = True):
             return [llvm.extractvalue(i32, res, [i]) for i in range(n_out)]
 
         def words(r):
-            ws = mu.bitcast(r, ir.VectorType.get((2,), i32))
+            vt = ir.VectorType(r.type)
+            n = vt.shape[0] * mu.bitwidth(vt.element_type) // 32
+            ws = mu.bitcast(r, ir.VectorType.get((n,), i32))
             return [vector.extract(ws, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
-                    for i in range(2)]
+                    for i in range(n)]
 
-        regs = natural_registers(fp.registers, fs.registers, asm, words, lambda r: mu.bitcast(r, i32),
-                                 lambda v: mu.bitcast(v, bf2), shuffles)
+        regs = natural_registers(fp.registers, fs.registers, asm, words, lambda v: mu.bitcast(v, bf2), shuffles)
         return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
     return decode(p, s)
 
@@ -183,7 +183,7 @@ def _jnp_e2m1_natural(p, s):
     """Interpret-mode twin of `_ptx_e2m1_natural`: p uint8 [64, 64], s bf16 [64, 16] -> bf16 [64, 128], same values."""
     p16 = p.astype(jnp.uint16)
     w = jnp.stack([_nibble_f32(p16, False), _nibble_f32(p16, True)], axis=-1).reshape(ROWS, 8, 16)  # e2m1 * 2^-14
-    sc = s[:, :8].astype(jnp.float32) * 2.0 ** 118                                                   # [64, 8]
+    sc = s[:, 0::2].astype(jnp.float32)                                                              # [64, 8]
     return ((w * sc[:, :, None]) * 2.0 ** -112).reshape(ROWS, STEP_K).astype(BF16)
 
 
@@ -220,7 +220,7 @@ def _kernel(x_ref, p_ref, s_ref, g_ref, out_ref, o_smem, a_smem, *, t: Nvfp4Tile
                 a = _jnp_e2m1_natural(p_s.at[rows][...], s_s.at[rows][...])
             else:
                 a = _ptx_e2m1_natural(plgpu.load(p_s.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X),
-                                      plgpu.load(s_s.at[rows], layout=plgpu.Layout.WGMMA),
+                                      plgpu.load(s_s.at[rows], layout=SCALE_LAYOUT),
                                       shuffles=decode != "skip_shuffles")
             if a_smem is not None:             # interpret mode: A through shared memory
                 a_smem[wg] = a
@@ -278,12 +278,9 @@ def _call(x, p, s, g, *, tiles: Nvfp4Tiles, out_dtype, interpret: bool, name: st
 
 # ---- operand preparation and arms ----------------------------------------------------------------------------
 def prepare_scales(scale):
-    """scale [N, K/16] E4M3 -> [N, K/8] bf16: per 128-wide K step the step's 8 group scales and 8 zeros (a TMA box
-    is at least 16 bytes wide, and the pipeline loads one tile per step: a tile shared by two steps is not re-sent
-    by the TMA pipeline and deadlocks it)."""
-    N, G = scale.shape
-    s = scale.astype(BF16).reshape(N, G // 8, 8)
-    return jnp.pad(s, ((0, 0), (0, 0), (0, 8))).reshape(N, 2 * G)
+    """scale [N, K/16] E4M3 -> [N, K/8] bf16: per 128-wide K step and row the step's 8 group scales as
+    (scale, scale) * 2^118 pairs, the decoder's operands as they are (exact: E4M3 is 2^-9..448)."""
+    return jnp.repeat(scale.astype(jnp.float32) * SCALE_SHIFT, 2, axis=1).astype(BF16)
 
 
 def prepare_weights(packed_t, scale_t):

@@ -4,14 +4,19 @@ all see the same clocks. Before timing, every config's bf16 output is checked ag
 Writes OUT/nvfp4_probe_<date>_<tag>.json.
 
     PYTHONPATH=. python3 tools/nvfp4_probe.py --out $OUT --tag s11c3 --configs tm256:st2:m8:ptx,tm128:st4:m8:skip_decode
+
+--ref-module FILE loads another copy of the kernel module (e.g. `git show REV:pallas_kernels/mgpu_gemm_nvfp4.py`);
+configs written ref:<config> run on it, in the same rounds (an A/B against an earlier version).
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -25,10 +30,18 @@ from pallas_kernels.w4a16 import w4a16_reference
 M = 4096
 
 
-def parse(cfg: str) -> mn.Nvfp4Tiles:
+def load_module(path: str):
+    spec = importlib.util.spec_from_file_location("nvfp4_ref_module", path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod            # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def parse(cfg: str, mod=mn):
     tm, st, grid, decode = cfg.split(":")
-    return mn.Nvfp4Tiles(tile_m=int(tm[2:]), stages=int(st[2:]), grid_minor=grid[0], grid_tile_width=int(grid[1:]),
-                         decode=decode)
+    return mod.Nvfp4Tiles(tile_m=int(tm[2:]), stages=int(st[2:]), grid_minor=grid[0], grid_tile_width=int(grid[1:]),
+                          decode=decode)
 
 
 def main():
@@ -37,8 +50,11 @@ def main():
     ap.add_argument("--tag", default="probe")
     ap.add_argument("--configs", required=True, help="comma-separated tm<rows>:st<stages>:<m|n><width>:<decode>")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--ref-module", help="another copy of mgpu_gemm_nvfp4.py for the ref:<config> entries")
     args = ap.parse_args()
+    ref_mod = load_module(args.ref_module) if args.ref_module else None
     result = {"date": datetime.date.today().isoformat(), "tag": args.tag, "device": str(jax.devices()[0]),
+              "ref_module": args.ref_module,
               "versions": {"jax": jax.__version__}, "M": M, "rounds": args.rounds, "rows": []}
     for shape, (N, K) in SHAPES.items():
         key = jax.random.PRNGKey(0)
@@ -49,8 +65,11 @@ def main():
         wb = [qf.dequantize_nvfp4(pt.T, st.T, 1.0).astype(jnp.bfloat16) for pt, st, _ in W]
         arms = {"xla_bf16": (xla_bf16, [(xs[i], wb[i % 2]) for i in range(4)])}
         for cfg in args.configs.split(","):
-            t = parse(cfg)
-            arms[cfg] = (lambda x, p, s, g, t=t: mn.w4a16_gemm_mosaic(x, p, s, g, tiles=t),
+            mod = ref_mod if cfg.startswith("ref:") else mn
+            if mod is None:
+                raise SystemExit(f"config {cfg!r} needs --ref-module")
+            t = parse(cfg.removeprefix("ref:"), mod)
+            arms[cfg] = (lambda x, p, s, g, t=t, mod=mod: mod.w4a16_gemm_mosaic(x, p, s, g, tiles=t),
                          [(xs[i], *plain[i % 2]) for i in range(4)])
         ref = w4a16_reference(xs[0], *plain[0], out_dtype=jnp.float32)
         checks = {}

@@ -87,7 +87,8 @@ def bf16_pairs(u):
 
 def element_map(layout, shape):
     """[128 threads, *registers_shape, vector] -> linear element index: a numpy mirror of Mosaic's
-    TiledLayout.thread_idxs (the map a layout's loads and stores use)."""
+    TiledLayout.thread_idxs (the map a layout's loads and stores use; replicated dimensions give several threads
+    the same elements)."""
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     contig = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
     strides = layout.tiling.tile_strides(contig)
@@ -108,5 +109,7 @@ def element_map(layout, shape):
         for ridx in np.ndindex(rs):
             start = base + sum(i * st for i, st in zip(ridx, strides))
             res[(t, *ridx)] = start + np.arange(layout.vector_length) * tstr[layout.vector_dim]
-    assert np.array_equal(np.sort(res.ravel()), np.arange(int(np.prod(shape))))   # a bijection
+    reps = int(np.prod([d.times for d in (*layout.warp_dims, *layout.lane_dims) if isinstance(d, fa.Replicated)]))
+    assert np.array_equal(np.bincount(res.ravel(), minlength=int(np.prod(shape))),
+                          np.full(int(np.prod(shape)), reps))      # every element held by `reps` threads (replicated)
     return res

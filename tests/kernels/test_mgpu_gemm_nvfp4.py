@@ -79,18 +79,20 @@ def test_decoder_ptx_and_register_plan_give_the_dequantized_tile(rng):
     s_tile = np.asarray(mn.prepare_scales(jnp.asarray(sc, jnp.float8_e4m3fn)))                       # [64, 16] bf16
     assert s_tile.shape == (64, 16) and s_tile.dtype == jnp.bfloat16
     src_map = element_map(fa.WGMMA_LAYOUT_UPCAST_4X, (64, 64))
-    scl_map = element_map(fa.WGMMA_LAYOUT, (64, 16))
-    s_bits = s_tile.view(np.uint16).ravel().astype(np.uint32)
+    scl_map = element_map(mn.SCALE_LAYOUT.to_mgpu(), (64, 16))
+    s_bits = s_tile.view(np.uint16).ravel()
     src, scl = np.empty(src_map.shape[1:-1], object), np.empty(scl_map.shape[1:-1], object)
     for idx in np.ndindex(src.shape):
-        src[idx] = p.ravel()[src_map[(slice(None), *idx)]].astype(np.uint32)                        # [128, 8] bytes
+        src[idx] = p.ravel()[src_map[(slice(None), *idx)]]                                          # [128, 8] u8
     for idx in np.ndindex(scl.shape):
-        scl[idx] = s_bits[scl_map[(slice(None), *idx)]]                                              # [128, 2]
-    words = lambda r: [r[:, 4 * i] | r[:, 4 * i + 1] << 8 | r[:, 4 * i + 2] << 16 | r[:, 4 * i + 3] << 24
-                       for i in range(2)]
+        scl[idx] = s_bits[scl_map[(slice(None), *idx)]]                                              # [128, 8] u16
+
+    def words(r):                                       # [128, n] lanes' vector -> its 32-bit words, low bytes first
+        per = 4 // r.dtype.itemsize
+        return [sum(r[:, per * i + b].astype(np.uint32) << (8 * r.dtype.itemsize * b) for b in range(per))
+                for i in range(r.shape[1] // per)]
     want = np.stack([_e2m1(p & 15), _e2m1(p >> 4)], -1).reshape(64, 128) * np.repeat(sc, 16, axis=1) * 2.0 ** -8
-    out = mn.natural_registers(src, scl, lambda tpl, n, ins: run_ptx(tpl, n, *ins, threads=128), words,
-                               lambda r: r[:, 0] | r[:, 1] << 16, lambda v: v)
+    out = mn.natural_registers(src, scl, lambda tpl, n, ins: run_ptx(tpl, n, *ins, threads=128), words, lambda v: v)
     dst_map = element_map(fa.WGMMA_LAYOUT, (64, 128))
     got = np.full(64 * 128, np.nan)
     for idx in np.ndindex(out.shape):
