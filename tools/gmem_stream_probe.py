@@ -1,0 +1,113 @@
+"""How fast can a Mosaic GPU kernel stream a decode GEMV's weights with plain loads from global memory (no TMA)?
+
+The decode GEMVs stream their weight tiles through a TMA pipeline, whose stream alone (no compute) takes 20-23 us
+for the 8B in_proj E4M3 weights (76 MB, benchmarks/notes/quant.md, s4-3): the floor of that design, above the
+21 us target. This probe reads the same bytes with vector loads straight into registers (one warpgroup per CTA,
+`rows` weight rows, `step` bytes of K per load, the loop unrolled `unroll` times so several loads are in flight) and
+folds them into a running XOR so nothing is dead; every config's result is checked against jnp first. Beside
+it, in the same interleaved rounds: XLA's BF16 GEMV (M = 1), the Mosaic W8A16 GEMV (M = 1, the arm to beat) and an
+XLA uint32 reduction of the same bytes.
+
+    PYTHONPATH=. python3 tools/gmem_stream_probe.py --out $OUT --tag s12c5 --configs 64:128:1,64:256:2
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from benchmarks import timing
+from pallas_kernels import mgpu_gemv
+
+SHAPES = {"in_proj_w8": (18560, 4096), "in_proj_w4": (18560, 2048), "out_proj_w8": (4096, 8192)}
+
+
+def stream_xor(w, *, rows: int, step: int, unroll: int, interpret: bool = False):
+    """w [N, K] uint8 -> [N / rows, rows, step] uint8: per row block, the XOR of its K / step column tiles, every
+    byte read once by plain global loads (16 bytes per thread and load)."""
+    N, K = w.shape
+    k_iters = K // step
+    layout = plgpu.Layout.WG_STRIDED((rows, step), vec_size=16)
+
+    def kernel(w_ref, o_ref):
+        n0 = lax.axis_index("x") * rows
+
+        def body(i, acc):
+            return acc ^ plgpu.load(w_ref.at[pl.ds(n0, rows), pl.ds(i * step, step)], layout=layout)
+
+        acc = plgpu.layout_cast(jnp.zeros((rows, step), jnp.uint8), layout)
+        o_ref[lax.axis_index("x")] = lax.fori_loop(0, k_iters, body, acc, unroll=unroll)
+
+    f = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((N // rows, rows, step), jnp.uint8),
+                     grid=(N // rows,), grid_names=("x",),
+                     interpret=plgpu.InterpretGPUParams() if interpret else None)
+    return f(w)
+
+
+def stream_xor_reference(w, rows: int, step: int):
+    N, K = w.shape
+    t = w.reshape(N // rows, rows, K // step, step)
+    return lax.reduce(t, jnp.uint8(0), lax.bitwise_xor, (2,))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tag", default="probe")
+    ap.add_argument("--configs", default="64:128:1,64:256:1,64:256:2,64:512:1,128:256:2",
+                    help="comma-separated rows:step_bytes:unroll")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
+    result = {"date": datetime.date.today().isoformat(), "tag": args.tag, "device": str(jax.devices()[0]),
+              "versions": {"jax": jax.__version__}, "rounds": args.rounds, "rows": []}
+    for shape, (N, K) in SHAPES.items():
+        ws = [jax.random.randint(k, (N, K), 0, 256, jnp.int32).astype(jnp.uint8)
+              for k in jax.random.split(jax.random.PRNGKey(0), 4)]
+        arms = {"xla_u32_sum": (lambda w: jnp.sum(lax.bitcast_convert_type(w.reshape(N, K // 4, 4), jnp.uint32),
+                                                  axis=1, dtype=jnp.uint32), [(w,) for w in ws])}
+        if shape.endswith("w8"):
+            xs = [jax.random.normal(k, (1, K), jnp.bfloat16) for k in jax.random.split(jax.random.PRNGKey(1), 4)]
+            wb = [jax.random.normal(k, (N, K), jnp.bfloat16) for k in jax.random.split(jax.random.PRNGKey(2), 2)]
+            arms["xla_bf16_gemv_m1"] = (lambda x, w: x @ w.T, [(xs[i], wb[i % 2]) for i in range(4)])
+            sc = jnp.ones((N // 128, K // 128), jnp.float32)
+            arms["w8a16_gemv_mosaic_m1"] = (lambda x, w: mgpu_gemv.w8a16_gemv_mosaic(x, w, sc),
+                                            [(xs[i], lax.bitcast_convert_type(ws[i], jnp.float8_e4m3fn))
+                                             for i in range(4)])
+        checks = {}
+        for rows, step, unroll in configs:
+            name = f"rows{rows}:step{step}:unroll{unroll}"
+            fn = functools.partial(stream_xor, rows=rows, step=step, unroll=unroll)
+            ok = bool(jnp.array_equal(jax.jit(fn)(ws[0]), stream_xor_reference(ws[0], rows, step)))
+            checks[name] = ok
+            print(f"{shape:12s} {name:24s} check {ok}", flush=True)
+            arms[name] = (fn, [(w,) for w in ws])
+        walls = {name: [] for name in arms}
+        for _ in range(args.rounds):
+            for name, (fn, sets) in arms.items():
+                walls[name].append(min(timing.queued_wall_us(fn, sets, reps=6)))
+        for name, us in walls.items():
+            row = {"shape": shape, "N": N, "K": K, "config": name, "us_rounds": us, "us": min(us),
+                   "bytes": N * K, "TB_per_s": N * K / min(us) / 1e6, "check": checks.get(name)}
+            if name == "xla_bf16_gemv_m1":       # bf16 weights: twice the bytes
+                row["bytes"] = 2 * N * K
+                row["TB_per_s"] = 2 * N * K / min(us) / 1e6
+            result["rows"].append(row)
+            print(f"{shape:12s} {name:24s} {min(us):8.1f} us {row['TB_per_s']:.2f} TB/s  rounds "
+                  f"{[round(u, 1) for u in us]}", flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"gmem_stream_{result['date']}_{args.tag}.json"), "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
