@@ -3,12 +3,13 @@
 The decode GEMVs stream their weight tiles through a TMA pipeline, whose stream alone (no compute) takes 20-23 us
 for the 8B in_proj E4M3 weights (76 MB, benchmarks/notes/quant.md, s4-3): the floor of that design, above the
 21 us target. This probe reads the same bytes with vector loads straight into registers (one warpgroup per CTA,
-`rows` weight rows, `step` bytes of K per load, the loop unrolled `unroll` times so several loads are in flight) and
+`rows` weight rows, `step` bytes of K per load, the loop unrolled `unroll` times so several loads are in flight, K
+split over `split` CTAs for more of them per SM) and
 folds them into a running XOR so nothing is dead; every config's result is checked against jnp first. Beside
 it, in the same interleaved rounds: XLA's BF16 GEMV (M = 1), the Mosaic W8A16 GEMV (M = 1, the arm to beat) and an
 XLA uint32 reduction of the same bytes.
 
-    PYTHONPATH=. python3 tools/gmem_stream_probe.py --out $OUT --tag s12c5 --configs 64:128:1,64:256:2
+    PYTHONPATH=. python3 tools/gmem_stream_probe.py --out $OUT --tag s13c1 --configs 64:256:2:1,64:256:2:4
 """
 
 from __future__ import annotations
@@ -31,43 +32,44 @@ from pallas_kernels import mgpu_gemv
 SHAPES = {"in_proj_w8": (18560, 4096), "in_proj_w4": (18560, 2048), "out_proj_w8": (4096, 8192)}
 
 
-def stream_xor(w, *, rows: int, step: int, unroll: int, interpret: bool = False):
-    """w [N, K] uint8 -> [N / rows, rows, step] uint8: per row block, the XOR of its K / step column tiles, every
-    byte read once by plain global loads (16 bytes per thread and load)."""
+def stream_xor(w, *, rows: int, step: int, unroll: int, split: int = 1, interpret: bool = False):
+    """w [N, K] uint8 -> [N / rows, split, rows, step] uint8: per row block and K split, the XOR of its column tiles
+    of `step` bytes, every byte read once by plain global loads (16 bytes per thread and load)."""
     N, K = w.shape
-    k_iters = K // step
+    k_iters = K // (step * split)
     layout = plgpu.Layout.WG_STRIDED((rows, step), vec_size=16)
 
     def kernel(w_ref, o_ref):
-        n0 = lax.axis_index("x") * rows
+        n, sp = lax.axis_index("n"), lax.axis_index("s")
+        k0 = sp * (k_iters * step)
 
         def body(i, acc):
-            return acc ^ plgpu.load(w_ref.at[pl.ds(n0, rows), pl.ds(i * step, step)], layout=layout)
+            return acc ^ plgpu.load(w_ref.at[pl.ds(n * rows, rows), pl.ds(k0 + i * step, step)], layout=layout)
 
         acc = plgpu.layout_cast(jnp.zeros((rows, step), jnp.uint8), layout)
-        o_ref[lax.axis_index("x")] = lax.fori_loop(0, k_iters, body, acc, unroll=unroll)
+        o_ref[n, sp] = lax.fori_loop(0, k_iters, body, acc, unroll=unroll)
 
-    f = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((N // rows, rows, step), jnp.uint8),
-                     grid=(N // rows,), grid_names=("x",),
+    f = plgpu.kernel(kernel, out_type=jax.ShapeDtypeStruct((N // rows, split, rows, step), jnp.uint8),
+                     grid=(N // rows, split), grid_names=("n", "s"),
                      interpret=plgpu.InterpretGPUParams() if interpret else None)
     return f(w)
 
 
-def stream_xor_reference(w, rows: int, step: int):
+def stream_xor_reference(w, rows: int, step: int, split: int = 1):
     N, K = w.shape
-    t = w.reshape(N // rows, rows, K // step, step)
-    return lax.reduce(t, jnp.uint8(0), lax.bitwise_xor, (2,))
+    t = w.reshape(N // rows, rows, split, K // (step * split), step)
+    return lax.reduce(t, jnp.uint8(0), lax.bitwise_xor, (3,)).transpose(0, 2, 1, 3)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--tag", default="probe")
-    ap.add_argument("--configs", default="64:128:1,64:256:1,64:256:2,64:512:1,128:256:2",
-                    help="comma-separated rows:step_bytes:unroll")
+    ap.add_argument("--configs", default="64:256:2:1,64:256:2:4,64:512:2:4,128:256:2:4,64:256:4:8",
+                    help="comma-separated rows:step_bytes:unroll[:split]")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
-    configs = [tuple(int(v) for v in c.split(":")) for c in args.configs.split(",")]
+    configs = [tuple(int(v) for v in c.split(":")) + (1,) * (4 - len(c.split(":"))) for c in args.configs.split(",")]
     result = {"date": datetime.date.today().isoformat(), "tag": args.tag, "device": str(jax.devices()[0]),
               "versions": {"jax": jax.__version__}, "rounds": args.rounds, "rows": []}
     for shape, (N, K) in SHAPES.items():
@@ -84,10 +86,10 @@ def main():
                                             [(xs[i], lax.bitcast_convert_type(ws[i], jnp.float8_e4m3fn))
                                              for i in range(4)])
         checks = {}
-        for rows, step, unroll in configs:
-            name = f"rows{rows}:step{step}:unroll{unroll}"
-            fn = functools.partial(stream_xor, rows=rows, step=step, unroll=unroll)
-            ok = bool(jnp.array_equal(jax.jit(fn)(ws[0]), stream_xor_reference(ws[0], rows, step)))
+        for rows, step, unroll, split in configs:
+            name = f"rows{rows}:step{step}:unroll{unroll}:split{split}"
+            fn = functools.partial(stream_xor, rows=rows, step=step, unroll=unroll, split=split)
+            ok = bool(jnp.array_equal(jax.jit(fn)(ws[0]), stream_xor_reference(ws[0], rows, step, split)))
             checks[name] = ok
             print(f"{shape:12s} {name:24s} check {ok}", flush=True)
             arms[name] = (fn, [(w,) for w in ws])
