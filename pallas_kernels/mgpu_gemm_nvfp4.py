@@ -372,8 +372,8 @@ registry.register("w4a16_gemm_t", reference=w4a16_t_reference, pallas=w4a16_gemm
                   mosaic_supports=supports, gpu_default="mosaic")
 registry.register("w4a16_gemm_t_m128", reference=w4a16_t_reference, pallas=w4a16_gemm_t_m128_pallas,
                   mosaic=w4a16_gemm_t_m128_mosaic, mosaic_supports=supports, gpu_default="mosaic")
-# The plain layout on the same kernel, minus the per-call weight transpose (H200 s11: 885-902 / 398-402 us at the
-# 8B in_proj / out_proj, 0.87-0.89x XLA BF16; the Triton w4a16_gemm: 8276 us at in_proj), so on Hopper the model
+# The plain layout on the same kernel, minus the per-call weight transpose (H200 s12: 874-898 / 387-398 us at the
+# 8B in_proj / out_proj, 0.87-0.91x XLA BF16; the Triton w4a16_gemm: 8276 us at in_proj), so on Hopper the model
 # serves NVFP4 prefill from it and builds no transposed copy (benchmarks/notes/quant_prefill.md).
 registry.register("w4a16_gemm", reference=w4a16_reference, pallas=w4a16_gemm_pallas, mosaic=w4a16_gemm_mosaic,
                   mosaic_supports=supports_plain, gpu_default="mosaic")
