@@ -22,8 +22,8 @@ store to shared memory, TMA to out [M, N] (float32: out^T, transposed by XLA; a 
 lower). Interpret mode (CPU tests) passes the A operand through shared memory (the GPU interpreter's wgmma reads A
 from shared memory only).
 Shapes: N % 128 == 0, K % 256 == 0 (ShapeError otherwise; `supports` sends others to the Triton arm); M is padded
-to tile_m here. Output dtype bf16 / f16 / f32. H200 (sessions 11-12, M = 4096): 874-898 / 388-402 us at the 8B
-in_proj / out_proj, 0.87-0.90x XLA BF16 (the earlier even / odd split of x: 998 / 508 us). The decode costs its
+to tile_m here. Output dtype bf16 / f16 / f32. H200 (sessions 11-12, M = 4096): 874-902 / 387-402 us at the 8B
+in_proj / out_proj, 0.87-0.91x XLA BF16 (the earlier even / odd split of x: 998 / 508 us). The decode costs its
 ALU throughput beside the wgmmas however it is scheduled (s12: halves, ping-pong), so only fewer decode
 instructions move it; benchmarks/notes/quant_prefill.md.
 """
