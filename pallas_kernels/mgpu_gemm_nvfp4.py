@@ -62,7 +62,7 @@ PROBES = ("skip_decode", "skip_shuffles")   # timing probes (GPU only, wrong res
 class Nvfp4Tiles:
     """tile_m: x rows per CTA (the wgmma N, 64..256); stages: TMA pipeline depth; decode: "ptx" (interpret mode
     decodes with jnp) or a timing probe (wrong results): "skip_decode" (a constant A operand: no packed-byte loads
-    or decode), "skip_shuffles" (no quad transpose or scale gather); grid order as in mgpu_gemm."""
+    or decode), "skip_shuffles" (no quad transpose); grid order as in mgpu_gemm."""
 
     tile_m: int = 128
     stages: int = 4
@@ -112,7 +112,7 @@ and.b32 t, l, 2;
 setp.ne.u32 o, t, 0;
 selp.b32 $1, 0x3276, 0x5410, o;
 }"""
-_QUAD_TRANSPOSE_2 = """{
+_QUAD_TRANSPOSE = """{
 .reg .b32 p, t;
 """ + "".join(f"""shfl.sync.bfly.b32 p, ${2 + i}, 1, 0x1f, 0xffffffff;
 prmt.b32 t, ${2 + i}, p, $4;
@@ -139,7 +139,7 @@ def natural_registers(src, scl, asm, words, as_pair, shuffles: bool = True):
     for h in range(2):                                                  # rows r, r + 8 of the lane
         for c in range(2):                                              # K halves: bytes 32c .. 32c + 31
             w = words(src[0, c, 0, 0, h, 0, 0, 0, 0])                   # hh = 0, 1
-            t = asm(_QUAD_TRANSPOSE_2, 2, w + sel) if shuffles else w
+            t = asm(_QUAD_TRANSPOSE, 2, w + sel) if shuffles else w
             sp = words(scl[0, 0, 0, 0, h, 0, 0, c, 0, 0])               # groups 4c .. 4c + 3
             for hh in range(2):
                 o = asm(_E2M1X4_TO_BF16_S4, 4, [t[hh], *sp])

@@ -5,7 +5,6 @@ On the CPU the kernel runs in GPU interpret mode (tiny shapes, a 2-SM persistent
 several output tiles, the jnp nibble decoder); on a GPU the same tests run compiled (METRALE_TEST_GPU=1) with
 the PTX decoder."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
