@@ -21,13 +21,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import glob
-import gzip
 import json
 import os
 import platform
 import sys
-import tempfile
 import time
 import traceback
 
@@ -65,30 +62,6 @@ def rel_err(a, b) -> float:
 
 
 # ---- timing -----------------------------------------------------------------------------------------------
-def _gpu_kernel_us(trace_dir: str, calls: int) -> tuple[float | None, dict]:
-    """Sum of GPU kernel durations in the perfetto trace per call, and the largest kernels (name -> us per call):
-    the Mosaic kernel apart from XLA's small ones around it (x permutation, split-K sum)."""
-    files = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
-    if not files:
-        return None, {}
-    with gzip.open(files[0], "rt") as fh:
-        tr = json.load(fh)
-    events = tr["traceEvents"] if isinstance(tr, dict) else tr
-    names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in events
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    gpu_pids = {pid for pid, n in names.items() if "gpu" in n.lower()}
-    if not gpu_pids:
-        raise RuntimeError(f"no GPU process in the trace; processes: {sorted(names.values())[:10]}")
-    kernels = {}
-    for e in events:
-        name = str(e.get("name", ""))
-        if (e.get("ph") == "X" and e.get("pid") in gpu_pids and "memcpy" not in name.lower()
-                and "memset" not in name.lower()):
-            kernels[name] = kernels.get(name, 0.0) + e.get("dur", 0) / calls
-    total = sum(kernels.values())
-    return (total or None), {k[:80]: round(v, 3) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:6]}
-
-
 def time_calls(fn, arg_sets, *, per_exec: int, reps: int, profile: bool = True) -> dict:
     """Median-free simple timing: `per_exec` calls of fn inside one executable (cycling arg_sets), the
     executable run `reps` times back to back; returns us per call (wall) and GPU us per call (trace)."""
@@ -97,16 +70,7 @@ def time_calls(fn, arg_sets, *, per_exec: int, reps: int, profile: bool = True) 
     walls = timing.wall_us(many, arg_sets, reps=reps)
     res = {"wall_us": min(walls), "wall_us_all": walls}
     if profile:
-        try:
-            d = tempfile.mkdtemp()
-            with jax.profiler.trace(d, create_perfetto_trace=True):
-                jax.block_until_ready([many(arg_sets) for _ in range(2)])
-            t = time.perf_counter()
-            res["gpu_us"], res["gpu_kernels_us"] = _gpu_kernel_us(d, 2 * per_exec)
-            res["trace_parse_s"] = time.perf_counter() - t
-        except Exception as e:  # noqa: BLE001  (the profiler is optional)
-            res["gpu_us"] = None
-            res["profile_error"] = repr(e)[:200]
+        res.update(timing.traced_gpu_us(many, arg_sets))
     res["us"] = res.get("gpu_us") or res["wall_us"]
     return res
 

@@ -7,6 +7,11 @@ repeated on the same arguments is timed as if it were free (seen on the H200, 20
 
 from __future__ import annotations
 
+import glob
+import gzip
+import json
+import os
+import tempfile
 import time
 
 import jax
@@ -32,3 +37,43 @@ def wall_us(many, arg_sets, *, reps: int, trials: int = 3) -> list[float]:
 def queued_wall_us(fn, arg_sets, *, reps: int, trials: int = 3) -> list[float]:
     """`wall_us` of fn called once per (distinct) entry of arg_sets."""
     return wall_us(queued(fn, len(arg_sets)), arg_sets, reps=reps, trials=trials)
+
+
+def gpu_kernel_us(trace_dir: str, calls: int) -> tuple[float | None, dict]:
+    """Sum of GPU kernel durations in the perfetto trace per call, and the largest kernels (name -> us per call):
+    the Mosaic kernel apart from XLA's small ones around it (x permutation, split-K sum)."""
+    files = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not files:
+        return None, {}
+    with gzip.open(files[0], "rt") as fh:
+        tr = json.load(fh)
+    events = tr["traceEvents"] if isinstance(tr, dict) else tr
+    names = {e["pid"]: str(e.get("args", {}).get("name", "")) for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    gpu_pids = {pid for pid, n in names.items() if "gpu" in n.lower()}
+    if not gpu_pids:
+        raise RuntimeError(f"no GPU process in the trace; processes: {sorted(names.values())[:10]}")
+    kernels = {}
+    for e in events:
+        name = str(e.get("name", ""))
+        if (e.get("ph") == "X" and e.get("pid") in gpu_pids and "memcpy" not in name.lower()
+                and "memset" not in name.lower()):
+            kernels[name] = kernels.get(name, 0.0) + e.get("dur", 0) / calls
+    total = sum(kernels.values())
+    return (total or None), {k[:80]: round(v, 3) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:6]}
+
+
+def traced_gpu_us(many, arg_sets, *, runs: int = 2) -> dict:
+    """GPU kernel us per queued call of `many` from a profiler trace of `runs` executions (host dispatch and
+    launch gaps excluded, which wall times of ~20 us kernels are not); {"gpu_us": None, "profile_error"} if the
+    profiler fails."""
+    try:
+        d = tempfile.mkdtemp()
+        jax.block_until_ready(many(arg_sets))
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            jax.block_until_ready([many(arg_sets) for _ in range(runs)])
+        t = time.perf_counter()
+        us, kernels = gpu_kernel_us(d, runs * len(arg_sets))
+        return {"gpu_us": us, "gpu_kernels_us": kernels, "trace_parse_s": time.perf_counter() - t}
+    except Exception as e:  # noqa: BLE001  (the profiler is optional)
+        return {"gpu_us": None, "profile_error": repr(e)[:200]}

@@ -4,7 +4,7 @@ Nemotron-H-8B projection shapes, M = 1 .. 256. Each arm checked against the refe
 (4 distinct argument sets queued in one executable, best of 3 trials).
 
     PYTHONPATH=. python3 tools/gemv_batch.py --out $OUT [--kernels w8,w4] [--ms 1,16,64,256] [--m-tiles 1,2]
-        [--launch 128/4/2,64/2/0/8]
+        [--launch 128/4/2,64/2/0/8,64/3/1/g2] [--gpu-time]
 writes OUT/gemv_batch.json."""
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks import timing
 from benchmarks.bench_prefill import SHAPES, fp8_blocks, nvfp4_weights, rel_err, xla_bf16
@@ -39,10 +40,12 @@ def main():
     ap.add_argument("--out", default="/tmp/gemv_batch")
     ap.add_argument("--kernels", default="w8", help="w8, w4 or w8,w4")
     ap.add_argument("--ms", default="1,16,64,256")
-    ap.add_argument("--m-tiles", default="1", type=lambda v: [int(t) for t in v.split(",")],
+    ap.add_argument("--m-tiles", default="1", type=lambda v: [int(t) for t in v.split(",") if t],
                     help="fixed m_tiles configs timed beside the auto one")
     ap.add_argument("--launch", default="", help="extra launches beside the default, block_n/stages/split_k"
-                    "[/m_tiles] comma-separated (e.g. 128/4/2,64/2/0/8; split 0 = the default launch's split)")
+                    "[/m_tiles][/gP] comma-separated (e.g. 128/4/2,64/2/0/8; split 0 = the default launch's split; "
+                    "gP: w4 weights loaded from global memory, P steps ahead; p: the 'stream' probe, TMA only)")
+    ap.add_argument("--gpu-time", action="store_true", help="also GPU kernel us per call from a profiler trace")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     res = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "method": __doc__.split("\n\n")[0],
@@ -63,10 +66,15 @@ def main():
             arms = {"xla_bf16": (xla_bf16, [(xs[i], wb[i % 2]) for i in range(4)], None)}
             extra = [(f"mosaic m_tiles={t}", dataclasses.replace(base, m_tiles=t)) for t in args.m_tiles]
             for spec in filter(None, args.launch.split(",")):
-                bn, st, sk, *mt = map(int, spec.split("/"))
+                toks = spec.split("/")
+                gm = {}
+                while toks[-1][0] in "gp":
+                    t = toks.pop()
+                    gm.update({"load": "gmem", "prefetch": int(t[1:])} if t[0] == "g" else {"probe": "stream"})
+                bn, st, sk, *mt = map(int, toks)
                 extra.append((f"mosaic {spec}", dataclasses.replace(base, block_n=bn, stages=st,
                                                                     split_k=sk or base.split_k,
-                                                                    m_tiles=mt[0] if mt else base.m_tiles)))
+                                                                    m_tiles=mt[0] if mt else base.m_tiles, **gm)))
             for name, cfg in [("mosaic auto m_tiles", base)] + extra:
                 fn = lambda *a, cfg=cfg, gemv=gemv, **kw: gemv(*a, config=cfg, **kw)
                 arms[name] = (fn, [(xs[i], *wq[i % 2]) for i in range(4)], cfg)
@@ -78,12 +86,18 @@ def main():
                                                  ref)
                         row["m_tiles"], row["stages"] = mg.launch_tiles(f"{kern}a16_gemv", M, N, K, cfg,
                                                                         jnp.bfloat16)
+                        y = np.asarray(jax.jit(lambda *a, fn=fn: fn(*a, out_dtype=jnp.float32))(*sets[1]))
+                        if cfg is base:
+                            y_base = y
+                        row["same_bits_as_default"] = bool(np.array_equal(y, y_base))
                     walls = timing.queued_wall_us(fn, sets, reps=10)
                     row.update(us=min(walls), us_all=walls)
+                    if args.gpu_time:
+                        row.update(timing.traced_gpu_us(timing.queued(fn, len(sets)), sets))
                 except Exception as e:  # noqa: BLE001
                     row["error"] = repr(e)[:1500]
                 res["rows"].append(row)
-                keep = ("us", "rel_err", "m_tiles", "stages", "error")
+                keep = ("us", "gpu_us", "rel_err", "same_bits_as_default", "m_tiles", "stages", "error")
                 print(shape, kern, M, name, {k: v for k, v in row.items() if k in keep}, flush=True)
             with open(os.path.join(args.out, "gemv_batch.json"), "w") as fh:
                 json.dump(res, fh, indent=1)

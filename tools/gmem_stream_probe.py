@@ -7,7 +7,8 @@ for the 8B in_proj E4M3 weights (76 MB, benchmarks/notes/quant.md, s4-3): the fl
 split over `split` CTAs for more of them per SM) and
 folds them into a running XOR so nothing is dead; every config's result is checked against jnp first. Beside
 it, in the same interleaved rounds: XLA's BF16 GEMV (M = 1), the Mosaic W8A16 GEMV (M = 1, the arm to beat) and an
-XLA uint32 reduction of the same bytes.
+XLA uint32 reduction of the same bytes. Wall times of queued calls carry ~10 us of per-call overhead at these sizes
+(s13-1: XLA's u32 sum of out_proj's 34 MB read 20.8 us), so each arm is also timed from a profiler trace (gpu_us).
 
     PYTHONPATH=. python3 tools/gmem_stream_probe.py --out $OUT --tag s13c1 --configs 64:256:2:1,64:256:2:4
 """
@@ -15,6 +16,7 @@ XLA uint32 reduction of the same bytes.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -85,9 +87,28 @@ def main():
             arms["w8a16_gemv_mosaic_m1"] = (lambda x, w: mgpu_gemv.w8a16_gemv_mosaic(x, w, sc),
                                             [(xs[i], lax.bitcast_convert_type(ws[i], jnp.float8_e4m3fn))
                                              for i in range(4)])
+            for bn, stages, split in ((64, 2, 2), (64, 6, 1), (128, 4, 1)):     # the TMA pipeline, no compute
+                cfg = mgpu_gemv.GemvConfig(bn, stages, split, probe="stream")
+                arms[f"tma_stream_{bn}/{stages}/s{split}"] = (
+                    functools.partial(lambda x, w, cfg: mgpu_gemv.w8a16_gemv_mosaic(x, w, sc, config=cfg), cfg=cfg),
+                    arms["w8a16_gemv_mosaic_m1"][1])
+        else:
+            xs = [jax.random.normal(k, (1, 2 * K), jnp.bfloat16) for k in jax.random.split(jax.random.PRNGKey(1), 4)]
+            s4 = jnp.ones((N, 2 * K // 16), jnp.float8_e4m3fn)
+            arms["w4a16_gemv_mosaic_m1"] = (lambda x, p: mgpu_gemv.w4a16_gemv_mosaic(x, p, s4, jnp.float32(1.0)),
+                                            [(xs[i], ws[i]) for i in range(4)])
+            cfg4 = dataclasses.replace(mgpu_gemv.w4a16_gemv_blocks(N, 2 * K), probe="stream")
+            arms["tma_stream_w4_default"] = (
+                lambda x, p: mgpu_gemv.w4a16_gemv_mosaic(x, p, s4, jnp.float32(1.0), config=cfg4),
+                arms["w4a16_gemv_mosaic_m1"][1])
         checks = {}
         for rows, step, unroll, split in configs:
             name = f"rows{rows}:step{step}:unroll{unroll}:split{split}"
+            if N % rows or K % (step * split) or (K // (step * split)) % unroll:
+                print(f"{shape:12s} {name:24s} skipped: rows must divide N={N}, step*split K={K}, unroll the "
+                      f"{K // (step * split)} iterations", flush=True)
+                result["rows"].append({"shape": shape, "config": name, "skipped": "does not tile this shape"})
+                continue
             fn = functools.partial(stream_xor, rows=rows, step=step, unroll=unroll, split=split)
             ok = bool(jnp.array_equal(jax.jit(fn)(ws[0]), stream_xor_reference(ws[0], rows, step, split)))
             checks[name] = ok
@@ -98,14 +119,16 @@ def main():
             for name, (fn, sets) in arms.items():
                 walls[name].append(min(timing.queued_wall_us(fn, sets, reps=6)))
         for name, us in walls.items():
-            row = {"shape": shape, "N": N, "K": K, "config": name, "us_rounds": us, "us": min(us),
-                   "bytes": N * K, "TB_per_s": N * K / min(us) / 1e6, "check": checks.get(name)}
-            if name == "xla_bf16_gemv_m1":       # bf16 weights: twice the bytes
-                row["bytes"] = 2 * N * K
-                row["TB_per_s"] = 2 * N * K / min(us) / 1e6
+            fn, sets = arms[name]
+            traced = timing.traced_gpu_us(timing.queued(fn, len(sets)), sets)
+            nbytes = 2 * N * K if name == "xla_bf16_gemv_m1" else N * K       # bf16 weights: twice the bytes
+            gpu = traced["gpu_us"]
+            row = {"shape": shape, "N": N, "K": K, "config": name, "us_rounds": us, "us": min(us), **traced,
+                   "bytes": nbytes, "TB_per_s": nbytes / min(us) / 1e6, "check": checks.get(name),
+                   "gpu_TB_per_s": nbytes / gpu / 1e6 if gpu else None}
             result["rows"].append(row)
-            print(f"{shape:12s} {name:24s} {min(us):8.1f} us {row['TB_per_s']:.2f} TB/s  rounds "
-                  f"{[round(u, 1) for u in us]}", flush=True)
+            print(f"{shape:12s} {name:30s} wall {min(us):6.1f} us  gpu {gpu or float('nan'):6.1f} us "
+                  f"{row['gpu_TB_per_s'] or float('nan'):.2f} TB/s  rounds {[round(u, 1) for u in us]}", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"gmem_stream_{result['date']}_{args.tag}.json"), "w") as f:
         json.dump(result, f, indent=1)
