@@ -63,10 +63,7 @@ class GemvConfig:
     block_n: int = 64
     stages: int = 6
     split_k: int = 0
-    load: str = "upcast"      # w8: 8-bit tiles read from SMEM as 4-byte vectors + one shuffle, or "direct" (2 bytes);
-                              # w4 perm: "gmem" loads the packed weights from global memory straight into the
-                              # decoder's registers, `prefetch` K steps ahead (no TMA, no shared memory for them)
-    prefetch: int = 2         # w4 perm with load "gmem": 256-K sub-steps per pipeline step, each loaded one step ahead
+    load: str = "upcast"      # 8-bit tiles read from SMEM as 4-byte vectors + one shuffle, or "direct" (2 bytes)
     widen: str = "jnp"        # weights -> bf16: jnp conversions ("jnp"), inline PTX ("ptx"), or the K-permuted
                               # integer recipes ("perm"; 8-byte loads, no conversion instructions)
     overlap: bool = False     # w8: two step accumulators, step k's wgmma runs while step k+1 is widened
@@ -316,10 +313,10 @@ def _ptx_e2m1_perm_to_bf16(p, s):
     return decode(p, s)
 
 
-def _jnp_e2m1_perm(p, s):
+def _jnp_e2m1_perm(p_ref, s_ref):
     """Interpret-mode twin of `_ptx_e2m1_perm_to_bf16` (same values, same column order), in jnp."""
-    p = p.astype(jnp.uint16)                                            # [64, 128]
-    sc = s.astype(jnp.float32) * (16384.0 / W4P_SHIFT)                 # [64, 16]; _nibble_f32 is value * 2^-14
+    p = p_ref[...].astype(jnp.uint16)                                   # [64, 128]
+    sc = s_ref[...].astype(jnp.float32) * (16384.0 / W4P_SHIFT)        # [64, 16]; _nibble_f32 is value * 2^-14
     lo, hi = _nibble_f32(p, False), _nibble_f32(p, True)
     w = jnp.stack([lo, hi], axis=-1).reshape(ROWS, 16, 16) * sc[:, :, None]
     return perm64(w.reshape(ROWS, 256)).astype(jnp.bfloat16)
@@ -569,9 +566,7 @@ def launch_tiles(name: str, M: int, N: int, K: int, config: GemvConfig, out_dtyp
     stages = min(config.stages, steps) if w8 and not config.overlap else config.stages
     if config.overlap or (not w8 and config.widen != "perm"):
         return 1, stages
-    gmem = config.load == "gmem"
-    bk = bk * config.prefetch if gmem else bk                   # K per pipeline stage
-    w_bytes = bn * (bk if w8 else bk // 16 if gmem else bk // 2 + bk // 16)      # weight bytes per stage
+    w_bytes = bn * (bk if w8 else bk // 2 + bk // 16)       # per stage
     out_bytes = 2 if _direct(split, out_dtype) else 4
     smem = lambda mt, st: st * w_bytes + (st * 2 * bk + out_bytes * bn) * BM * mt
     if config.m_tiles:
@@ -600,16 +595,12 @@ def _check_config(name: str, config: GemvConfig):
         raise ShapeError(f"{name}(mosaic): config.m_tiles expects 0 (auto) to 16, above 1 only without overlap "
                          f"(w8) or with widen 'perm' (w4); got {config}")
     if config.block_n not in (64, 128) or config.stages < 1 or config.split_k < 0 or config.load not in (
-            "upcast", "direct", "gmem") or config.widen not in ("ptx", "jnp", "perm") or (
+            "upcast", "direct") or config.widen not in ("ptx", "jnp", "perm") or (
             name == "w4a16_gemv" and config.overlap) or (config.stages < 2 and (
             config.overlap or (name == "w4a16_gemv" and config.widen == "perm"))):
         raise ShapeError(f"{name}(mosaic): config expects block_n in (64, 128), stages >= 1 (>= 2 with overlap or "
-                         f"w4 perm: stages are released one step late), split_k >= 0, load 'upcast', 'direct' or "
-                         f"'gmem', "
+                         f"w4 perm: stages are released one step late), split_k >= 0, load 'upcast' or 'direct', "
                          f"widen 'ptx', 'jnp' or 'perm', overlap w8 only; got {config}")
-    if config.load == "gmem" and (name != "w4a16_gemv" or config.widen != "perm" or config.prefetch not in (1, 2)):
-        raise ShapeError(f"{name}(mosaic): load 'gmem' needs the w4 perm decoder and prefetch 1 or 2 (wider scale "
-                         f"tiles find no conflict-free shared-memory transfer); got {config}")
     probes = ("", "stream", "mma") if name == "w8a16_gemv" else ("", "stream") if config.widen == "perm" else ("",)
     if config.probe not in probes or (config.probe and config.overlap):
         raise ShapeError(f"{name}(mosaic): probe {config.probe!r} is not implemented for {config} (w8: 'stream' / "
@@ -737,75 +728,40 @@ W4P_BK = 256      # K per step of the "perm" NVFP4 kernel (128 packed bytes, 16 
 
 
 def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, interpret,
-                probe, m_tiles, prefetch):
+                probe, m_tiles):
     """NVFP4 GEMV with the "perm" decoder: scales are multiplied in during the decode, so one accumulator per
     64 rows (over all m_tiles x tiles of the CTA, one wgmma against the decoded tile) runs over all K.
     Each step waits for its own wgmmas (wait_group 0) before the next step's decode rewrites the A registers:
     PTX makes touching an in-flight wgmma's A registers undefined, and the loop body writes the same registers
     every step (H200 run s3-1: a wait_group(1) version gave wrong, M-dependent rows whenever ptxas did not
     serialize the wgmmas itself; benchmarks/notes/quant.md). Stages are released one step late
-    (delay_release=1), as in the measured run.
-    prefetch > 0: the packed weights skip the TMA pipeline: each warpgroup loads its [64, 128]-byte tiles from
-    global memory straight into the decoder's register layout, one pipeline step (`prefetch` sub-steps of 256 K)
-    ahead, carried through the pipeline loop; loads past the split's last step re-read that step, a 64-row group
-    past N the last rows, whose results the clipped output store drops."""
+    (delay_release=1), as in the measured run."""
     n_blk, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
     k_first = split * steps
     groups = bn // ROWS
 
-    def load_w(k):                                                    # per 64-row group: packed [64, 128]
-        cols = pl.ds((k_first + jnp.minimum(k, steps - 1)) * (W4P_BK // 2), W4P_BK // 2)
-        last = p_gmem.shape[0] - ROWS       # a group past N (half-empty last tile) re-reads the last 64 rows
-        refs = [p_gmem.at[pl.ds(jnp.minimum(n_blk * bn + g * ROWS, last), ROWS), cols] for g in range(groups)]
-        if interpret:
-            return tuple(r[...] for r in refs)
-        return tuple(plgpu.load(r, layout=plgpu.Layout.WGMMA_UPCAST_4X, optimized=False) for r in refs)
-
     def scoped(*accs):                                                # per 64-row group: [64, BM * m_tiles]
-        def decode(p_tiles, s_ref):                                   # -> per group the bf16 A operand [64, 256]
-            if interpret:
-                return [_jnp_e2m1_perm(p_tiles[g], s_ref[pl.ds(g * ROWS, ROWS)]) for g in range(groups)]
-            return [_ptx_e2m1_perm_to_bf16(p_tiles[g], plgpu.load(s_ref.at[pl.ds(g * ROWS, ROWS)],
-                                                                  layout=W4_SCALE_LAYOUT)) for g in range(groups)]
-
-        def mma(a, x_ref):
-            xt = x_ref.transpose((1, 0))                              # [256, BM * m_tiles]
+        def body(idx, p_smem, s_smem, x_smem):
+            xt = x_smem.transpose((1, 0))                             # [256, BM * m_tiles]
+            if probe == "stream":
+                return
             for g in range(groups):
-                _mma(accs[g], a[g], xt, a_smem)
+                rows = pl.ds(g * ROWS, ROWS)
+                if interpret:
+                    a = _jnp_e2m1_perm(p_smem.at[rows], s_smem.at[rows])
+                else:
+                    a = _ptx_e2m1_perm_to_bf16(plgpu.load(p_smem.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X),
+                                               plgpu.load(s_smem.at[rows], layout=W4_SCALE_LAYOUT))
+                _mma(accs[g], a, xt, a_smem)
             plgpu.wgmma_wait(0)                                       # A registers and x stage free again
 
-        # a pipeline step is `sub` steps of 256 K (prefetch of them with weights from global memory)
-        sub = prefetch or 1
-        spec = lambda shape, tf, row: plgpu.BlockSpec(shape, lambda k: (row, k_first // sub + k), transforms=tf,
+        spec = lambda shape, tf, row: plgpu.BlockSpec(shape, lambda k: (row, k_first + k), transforms=tf,
                                                        delay_release=1)
-        s_spec = spec((bn, sub * W4P_BK // 16), (), n_blk)
-        x_spec = spec((BM * m_tiles, sub * W4P_BK), _tf(128, 2), m_blk)
-        if prefetch:
-            # slot j holds the packed tiles of sub-step j; it is reloaded (for the next pipeline step) as soon as
-            # its decode has read it, so every load has a whole pipeline step to arrive, and no registers rotate
-            def body(idx, s_smem, x_smem, slots):
-                (k,) = idx
-                nxt = []
-                for j in range(sub):
-                    if probe == "stream":
-                        nxt.append(load_w(sub * (k + 1) + j))
-                        continue
-                    a = decode(slots[j], s_smem.at[:, pl.ds(j * W4P_BK // 16, W4P_BK // 16)])
-                    nxt.append(load_w(sub * (k + 1) + j))
-                    mma(a, x_smem.at[:, pl.ds(j * W4P_BK, W4P_BK)])
-                return tuple(nxt)
-            plgpu.emit_pipeline(body, grid=(steps // sub,), in_specs=[s_spec, x_spec], max_concurrent_steps=stages,
-                                init_carry=tuple(load_w(j) for j in range(sub)))(s_gmem, x_gmem)
-        else:
-            def body(idx, p_smem, s_smem, x_smem):
-                if probe == "stream":
-                    return
-                tiles = [p_smem.at[pl.ds(g * ROWS, ROWS)] for g in range(groups)]
-                mma(decode([t[...] if interpret else plgpu.load(t, layout=plgpu.Layout.WGMMA_UPCAST_4X)
-                            for t in tiles], s_smem), x_smem)
-            plgpu.emit_pipeline(
-                body, grid=(steps,), in_specs=[spec((bn, W4P_BK // 2), _tf(128, 1), n_blk), s_spec, x_spec],
-                max_concurrent_steps=stages)(p_gmem, s_gmem, x_gmem)
+        plgpu.emit_pipeline(
+            body, grid=(steps,),
+            in_specs=[spec((bn, W4P_BK // 2), _tf(128, 1), n_blk), spec((bn, W4P_BK // 16), (), n_blk),
+                      spec((BM * m_tiles, W4P_BK), _tf(128, 2), m_blk)],
+            max_concurrent_steps=stages)(p_gmem, s_gmem, x_gmem)
         return tuple(acc[...] for acc in accs)
 
     acc = pl.run_scoped(scoped, *[plgpu.ACC((ROWS, BM * m_tiles), jnp.float32) for _ in range(groups)])
@@ -819,15 +775,11 @@ def _w4p_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, 
     M, K = x.shape
     N = packed.shape[0]
     bn, nb, mb, split, steps = _grid("w4a16_gemv", M, N, K, W4P_BK, config)
-    if config.load == "gmem" and steps % config.prefetch:
-        raise ShapeError(f"w4a16_gemv(mosaic): prefetch={config.prefetch} must divide the {steps} K steps of "
-                         f"{W4P_BK} per split")
     xp = perm64(_pad_rows(x))                          # the decoded tiles' columns arrive in this order
     mt, stages = launch_tiles("w4a16_gemv", M, N, K, config, out_dtype)
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype, mt)
     kernel = functools.partial(_w4p_kernel, bn=bn, steps=steps, stages=stages, direct=direct,
-                               interpret=bool(interpret), probe=config.probe, m_tiles=mt,
-                               prefetch=config.prefetch if config.load == "gmem" else 0)
+                               interpret=bool(interpret), probe=config.probe, m_tiles=mt)
     f = plgpu.kernel(
         kernel, out_type=out_type, grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s"),
         scratch_types=dict(o_smem=o_smem,

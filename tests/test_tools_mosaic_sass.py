@@ -30,3 +30,18 @@ def test_loops_count_the_body_between_label_and_back_branch():
                       "        /*0030*/               @P0 BRA `(.L_x_1) ;", "        /*0040*/                   EXIT ;"])
     (label, n, ops), = mosaic_sass.loops(sass, 1)
     assert (label, n) == (".L_x_1", 3) and ops == {"LOP3": 1, "SHFL": 1, "BRA": 1}
+
+
+def test_control_bits_decode_scoreboards_and_waits():
+    """Two instructions from the session-13 SASS: a global load that sets scoreboard 5 (stall 4) and the decode
+    instruction at the loop head that waits on scoreboards 1 and 5."""
+    hexed = "\n".join([
+        "        /*0540*/                   LD.E.64 R98, desc[UR30][R20.64] ;       /* 0x0000001e14627980 */",
+        "                                                                           /* 0x000f68000c101b00 */",
+        "        /*0e10*/                   SHF.R.U32.HI R32, RZ, 0x4, R18 ;        /* 0x00000004ff207819 */",
+        "                                                                           /* 0x022fe20000011612 */"])
+    ld, shf = mosaic_sass.control(hexed)
+    assert (ld["addr"], ld["insn"], ld["wb"], ld["rb"], ld["wait"], ld["stall"]) == (
+        0x540, "LD.E.64 R98, desc[UR30][R20.64]", 5, 7, set(), 4)
+    assert shf["wait"] == {1, 5} and shf["wb"] == 7
+    assert "wait 1,5" in mosaic_sass.control_listing([shf]) and "wb 5 rb - wait -" in mosaic_sass.control_listing([ld])

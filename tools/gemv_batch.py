@@ -4,7 +4,7 @@ Nemotron-H-8B projection shapes, M = 1 .. 256. Each arm checked against the refe
 (4 distinct argument sets queued in one executable, best of 3 trials).
 
     PYTHONPATH=. python3 tools/gemv_batch.py --out $OUT [--kernels w8,w4] [--ms 1,16,64,256] [--m-tiles 1,2]
-        [--launch 128/4/2,64/2/0/8,64/3/1/g2] [--gpu-time]
+        [--launch 128/4/2,64/2/0/8,64/4/2/p] [--gpu-time]
 writes OUT/gemv_batch.json."""
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ def main():
     ap.add_argument("--m-tiles", default="1", type=lambda v: [int(t) for t in v.split(",") if t],
                     help="fixed m_tiles configs timed beside the auto one")
     ap.add_argument("--launch", default="", help="extra launches beside the default, block_n/stages/split_k"
-                    "[/m_tiles][/gP] comma-separated (e.g. 128/4/2,64/2/0/8; split 0 = the default launch's split; "
-                    "gP: w4 weights loaded from global memory, P steps ahead; p: the 'stream' probe, TMA only)")
+                    "[/m_tiles][/p] comma-separated (e.g. 128/4/2,64/2/0/8; split 0 = the default launch's split; "
+                    "p: the 'stream' probe, the TMA pipeline alone)")
     ap.add_argument("--gpu-time", action="store_true", help="also GPU kernel us per call from a profiler trace")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -67,14 +67,14 @@ def main():
             extra = [(f"mosaic m_tiles={t}", dataclasses.replace(base, m_tiles=t)) for t in args.m_tiles]
             for spec in filter(None, args.launch.split(",")):
                 toks = spec.split("/")
-                gm = {}
-                while toks[-1][0] in "gp":
-                    t = toks.pop()
-                    gm.update({"load": "gmem", "prefetch": int(t[1:])} if t[0] == "g" else {"probe": "stream"})
+                probe = toks[-1] == "p"
+                if probe:
+                    toks.pop()
                 bn, st, sk, *mt = map(int, toks)
                 extra.append((f"mosaic {spec}", dataclasses.replace(base, block_n=bn, stages=st,
                                                                     split_k=sk or base.split_k,
-                                                                    m_tiles=mt[0] if mt else base.m_tiles, **gm)))
+                                                                    m_tiles=mt[0] if mt else base.m_tiles,
+                                                                    probe="stream" if probe else "")))
             for name, cfg in [("mosaic auto m_tiles", base)] + extra:
                 fn = lambda *a, cfg=cfg, gemv=gemv, **kw: gemv(*a, config=cfg, **kw)
                 arms[name] = (fn, [(xs[i], *wq[i % 2]) for i in range(4)], cfg)

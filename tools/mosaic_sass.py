@@ -5,11 +5,13 @@
 (the log then holds the lowered module with the cubin embedded as `gpu.binary @<kernel> [... bin = "..."]`), and
 on any machine (no GPU needed)
 
-    python3 tools/mosaic_sass.py log --out DIR
+    python3 tools/mosaic_sass.py log --out DIR [--control]
 
 writes DIR/<kernel>.cubin per kernel and, where nvdisasm is found ($NVDISASM, PATH, or the `nvidia-cuda-nvdisasm`
 wheel: `pip install nvidia-cuda-nvdisasm`), DIR/<kernel>.sass and an opcode count of each loop (a label and the
-last branch back to it) of at least --min-loop instructions: what ptxas made of the inner loops.
+last branch back to it) of at least --min-loop instructions: what ptxas made of the inner loops. --control adds
+DIR/<kernel>.ctl.txt, each instruction with the scoreboards it sets and waits for (session 13: a global-load prefetch
+defeated by a full scoreboard wait at the loop head).
 """
 
 from __future__ import annotations
@@ -73,11 +75,38 @@ def loops(sass: str, min_len: int) -> list[tuple[str, int, collections.Counter]]
     return found
 
 
+_HEX = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;\s*/\* 0x([0-9a-f]{16}) \*/\s*$")
+_HEX_HI = re.compile(r"^\s*/\* 0x([0-9a-f]{16}) \*/\s*$")
+
+
+def control(hex_sass: str) -> list[dict]:
+    """Per instruction of `nvdisasm -hex` output, the scheduling control bits of its 128-bit encoding (bits 41..62
+    of the second word): stall cycles, yield, the scoreboard it sets when it writes (wb) or reads (rb) late, and the
+    scoreboards it waits for (wait: a set; 7 = none for wb/rb). Shows where a variable-latency load is waited on."""
+    lines, out = hex_sass.splitlines(), []
+    for i, line in enumerate(lines[:-1]):
+        m, hi = _HEX.search(line), _HEX_HI.match(lines[i + 1])
+        if m and hi:
+            c = int(hi.group(1), 16) >> 41
+            out.append({"addr": int(m.group(1), 16), "insn": m.group(2), "stall": c & 0xF, "yield": (c >> 4) & 1,
+                        "wb": (c >> 5) & 7, "rb": (c >> 8) & 7,
+                        "wait": {b for b in range(6) if (c >> 11) >> b & 1}})
+    return out
+
+
+def control_listing(rows: list[dict]) -> str:
+    sb = lambda v: "-" if v == 7 else str(v)
+    return "\n".join(f"{r['addr']:05x}  {r['insn'][:70]:70s} wb {sb(r['wb'])} rb {sb(r['rb'])} "
+                     f"wait {','.join(map(str, sorted(r['wait']))) or '-'} stall {r['stall']}" for r in rows) + "\n"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("log")
     ap.add_argument("--out", required=True)
     ap.add_argument("--min-loop", type=int, default=50)
+    ap.add_argument("--control", action="store_true",
+                    help="also DIR/<kernel>.ctl.txt: every instruction with its scoreboards and stall count")
     args = ap.parse_args()
     with open(args.log, encoding="latin-1") as f:
         bins = cubins(f.read())
@@ -96,6 +125,11 @@ def main():
         sass = subprocess.run([nvdisasm, "-c", path + ".cubin"], check=True, capture_output=True, text=True).stdout
         with open(path + ".sass", "w") as f:
             f.write(sass)
+        if args.control:
+            hexed = subprocess.run([nvdisasm, "-c", "-hex", path + ".cubin"], check=True, capture_output=True,
+                                   text=True).stdout
+            with open(path + ".ctl.txt", "w") as f:
+                f.write(control_listing(control(hexed)))
         for label, n, ops in sorted(loops(sass, args.min_loop), key=lambda r: r[1]):     # innermost first
             print(f"  loop {label}: {n} instructions  " + " ".join(f"{k} {v}" for k, v in ops.most_common()))
 
