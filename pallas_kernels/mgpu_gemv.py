@@ -765,6 +765,8 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, s
         return tuple(acc[...] for acc in accs)
 
     acc = pl.run_scoped(scoped, *[plgpu.ACC((ROWS, BM * m_tiles), jnp.float32) for _ in range(groups)])
+    if probe == "stream":       # accumulators no wgmma wrote: give them the layout the output store expects
+        acc = [plgpu.layout_cast(jnp.zeros((ROWS, BM * m_tiles), jnp.float32), plgpu.Layout.WGMMA) for _ in acc]
     gs = g_gmem[0] * W4P_SHIFT
     acc = [a * gs for a in acc]
     _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, m_tiles)

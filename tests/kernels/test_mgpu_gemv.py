@@ -2,6 +2,7 @@
 references: GPU interpret mode on the CPU at tiny shapes (outputs start as NaN there), compiled on a GPU at the
 8B shapes. Rows must be batch-invariant: a row's result is bit-identical whatever M."""
 
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -346,3 +347,25 @@ def test_w4a16_mosaic_8b_shapes_on_gpu(rng, N, K, cfg):
     for m in (1, 4):
         np.testing.assert_array_equal(np.asarray(mg.w4a16_gemv_mosaic(x16[:m], p, s, g, out_dtype=F32, config=cfg)),
                                       np.asarray(y16[:m]))
+
+
+@pytest.mark.parametrize("kernel,config", [("w8a16", GemvConfig()), ("w4a16", GemvConfig(widen="perm")),
+                                           ("w8a16", GemvConfig(probe="stream")),
+                                           ("w4a16", GemvConfig(widen="perm", probe="stream"))], ids=str)
+@pytest.mark.parametrize("split", [1, 2])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, F32], ids=lambda d: jnp.dtype(d).name)
+def test_lowers_for_cuda_on_every_output_path(kernel, config, split, out_dtype):
+    """Lower for CUDA on the CPU (layout inference included; interpret mode cannot see these errors): the kernels
+    and the benchmark-only stream probes, with the direct bf16 store (unsplit) and the float32 partials. Session 13:
+    the unsplit NVFP4 stream probe failed here (accumulators no wgmma wrote, in a layout the store refused)."""
+    N, K, sd = 256, 2048, jax.ShapeDtypeStruct
+    config = dataclasses.replace(config, block_n=64, stages=2, split_k=split)
+    x = sd((1, K), jnp.bfloat16)
+    if kernel == "w8a16":
+        args = (sd((N, K), jnp.float8_e4m3fn), sd((N // 128, K // 128), F32))
+        fn = lambda x, w, s: mg.w8a16_gemv_mosaic(x, w, s, out_dtype=out_dtype, config=config)
+    else:
+        args = (sd((N, K // 2), jnp.uint8), sd((N, K // 16), jnp.float8_e4m3fn), sd((), F32))
+        fn = lambda x, p, s, g: mg.w4a16_gemv_mosaic(x, p, s, g, out_dtype=out_dtype, config=config)
+    text = jax.jit(fn).trace(x, *args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
