@@ -68,7 +68,8 @@ class GemvConfig:
                               # integer recipes ("perm"; 8-byte loads, no conversion instructions)
     overlap: bool = False     # w8: two step accumulators, step k's wgmma runs while step k+1 is widened
     probe: str = ""           # benchmark probe, WRONG results: "stream" skips the widening and the wgmma, "mma"
-                              # the widening only (w8: a constant A operand)
+                              # the widening only (w8: a constant A operand); w4 perm also "stream-no-x" and
+                              # "stream-weights": fewer TMA streams (W4_PROBE_STREAMS)
     m_tiles: int = 0          # w8 / w4 perm: 16-row x tiles per CTA, one m64 x n(16 m_tiles) wgmma against the
                               # widened weight tile (0: auto, see launch_tiles; 1 = one CTA per 16 rows)
 
@@ -601,10 +602,11 @@ def _check_config(name: str, config: GemvConfig):
         raise ShapeError(f"{name}(mosaic): config expects block_n in (64, 128), stages >= 1 (>= 2 with overlap or "
                          f"w4 perm: stages are released one step late), split_k >= 0, load 'upcast' or 'direct', "
                          f"widen 'ptx', 'jnp' or 'perm', overlap w8 only; got {config}")
-    probes = ("", "stream", "mma") if name == "w8a16_gemv" else ("", "stream") if config.widen == "perm" else ("",)
+    probes = (("", "stream", "mma") if name == "w8a16_gemv" else ("", *W4_PROBE_STREAMS) if config.widen == "perm"
+              else ("",))
     if config.probe not in probes or (config.probe and config.overlap):
         raise ShapeError(f"{name}(mosaic): probe {config.probe!r} is not implemented for {config} (w8: 'stream' / "
-                         "'mma' without overlap; w4: 'stream' with widen 'perm')")
+                         "'mma' without overlap; w4 with widen 'perm': 'stream', 'stream-no-x', 'stream-weights')")
 
 
 def _check_x_bf16(name: str, x):
@@ -725,6 +727,8 @@ def _w4_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, i
 
 
 W4P_BK = 256      # K per step of the "perm" NVFP4 kernel (128 packed bytes, 16 scale groups)
+# benchmark probes of the perm kernel (WRONG results): which TMA streams still run (packed weights, scales, x)
+W4_PROBE_STREAMS = {"stream": "psx", "stream-no-x": "ps", "stream-weights": "p"}
 
 
 def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, interpret,
@@ -741,10 +745,11 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, s
     groups = bn // ROWS
 
     def scoped(*accs):                                                # per 64-row group: [64, BM * m_tiles]
-        def body(idx, p_smem, s_smem, x_smem):
-            xt = x_smem.transpose((1, 0))                             # [256, BM * m_tiles]
-            if probe == "stream":
+        def body(idx, *refs):
+            if probe:
                 return
+            p_smem, s_smem, x_smem = refs
+            xt = x_smem.transpose((1, 0))                             # [256, BM * m_tiles]
             for g in range(groups):
                 rows = pl.ds(g * ROWS, ROWS)
                 if interpret:
@@ -757,15 +762,16 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, s
 
         spec = lambda shape, tf, row: plgpu.BlockSpec(shape, lambda k: (row, k_first + k), transforms=tf,
                                                        delay_release=1)
-        plgpu.emit_pipeline(
-            body, grid=(steps,),
-            in_specs=[spec((bn, W4P_BK // 2), _tf(128, 1), n_blk), spec((bn, W4P_BK // 16), (), n_blk),
-                      spec((BM * m_tiles, W4P_BK), _tf(128, 2), m_blk)],
-            max_concurrent_steps=stages)(p_gmem, s_gmem, x_gmem)
+        streams = {"p": (spec((bn, W4P_BK // 2), _tf(128, 1), n_blk), p_gmem),
+                   "s": (spec((bn, W4P_BK // 16), (), n_blk), s_gmem),
+                   "x": (spec((BM * m_tiles, W4P_BK), _tf(128, 2), m_blk), x_gmem)}
+        keep = W4_PROBE_STREAMS.get(probe, "psx")
+        plgpu.emit_pipeline(body, grid=(steps,), in_specs=[streams[c][0] for c in keep],
+                            max_concurrent_steps=stages)(*[streams[c][1] for c in keep])
         return tuple(acc[...] for acc in accs)
 
     acc = pl.run_scoped(scoped, *[plgpu.ACC((ROWS, BM * m_tiles), jnp.float32) for _ in range(groups)])
-    if probe == "stream":       # accumulators no wgmma wrote: give them the layout the output store expects
+    if probe:                   # accumulators no wgmma wrote: give them the layout the output store expects
         acc = [plgpu.layout_cast(jnp.zeros((ROWS, BM * m_tiles), jnp.float32), plgpu.Layout.WGMMA) for _ in acc]
     gs = g_gmem[0] * W4P_SHIFT
     acc = [a * gs for a in acc]

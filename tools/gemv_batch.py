@@ -31,6 +31,7 @@ def nvfp4_rows(key, N, K):
     return pt.T, st.T, g
 
 
+PROBES = {"p": "stream", "px": "stream-no-x", "pw": "stream-weights"}      # launch-spec suffix -> GemvConfig.probe
 KERNELS = {"w8": (mg.w8a16_gemv_mosaic, mg.w8a16_gemv_blocks, w8a16.w8a16_reference),
            "w4": (mg.w4a16_gemv_mosaic, mg.w4a16_gemv_blocks, w4a16.w4a16_reference)}
 
@@ -44,7 +45,7 @@ def main():
                     help="fixed m_tiles configs timed beside the auto one")
     ap.add_argument("--launch", default="", help="extra launches beside the default, block_n/stages/split_k"
                     "[/m_tiles][/p] comma-separated (e.g. 128/4/2,64/2/0/8; split 0 = the default launch's split; "
-                    "p: the 'stream' probe, the TMA pipeline alone)")
+                    "p: the 'stream' probe, the TMA pipeline alone; w4 px / pw: without the x / x and scale streams)")
     ap.add_argument("--gpu-time", action="store_true", help="also GPU kernel us per call from a profiler trace")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -67,14 +68,14 @@ def main():
             extra = [(f"mosaic m_tiles={t}", dataclasses.replace(base, m_tiles=t)) for t in args.m_tiles]
             for spec in filter(None, args.launch.split(",")):
                 toks = spec.split("/")
-                probe = toks[-1] == "p"
+                probe = PROBES.get(toks[-1], "")
                 if probe:
                     toks.pop()
                 bn, st, sk, *mt = map(int, toks)
                 extra.append((f"mosaic {spec}", dataclasses.replace(base, block_n=bn, stages=st,
                                                                     split_k=sk or base.split_k,
                                                                     m_tiles=mt[0] if mt else base.m_tiles,
-                                                                    probe="stream" if probe else "")))
+                                                                    probe=probe)))
             for name, cfg in [("mosaic auto m_tiles", base)] + extra:
                 fn = lambda *a, cfg=cfg, gemv=gemv, **kw: gemv(*a, config=cfg, **kw)
                 arms[name] = (fn, [(xs[i], *wq[i % 2]) for i in range(4)], cfg)
