@@ -39,6 +39,22 @@ def queued_wall_us(fn, arg_sets, *, reps: int, trials: int = 3) -> list[float]:
     return wall_us(queued(fn, len(arg_sets)), arg_sets, reps=reps, trials=trials)
 
 
+def interleaved_rounds(arms: dict, rounds: int, *, reps: int = 6, trials: int = 3, on_round=None) -> dict:
+    """{name: [us per call, one per round]} for arms {name: (fn, arg_sets)}: each compiled once, then every arm timed
+    once per round (best of `trials`), round after round, so all see the same GPU state (clocks, the power cap:
+    benchmarks/notes/quant_prefill.md s8-4). on_round(r, walls) runs after each round (progress lines)."""
+    many = {n: queued(fn, len(sets)) for n, (fn, sets) in arms.items()}
+    for n, (_, sets) in arms.items():
+        jax.block_until_ready(many[n](sets))             # compile + warm
+    walls = {n: [] for n in arms}
+    for r in range(rounds):
+        for n, (_, sets) in arms.items():
+            walls[n].append(min(wall_us(many[n], sets, reps=reps, trials=trials)))
+        if on_round is not None:
+            on_round(r, walls)
+    return walls
+
+
 def gpu_kernel_us(trace_dir: str, calls: int) -> tuple[float | None, dict]:
     """Sum of GPU kernel durations in the perfetto trace per call, and the largest kernels (name -> us per call):
     the Mosaic kernel apart from XLA's small ones around it (x permutation, split-K sum)."""

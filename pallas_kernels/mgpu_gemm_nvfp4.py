@@ -44,7 +44,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from metrale_jax.errors import ShapeError
 from pallas_kernels import registry
 from pallas_kernels.mgpu_gemm import _num_sms
-from pallas_kernels.mgpu_gemv import _nibble_f32, _tf, e2m1x4_to_bf16_asm
+from pallas_kernels.mgpu_gemv import E2M1_A_SHIFT, _nibble_f32, _tf, e2m1x4_to_bf16_asm
 from pallas_kernels.w4a16 import (check_nvfp4_args, w4a16_gemm_pallas, w4a16_gemm_t_m128_pallas,
                                   w4a16_gemm_t_pallas, w4a16_reference, w4a16_t_reference)
 
@@ -54,7 +54,6 @@ STEP_K = 128         # K per pipeline step: 64 packed bytes per weight row
 GROUPS = 16          # scale columns per step: the step's 8 groups as (scale, scale) pairs
 SMEM_BYTES = 227 * 1024
 BF16 = jnp.bfloat16
-A_SHIFT = 2.0 ** 8  # the decoders' A operand is weight * 2^-8
 PROBES = ("skip_decode", "skip_shuffles")   # timing probes (GPU only, wrong results)
 
 
@@ -240,7 +239,7 @@ def _kernel(x_ref, p_ref, s_ref, g_ref, out_ref, o_smem, a_smem, *, t: Nvfp4Tile
                 @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((ROWS, tm), jnp.float32))
                 def _acc(acc_ref):
                     run(acc_ref)
-                    y = (acc_ref[...] * (g_ref[0] * A_SHIFT)).astype(out_ref.dtype)   # [64, tm] of out^T
+                    y = (acc_ref[...] * (g_ref[0] * E2M1_A_SHIFT)).astype(out_ref.dtype)   # [64, tm] of out^T
                     w_rows = pl.ds(ni * CTA_N + wg * ROWS, ROWS)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     if out_t:                  # 32-bit: out^T [N, M] (transposed stores do not lower)

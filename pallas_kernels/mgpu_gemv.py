@@ -265,7 +265,9 @@ and.b32 a, a, 0x87F087F0;
 fma.rn.bf16x2 a, a, k, z;
 fma.rn.bf16x2 $0, a, k, z;
 }"""
-W4P_SHIFT = 2.0 ** 8      # the perm decoder's A operand is weight * 2^-8
+# The NVFP4 decoders (this perm GEMV and mgpu_gemm_nvfp4) form e2m1 * 2^-126 times a scale pair * 2^118: their A
+# operand is weight * 2^-8, undone with the global scale on the accumulator.
+E2M1_A_SHIFT = 2.0 ** 8
 
 # Scales of one 256-wide K step ([64 rows, 16 groups]): thread q of a row holds groups q, 4 + q, 8 + q, 12 + q, the
 # groups of the packed bytes it loads in WGMMA_UPCAST_4X layout (byte columns 32c + 8q .. + 8 = group 4c + q).
@@ -317,7 +319,7 @@ def _ptx_e2m1_perm_to_bf16(p, s):
 def _jnp_e2m1_perm(p_ref, s_ref):
     """Interpret-mode twin of `_ptx_e2m1_perm_to_bf16` (same values, same column order), in jnp."""
     p = p_ref[...].astype(jnp.uint16)                                   # [64, 128]
-    sc = s_ref[...].astype(jnp.float32) * (16384.0 / W4P_SHIFT)        # [64, 16]; _nibble_f32 is value * 2^-14
+    sc = s_ref[...].astype(jnp.float32) * (16384.0 / E2M1_A_SHIFT)        # [64, 16]; _nibble_f32 is value * 2^-14
     lo, hi = _nibble_f32(p, False), _nibble_f32(p, True)
     w = jnp.stack([lo, hi], axis=-1).reshape(ROWS, 16, 16) * sc[:, :, None]
     return perm64(w.reshape(ROWS, 256)).astype(jnp.bfloat16)
@@ -773,7 +775,7 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, s
     acc = pl.run_scoped(scoped, *[plgpu.ACC((ROWS, BM * m_tiles), jnp.float32) for _ in range(groups)])
     if probe:                   # accumulators no wgmma wrote: give them the layout the output store expects
         acc = [plgpu.layout_cast(jnp.zeros((ROWS, BM * m_tiles), jnp.float32), plgpu.Layout.WGMMA) for _ in acc]
-    gs = g_gmem[0] * W4P_SHIFT
+    gs = g_gmem[0] * E2M1_A_SHIFT
     acc = [a * gs for a in acc]
     _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, m_tiles)
 

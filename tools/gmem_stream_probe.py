@@ -114,10 +114,7 @@ def main():
             checks[name] = ok
             print(f"{shape:12s} {name:24s} check {ok}", flush=True)
             arms[name] = (fn, [(w,) for w in ws])
-        walls = {name: [] for name in arms}
-        for _ in range(args.rounds):
-            for name, (fn, sets) in arms.items():
-                walls[name].append(min(timing.queued_wall_us(fn, sets, reps=6)))
+        walls = timing.interleaved_rounds(arms, args.rounds)
         for name, us in walls.items():
             fn, sets = arms[name]
             traced = timing.traced_gpu_us(timing.queued(fn, len(sets)), sets)

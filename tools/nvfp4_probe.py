@@ -78,10 +78,7 @@ def main():
             checks[cfg] = {"rel_err": float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref)),
                            "finite": bool(jnp.all(jnp.isfinite(y)))}
             print(f"{shape:8s} {cfg:28s} check {checks[cfg]}", flush=True)
-        walls = {name: [] for name in arms}
-        for _ in range(args.rounds):
-            for name, (fn, sets) in arms.items():
-                walls[name].append(min(timing.queued_wall_us(fn, sets, reps=6)))
+        walls = timing.interleaved_rounds(arms, args.rounds)
         base = min(walls["xla_bf16"])
         for name, us in walls.items():
             row = {"shape": shape, "N": N, "K": K, "config": name, "us_rounds": us, "us": min(us),

@@ -67,14 +67,9 @@ def main():
             if not err < 5e-3:
                 raise AssertionError(f"{shape} w8a16_gemm_pipelined: rel err {err} against the reference")
             arms["w8a16_gemm_pipelined default"] = (fn, [(xs[i], *wq[i % 2]) for i in range(4)])
-        many = {n: timing.queued(fn, len(sets)) for n, (fn, sets) in arms.items()}
-        for n, (_, sets) in arms.items():
-            jax.block_until_ready(many[n](sets))              # compile + warm
-        walls: dict[str, list[float]] = {n: [] for n in arms}
-        for r in range(args.rounds):
-            for n, (_, sets) in arms.items():
-                walls[n] += timing.wall_us(many[n], sets, reps=6, trials=1)
-            print(f"{time.time():.1f}", shape, "round", r, {n: round(v[-1], 1) for n, v in walls.items()}, flush=True)
+        progress = lambda r, w: print(f"{time.time():.1f}", shape, "round", r,
+                                      {n: round(v[-1], 1) for n, v in w.items()}, flush=True)
+        walls = timing.interleaved_rounds(arms, args.rounds, trials=1, on_round=progress)
         base = statistics.median(walls["xla_bf16"])
         res["shapes"][shape] = {n: {"wall_us": [round(v, 2) for v in ws], "min_us": min(ws),
                                     "median_us": statistics.median(ws),
