@@ -319,7 +319,7 @@ def _ptx_e2m1_perm_to_bf16(p, s):
 def _jnp_e2m1_perm(p_ref, s_ref):
     """Interpret-mode twin of `_ptx_e2m1_perm_to_bf16` (same values, same column order), in jnp."""
     p = p_ref[...].astype(jnp.uint16)                                   # [64, 128]
-    sc = s_ref[...].astype(jnp.float32) * (16384.0 / E2M1_A_SHIFT)        # [64, 16]; _nibble_f32 is value * 2^-14
+    sc = s_ref[...].astype(jnp.float32) * (16384.0 / E2M1_A_SHIFT)     # [64, 16]; _nibble_f32 is value * 2^-14
     lo, hi = _nibble_f32(p, False), _nibble_f32(p, True)
     w = jnp.stack([lo, hi], axis=-1).reshape(ROWS, 16, 16) * sc[:, :, None]
     return perm64(w.reshape(ROWS, 256)).astype(jnp.bfloat16)

@@ -105,8 +105,8 @@ def main():
         for rows, step, unroll, split in configs:
             name = f"rows{rows}:step{step}:unroll{unroll}:split{split}"
             if N % rows or K % (step * split) or (K // (step * split)) % unroll:
-                print(f"{shape:12s} {name:24s} skipped: rows must divide N={N}, step*split K={K}, unroll the "
-                      f"{K // (step * split)} iterations", flush=True)
+                print(f"{shape:12s} {name:24s} skipped: needs N % rows == 0 (N = {N}), K % (step * split) == 0 "
+                      f"(K = {K}) and unroll dividing the {K // (step * split)} iterations", flush=True)
                 result["rows"].append({"shape": shape, "config": name, "skipped": "does not tile this shape"})
                 continue
             fn = functools.partial(stream_xor, rows=rows, step=step, unroll=unroll, split=split)
