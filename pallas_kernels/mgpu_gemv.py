@@ -1,8 +1,8 @@
 """Decode GEMVs on Hopper through Pallas Mosaic GPU: the Mosaic arms of `w8a16_gemv` and `w4a16_gemv`.
 
 Both compute out^T = W x^T with the weight tile as the wgmma A operand, widened to bf16 in registers
-(no shared-memory round trip), and x^T (16 rows per tile, zero-filled past M by TMA) as the B operand in shared
-memory. Weight tiles stream through a multi-stage TMA pipeline (`emit_pipeline`). At larger M a CTA takes
+(no shared-memory round trip), and x^T (16 rows per tile, 8 when M <= 8; zero-filled past M by TMA) as the B
+operand in shared memory. Weight tiles stream through a multi-stage TMA pipeline (`emit_pipeline`). At larger M a CTA takes
 several 16-row x tiles (`m_tiles`, w8 and w4 perm) and one m64 x n(16 m_tiles) wgmma per widened weight tile.
 
   w8a16: E4M3 tile [64, 128] -> bf16 (exact); one block scale per 128-wide K step, applied in float32
@@ -51,6 +51,7 @@ from pallas_kernels.w4a16 import check_nvfp4_args, w4a16_reference
 from pallas_kernels.w8a16 import H200_SMS, _check_w8a16, w8a16_reference
 
 BM = 16            # x rows per tile (the wgmma N dimension); fixed so that rows are batch-invariant
+X_ROWS_SMALL = 8   # x rows per CTA when M <= 8 (w8 and w4 perm): an n8 wgmma, half the x bytes of a 16-row tile
 ROWS = 64          # wgmma M: weight rows per warpgroup instruction
 W8_BK = 128        # K per step of w8a16 (one block scale)
 W4_BK = 512        # K per step of w4a16 (256 packed bytes, 32 scale groups)
@@ -72,6 +73,8 @@ class GemvConfig:
                               # "stream-weights": fewer TMA streams (W4_PROBE_STREAMS)
     m_tiles: int = 0          # w8 / w4 perm: 16-row x tiles per CTA, one m64 x n(16 m_tiles) wgmma against the
                               # widened weight tile (0: auto, see launch_tiles; 1 = one CTA per 16 rows)
+    small_m: bool = True      # w8 / w4 perm at M <= 8: one 8-row x tile (an n8 wgmma) instead of 16 rows; H200
+                              # s13-7, M = 1: in_proj w8 24.0 vs 25.5 us, w4 22.0 vs 24.0, rows bit-identical
 
 
 def _tf(cols_bytes: int, itemsize: int):
@@ -342,17 +345,17 @@ def _mma_value(a, b_ref, a_smem, n: int):
     return pl.run_scoped(run, plgpu.ACC((ROWS, n), jnp.float32))
 
 
-def _store_out(accs, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, m_tiles: int = 1):
-    """accs: per 64-row group, a [64, BM * m_tiles] tile of out^T.
+def _store_out(accs, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, xr: int = BM):
+    """accs: per 64-row group, a [64, xr] tile of out^T (xr: x rows per CTA, see `x_rows`).
     direct: into o_gmem [M, N] through transposed SMEM views (TMA clips rows past M and columns past N;
     16-bit outputs only). Else as float32 out^T partials into o_gmem [split, N, Mp] (summed and transposed by
     the caller)."""
     for g, acc in enumerate(accs):
-        rows, cols = pl.ds(g * ROWS, ROWS), pl.ds(0, BM * m_tiles)
+        rows, cols = pl.ds(g * ROWS, ROWS), pl.ds(0, xr)
         dst = o_smem.at[cols, rows].transpose((1, 0)) if direct else o_smem.at[rows, cols]
         dst[...] = acc.astype(o_smem.dtype)
     plgpu.commit_smem()
-    mrows = pl.ds(m_blk * BM * m_tiles, BM * m_tiles)
+    mrows = pl.ds(m_blk * xr, xr)
     if direct:
         plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[mrows, pl.ds(n_blk * bn, bn)])
     else:
@@ -365,10 +368,11 @@ def _direct(split: int, out_dtype) -> bool:
     return split == 1 and jnp.dtype(out_dtype).itemsize == 2
 
 
-def _out_spec(M: int, N: int, bn: int, split: int, out_dtype, m_tiles: int = 1):
-    """(direct?, out type, SMEM staging tile) for a call with M (padded) rows; see `_store_out`."""
+def _out_spec(M: int, N: int, bn: int, split: int, out_dtype, xr: int = BM):
+    """(direct?, out type, SMEM staging tile) for a call with M (padded) rows and xr x rows per CTA; see
+    `_store_out`."""
     direct = _direct(split, out_dtype)
-    mt = BM * m_tiles
+    mt = xr
     if direct:
         return True, jax.ShapeDtypeStruct((M, N), out_dtype), plgpu.SMEM((mt, bn), out_dtype)
     return False, jax.ShapeDtypeStruct((split, N, pl.cdiv(M, mt) * mt), jnp.float32), plgpu.SMEM((bn, mt), jnp.float32)
@@ -417,7 +421,7 @@ def _widen8(w_ref, load: str, widen: str, interpret: bool):
 
 
 def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, load, widen, interpret,
-               probe, m_tiles):
+               probe, xr):
     """One wgmma per 128-wide K step over all m_tiles 16-row x tiles of the CTA (the weight tile is read and
     widened once) into a fresh accumulator, waited for before the block scale is applied. A wgmma computes each
     output column the same way whatever its N (H200 s9-4: rows bit-identical at M = 1, 16, 40 and 256), so a
@@ -430,7 +434,7 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, sta
     def body(idx, w_smem, x_smem, acc):
         (k,) = idx
         s = s_gmem[s_row, k_first + k]
-        xt = x_smem.transpose((1, 0))                  # [128, BM * m_tiles]: the B operand
+        xt = x_smem.transpose((1, 0))                  # [128, xr]: the B operand
         if probe == "stream":
             return acc
         out = []
@@ -439,17 +443,17 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, sta
                 a = plgpu.layout_cast(jnp.full((ROWS, W8_BK), 1.0, jnp.bfloat16), plgpu.Layout.WGMMA)
             else:
                 a = _widen8(w_smem.at[pl.ds(g * ROWS, ROWS)], load, widen, interpret)
-            out.append(acc[g] + _mma_value(a, xt, a_smem, BM * m_tiles) * s)
+            out.append(acc[g] + _mma_value(a, xt, a_smem, xr) * s)
         return tuple(out)
 
-    zero = plgpu.layout_cast(jnp.zeros((ROWS, BM * m_tiles), jnp.float32), plgpu.Layout.WGMMA)
+    zero = plgpu.layout_cast(jnp.zeros((ROWS, xr), jnp.float32), plgpu.Layout.WGMMA)
     acc = plgpu.emit_pipeline(
         body, grid=(steps,),
         in_specs=[plgpu.BlockSpec((bn, W8_BK), lambda k: (n_blk, k_first + k), transforms=_tf(W8_BK, 1)),
-                  plgpu.BlockSpec((BM * m_tiles, W8_BK), lambda k: (m_blk, k_first + k),
+                  plgpu.BlockSpec((xr, W8_BK), lambda k: (m_blk, k_first + k),
                                   transforms=_tf(2 * W8_BK, 2))],
         max_concurrent_steps=stages, init_carry=(zero,) * groups)(w_gmem, x_gmem)
-    _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, m_tiles)
+    _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, xr)
 
 
 def _w8_kernel_overlap(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, load, widen,
@@ -536,12 +540,13 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
     if config.widen == "perm":
         xp = perm_cols(xp)                                # the weight tiles' columns arrive in this order
     mt, stages = launch_tiles("w8a16_gemv", M, N, K, config, out_dtype)
-    direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype, mt)
+    xr = BM if config.overlap else x_rows(M, mt, config.small_m)
+    direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype, xr)
     kernel = functools.partial(_w8_kernel_overlap if config.overlap else _w8_kernel, bn=bn, steps=steps,
                                stages=stages, direct=direct, load=config.load, widen=config.widen,
                                interpret=bool(interpret))
     if not config.overlap:
-        kernel = functools.partial(kernel, probe=config.probe, m_tiles=mt)
+        kernel = functools.partial(kernel, probe=config.probe, xr=xr)
     f = plgpu.kernel(
         kernel, out_type=out_type, grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s"),
         scratch_types=dict(o_smem=o_smem,
@@ -583,6 +588,13 @@ def launch_tiles(name: str, M: int, N: int, K: int, config: GemvConfig, out_dtyp
     while mt > 1 and smem(mt, tile_stages) > GEMV_SMEM:
         mt -= 1
     return (pl.cdiv(mb, pl.cdiv(mb, mt)), tile_stages) if mt > 1 else (1, stages)
+
+
+def x_rows(M: int, m_tiles: int, small_m: bool = True) -> int:
+    """x rows per CTA, the wgmma N: one 8-row tile when M <= 8 (half the x bytes per step of a 16-row tile), else
+    16 per x tile. A wgmma computes each output column the same way whatever its N (H200 s9-4: n16 / n48 / n128;
+    n8 against n16 in the GPU tests), so rows keep their bits across the two."""
+    return X_ROWS_SMALL if small_m and M <= X_ROWS_SMALL and m_tiles == 1 else BM * m_tiles
 
 
 def _interpret_kw(interpret) -> dict:
@@ -734,7 +746,7 @@ W4_PROBE_STREAMS = {"stream": "psx", "stream-no-x": "ps", "stream-weights": "p"}
 
 
 def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, interpret,
-                probe, m_tiles):
+                probe, xr):
     """NVFP4 GEMV with the "perm" decoder: scales are multiplied in during the decode, so one accumulator per
     64 rows (over all m_tiles x tiles of the CTA, one wgmma against the decoded tile) runs over all K.
     Each step waits for its own wgmmas (wait_group 0) before the next step's decode rewrites the A registers:
@@ -746,12 +758,12 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, s
     k_first = split * steps
     groups = bn // ROWS
 
-    def scoped(*accs):                                                # per 64-row group: [64, BM * m_tiles]
+    def scoped(*accs):                                                # per 64-row group: [64, xr]
         def body(idx, *refs):
             if probe:
                 return
             p_smem, s_smem, x_smem = refs
-            xt = x_smem.transpose((1, 0))                             # [256, BM * m_tiles]
+            xt = x_smem.transpose((1, 0))                             # [256, xr]
             for g in range(groups):
                 rows = pl.ds(g * ROWS, ROWS)
                 if interpret:
@@ -766,18 +778,18 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, s
                                                        delay_release=1)
         streams = {"p": (spec((bn, W4P_BK // 2), _tf(128, 1), n_blk), p_gmem),
                    "s": (spec((bn, W4P_BK // 16), (), n_blk), s_gmem),
-                   "x": (spec((BM * m_tiles, W4P_BK), _tf(128, 2), m_blk), x_gmem)}
+                   "x": (spec((xr, W4P_BK), _tf(128, 2), m_blk), x_gmem)}
         keep = W4_PROBE_STREAMS.get(probe, "psx")
         plgpu.emit_pipeline(body, grid=(steps,), in_specs=[streams[c][0] for c in keep],
                             max_concurrent_steps=stages)(*[streams[c][1] for c in keep])
         return tuple(acc[...] for acc in accs)
 
-    acc = pl.run_scoped(scoped, *[plgpu.ACC((ROWS, BM * m_tiles), jnp.float32) for _ in range(groups)])
+    acc = pl.run_scoped(scoped, *[plgpu.ACC((ROWS, xr), jnp.float32) for _ in range(groups)])
     if probe:                   # accumulators no wgmma wrote: give them the layout the output store expects
-        acc = [plgpu.layout_cast(jnp.zeros((ROWS, BM * m_tiles), jnp.float32), plgpu.Layout.WGMMA) for _ in acc]
+        acc = [plgpu.layout_cast(jnp.zeros((ROWS, xr), jnp.float32), plgpu.Layout.WGMMA) for _ in acc]
     gs = g_gmem[0] * E2M1_A_SHIFT
     acc = [a * gs for a in acc]
-    _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, m_tiles)
+    _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, xr)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
@@ -787,9 +799,10 @@ def _w4p_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, 
     bn, nb, mb, split, steps = _grid("w4a16_gemv", M, N, K, W4P_BK, config)
     xp = perm64(_pad_rows(x))                          # the decoded tiles' columns arrive in this order
     mt, stages = launch_tiles("w4a16_gemv", M, N, K, config, out_dtype)
-    direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype, mt)
+    xr = x_rows(M, mt, config.small_m)
+    direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype, xr)
     kernel = functools.partial(_w4p_kernel, bn=bn, steps=steps, stages=stages, direct=direct,
-                               interpret=bool(interpret), probe=config.probe, m_tiles=mt)
+                               interpret=bool(interpret), probe=config.probe, xr=xr)
     f = plgpu.kernel(
         kernel, out_type=out_type, grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s"),
         scratch_types=dict(o_smem=o_smem,

@@ -44,8 +44,9 @@ def main():
     ap.add_argument("--m-tiles", default="1", type=lambda v: [int(t) for t in v.split(",") if t],
                     help="fixed m_tiles configs timed beside the auto one")
     ap.add_argument("--launch", default="", help="extra launches beside the default, block_n/stages/split_k"
-                    "[/m_tiles][/p] comma-separated (e.g. 128/4/2,64/2/0/8; split 0 = the default launch's split; "
-                    "p: the 'stream' probe, the TMA pipeline alone; w4 px / pw: without the x / x and scale streams)")
+                    "[/m_tiles][/p][/x16] or d[/...] (the default launch) comma-separated (e.g. 128/4/2,64/2/0/8,d/x16;"
+                    " split 0 = the default launch's split; p: the 'stream' probe, the TMA pipeline alone; w4 px / pw:"
+                    " without the x / x and scale streams; x16: 16-row x tiles at M <= 8 too)")
     ap.add_argument("--gpu-time", action="store_true", help="also GPU kernel us per call from a profiler trace")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -67,15 +68,15 @@ def main():
             arms = {"xla_bf16": (xla_bf16, [(xs[i], wb[i % 2]) for i in range(4)], None)}
             extra = [(f"mosaic m_tiles={t}", dataclasses.replace(base, m_tiles=t)) for t in args.m_tiles]
             for spec in filter(None, args.launch.split(",")):
-                toks = spec.split("/")
-                probe = PROBES.get(toks[-1], "")
-                if probe:
-                    toks.pop()
-                bn, st, sk, *mt = map(int, toks)
-                extra.append((f"mosaic {spec}", dataclasses.replace(base, block_n=bn, stages=st,
-                                                                    split_k=sk or base.split_k,
-                                                                    m_tiles=mt[0] if mt else base.m_tiles,
-                                                                    probe=probe)))
+                toks, cfg = spec.split("/"), base
+                while toks[-1] in PROBES or toks[-1] == "x16":
+                    t = toks.pop()
+                    cfg = dataclasses.replace(cfg, **({"small_m": False} if t == "x16" else {"probe": PROBES[t]}))
+                if toks != ["d"]:
+                    bn, st, sk, *mt = map(int, toks)
+                    cfg = dataclasses.replace(cfg, block_n=bn, stages=st, split_k=sk or base.split_k,
+                                              m_tiles=mt[0] if mt else base.m_tiles)
+                extra.append((f"mosaic {spec}", cfg))
             for name, cfg in [("mosaic auto m_tiles", base)] + extra:
                 fn = lambda *a, cfg=cfg, gemv=gemv, **kw: gemv(*a, config=cfg, **kw)
                 arms[name] = (fn, [(xs[i], *wq[i % 2]) for i in range(4)], cfg)
