@@ -2,8 +2,9 @@
 
 Both compute out^T = W x^T with the weight tile as the wgmma A operand, widened to bf16 in registers
 (no shared-memory round trip), and x^T (16 rows per tile, 8 when M <= 8; zero-filled past M by TMA) as the B
-operand in shared memory. Weight tiles stream through a multi-stage TMA pipeline (`emit_pipeline`). At larger M a CTA takes
-several 16-row x tiles (`m_tiles`, w8 and w4 perm) and one m64 x n(16 m_tiles) wgmma per widened weight tile.
+operand in shared memory. Weight tiles stream through a multi-stage TMA pipeline (`emit_pipeline`). At larger M a
+CTA takes several 16-row x tiles (`m_tiles`, w8 and w4 perm) and one m64 x n(16 m_tiles) wgmma per widened weight
+tile.
 
   w8a16: E4M3 tile [64, 128] -> bf16 (exact); one block scale per 128-wide K step, applied in float32
          to that step's product, so the result equals dequantize-then-matmul up to f32 summation order.
