@@ -39,11 +39,18 @@ def queued_wall_us(fn, arg_sets, *, reps: int, trials: int = 3) -> list[float]:
     return wall_us(queued(fn, len(arg_sets)), arg_sets, reps=reps, trials=trials)
 
 
-def interleaved_rounds(arms: dict, rounds: int, *, reps: int = 6, trials: int = 3, on_round=None) -> dict:
-    """{name: [us per call, one per round]} for arms {name: (fn, arg_sets)}: each compiled once, then every arm timed
-    once per round (best of `trials`), round after round, so all see the same GPU state (clocks, the power cap:
-    benchmarks/notes/quant_prefill.md s8-4). on_round(r, walls) runs after each round (progress lines)."""
-    many = {n: queued(fn, len(sets)) for n, (fn, sets) in arms.items()}
+def queued_arms(arms: dict) -> dict:
+    """{name: `queued` executable} for arms {name: (fn, arg_sets)}: built once, shared by the timings of an arm."""
+    return {n: queued(fn, len(sets)) for n, (fn, sets) in arms.items()}
+
+
+def interleaved_rounds(arms: dict, rounds: int, *, reps: int = 6, trials: int = 3, on_round=None,
+                       many: dict | None = None) -> dict:
+    """{name: [us per call, one per round]} for arms {name: (fn, arg_sets)}: each compiled once (or given as `many`,
+    from `queued_arms`), then every arm timed once per round (best of `trials`), round after round, so all see the
+    same GPU state (clocks, the power cap: benchmarks/notes/quant_prefill.md s8-4). on_round(r, walls) runs after
+    each round (progress lines)."""
+    many = many or queued_arms(arms)
     for n, (_, sets) in arms.items():
         jax.block_until_ready(many[n](sets))             # compile + warm
     walls = {n: [] for n in arms}

@@ -51,7 +51,8 @@ from pallas_kernels import registry
 from pallas_kernels.w4a16 import check_nvfp4_args, w4a16_reference
 from pallas_kernels.w8a16 import H200_SMS, _check_w8a16, w8a16_reference
 
-BM = 16            # x rows per tile (the wgmma N dimension); fixed so that rows are batch-invariant
+BM = 16            # x rows per tile (the wgmma N dimension); never chosen from M beyond `x_rows`, so rows stay
+                   # batch-invariant
 X_ROWS_SMALL = 8   # x rows per CTA when M <= 8 (w8 and w4 perm): an n8 wgmma, half the x bytes of a 16-row tile
 ROWS = 64          # wgmma M: weight rows per warpgroup instruction
 W8_BK = 128        # K per step of w8a16 (one block scale)
@@ -373,10 +374,9 @@ def _out_spec(M: int, N: int, bn: int, split: int, out_dtype, xr: int = BM):
     """(direct?, out type, SMEM staging tile) for a call with M (padded) rows and xr x rows per CTA; see
     `_store_out`."""
     direct = _direct(split, out_dtype)
-    mt = xr
     if direct:
-        return True, jax.ShapeDtypeStruct((M, N), out_dtype), plgpu.SMEM((mt, bn), out_dtype)
-    return False, jax.ShapeDtypeStruct((split, N, pl.cdiv(M, mt) * mt), jnp.float32), plgpu.SMEM((bn, mt), jnp.float32)
+        return True, jax.ShapeDtypeStruct((M, N), out_dtype), plgpu.SMEM((xr, bn), out_dtype)
+    return False, jax.ShapeDtypeStruct((split, N, pl.cdiv(M, xr) * xr), jnp.float32), plgpu.SMEM((bn, xr), jnp.float32)
 
 
 def _pad_rows(x):

@@ -21,3 +21,17 @@ def test_queued_calls_fn_once_per_distinct_set(rng):
     out = timing.queued(lambda v: v * 2.0, len(sets))(sets)
     for (x,), y in zip(sets, out):
         np.testing.assert_array_equal(np.asarray(y), 2.0 * np.asarray(x))
+
+
+def test_interleaved_rounds_reuse_given_executables(rng):
+    """Executables from queued_arms serve the rounds as they are: fn is traced once, not again per round or call."""
+    traces = []
+    fn = lambda v: (traces.append(1), v + 1.0)[1]
+    sets = [(jnp.asarray(rng.standard_normal(16), jnp.float32),) for _ in range(2)]
+    arms = {"add": (fn, sets)}
+    many = timing.queued_arms(arms)
+    jax_out = many["add"](sets)
+    np.testing.assert_array_equal(np.asarray(jax_out[1]), np.asarray(sets[1][0]) + 1.0)
+    n = len(traces)
+    walls = timing.interleaved_rounds(arms, 3, reps=2, trials=1, many=many)
+    assert len(walls["add"]) == 3 and len(traces) == n

@@ -90,7 +90,7 @@ def main():
             for bn, stages, split in ((64, 2, 2), (64, 6, 1), (128, 4, 1)):     # the TMA pipeline, no compute
                 cfg = mgpu_gemv.GemvConfig(bn, stages, split, probe="stream")
                 arms[f"tma_stream_{bn}/{stages}/s{split}"] = (
-                    functools.partial(lambda x, w, cfg: mgpu_gemv.w8a16_gemv_mosaic(x, w, sc, config=cfg), cfg=cfg),
+                    lambda x, w, cfg=cfg: mgpu_gemv.w8a16_gemv_mosaic(x, w, sc, config=cfg),
                     arms["w8a16_gemv_mosaic_m1"][1])
         else:
             xs = [jax.random.normal(k, (1, 2 * K), jnp.bfloat16) for k in jax.random.split(jax.random.PRNGKey(1), 4)]
@@ -114,10 +114,10 @@ def main():
             checks[name] = ok
             print(f"{shape:12s} {name:24s} check {ok}", flush=True)
             arms[name] = (fn, [(w,) for w in ws])
-        walls = timing.interleaved_rounds(arms, args.rounds)
+        many = timing.queued_arms(arms)                  # one compile per arm for the rounds and the trace
+        walls = timing.interleaved_rounds(arms, args.rounds, many=many)
         for name, us in walls.items():
-            fn, sets = arms[name]
-            traced = timing.traced_gpu_us(timing.queued(fn, len(sets)), sets)
+            traced = timing.traced_gpu_us(many[name], arms[name][1])
             nbytes = 2 * N * K if name == "xla_bf16_gemv_m1" else N * K       # bf16 weights: twice the bytes
             gpu = traced["gpu_us"]
             row = {"shape": shape, "N": N, "K": K, "config": name, "us_rounds": us, "us": min(us), **traced,
