@@ -77,6 +77,8 @@ class GemvConfig:
                               # widened weight tile (0: auto, see launch_tiles; 1 = one CTA per 16 rows)
     small_m: bool = True      # w8 / w4 perm at M <= 8: one 8-row x tile (an n8 wgmma) instead of 16 rows; H200
                               # s13-7, M = 1: in_proj w8 24.0 vs 25.5 us, w4 22.0 vs 24.0, rows bit-identical
+    k_blocks: int = 1         # w8 / w4 perm: K blocks (w8 128, w4 256 wide) per pipeline step, all their wgmmas
+                              # issued before one wait: block j + 1 is widened while block j's wgmma runs
 
 
 def _tf(cols_bytes: int, itemsize: int):
@@ -347,6 +349,16 @@ def _mma_value(a, b_ref, a_smem, n: int):
     return pl.run_scoped(run, plgpu.ACC((ROWS, n), jnp.float32))
 
 
+def _mma_values(a_fns, b_refs, a_smem, n: int):
+    """Fresh [64, n] float32 products a_fns[j]() @ b_refs[j], each wgmma issued before the next A operand is built
+    (a_fns are called in order), all awaited at the end."""
+    def run(*acc_refs):
+        for a_fn, b_ref, acc_ref in zip(a_fns, b_refs, acc_refs):
+            _mma(acc_ref, a_fn(), b_ref, a_smem)
+        return [acc_ref[...] for acc_ref in acc_refs]
+    return pl.run_scoped(run, *[plgpu.ACC((ROWS, n), jnp.float32) for _ in a_fns])
+
+
 def _store_out(accs, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, xr: int = BM):
     """accs: per 64-row group, a [64, xr] tile of out^T (xr: x rows per CTA, see `x_rows`).
     direct: into o_gmem [M, N] through transposed SMEM views (TMA clips rows past M and columns past N;
@@ -422,9 +434,10 @@ def _widen8(w_ref, load: str, widen: str, interpret: bool):
 
 
 def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, load, widen, interpret,
-               probe, xr):
-    """One wgmma per 128-wide K step over all m_tiles 16-row x tiles of the CTA (the weight tile is read and
-    widened once) into a fresh accumulator, waited for before the block scale is applied. A wgmma computes each
+               probe, xr, kb):
+    """One wgmma per 128-wide K block over all m_tiles 16-row x tiles of the CTA (the weight tile is read and
+    widened once) into a fresh accumulator, waited for before the block scale is applied; a pipeline step holds
+    kb blocks, whose wgmmas are all issued before the wait. A wgmma computes each
     output column the same way whatever its N (H200 s9-4: rows bit-identical at M = 1, 16, 40 and 256), so a
     row's result does not depend on M."""
     n_blk, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
@@ -434,24 +447,31 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, sta
 
     def body(idx, w_smem, x_smem, acc):
         (k,) = idx
-        s = s_gmem[s_row, k_first + k]
-        xt = x_smem.transpose((1, 0))                  # [128, xr]: the B operand
+        blocks = range(kb)
+        s = [s_gmem[s_row, (k_first + k) * kb + j] for j in blocks]
+        xt = [x_smem.at[:, pl.ds(j * W8_BK, W8_BK)].transpose((1, 0)) for j in blocks]    # [128, xr]: B operands
         if probe == "stream":
             return acc
         out = []
         for g in range(groups):
+            rows = pl.ds(g * ROWS, ROWS)
             if probe == "mma":
-                a = plgpu.layout_cast(jnp.full((ROWS, W8_BK), 1.0, jnp.bfloat16), plgpu.Layout.WGMMA)
+                widened = [lambda: plgpu.layout_cast(jnp.full((ROWS, W8_BK), 1.0, jnp.bfloat16), plgpu.Layout.WGMMA)]
+                widened *= kb
             else:
-                a = _widen8(w_smem.at[pl.ds(g * ROWS, ROWS)], load, widen, interpret)
-            out.append(acc[g] + _mma_value(a, xt, a_smem, xr) * s)
+                widened = [functools.partial(_widen8, w_smem.at[rows, pl.ds(j * W8_BK, W8_BK)], load, widen,
+                                             interpret) for j in blocks]
+            part = acc[g]
+            for prod, sj in zip(_mma_values(widened, xt, a_smem, xr), s):
+                part = part + prod * sj
+            out.append(part)
         return tuple(out)
 
     zero = plgpu.layout_cast(jnp.zeros((ROWS, xr), jnp.float32), plgpu.Layout.WGMMA)
     acc = plgpu.emit_pipeline(
         body, grid=(steps,),
-        in_specs=[plgpu.BlockSpec((bn, W8_BK), lambda k: (n_blk, k_first + k), transforms=_tf(W8_BK, 1)),
-                  plgpu.BlockSpec((xr, W8_BK), lambda k: (m_blk, k_first + k),
+        in_specs=[plgpu.BlockSpec((bn, kb * W8_BK), lambda k: (n_blk, k_first + k), transforms=_tf(W8_BK, 1)),
+                  plgpu.BlockSpec((xr, kb * W8_BK), lambda k: (m_blk, k_first + k),
                                   transforms=_tf(2 * W8_BK, 2))],
         max_concurrent_steps=stages, init_carry=(zero,) * groups)(w_gmem, x_gmem)
     _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, xr)
@@ -522,7 +542,10 @@ def _w8_kernel_overlap(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, st
 def _grid(name: str, M: int, N: int, K: int, bk: int, config: GemvConfig):
     """(block_n, n-blocks, m-blocks, K split, K steps per split) of a GEMV launch; the split from (N, K) only."""
     bn = config.block_n
-    total = pl.cdiv(K, bk)
+    if K % bk:
+        raise ShapeError(f"{name}(mosaic): K={K} is not a multiple of the {bk}-wide pipeline step (k_blocks="
+                         f"{config.k_blocks})")
+    total = K // bk
     nb, mb = pl.cdiv(N, bn), pl.cdiv(M, BM)
     split = config.split_k or auto_split(nb, total)
     if total % split:
@@ -534,7 +557,7 @@ def _grid(name: str, M: int, N: int, K: int, bk: int, config: GemvConfig):
 def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
     M, K = x.shape
     N = w.shape[0]
-    bn, nb, mb, split, steps = _grid("w8a16_gemv", M, N, K, W8_BK, config)
+    bn, nb, mb, split, steps = _grid("w8a16_gemv", M, N, K, W8_BK * config.k_blocks, config)
     if config.overlap and steps % 2:
         raise ShapeError(f"w8a16_gemv(mosaic): overlap=True needs an even number of K steps per split, got {steps}")
     xp = _pad_rows(x)
@@ -547,7 +570,7 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
                                stages=stages, direct=direct, load=config.load, widen=config.widen,
                                interpret=bool(interpret))
     if not config.overlap:
-        kernel = functools.partial(kernel, probe=config.probe, xr=xr)
+        kernel = functools.partial(kernel, probe=config.probe, xr=xr, kb=config.k_blocks)
     f = plgpu.kernel(
         kernel, out_type=out_type, grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s"),
         scratch_types=dict(o_smem=o_smem,
@@ -570,7 +593,7 @@ def launch_tiles(name: str, M: int, N: int, K: int, config: GemvConfig, out_dtyp
     x tiles, the output staging), spread evenly over the fewest CTAs. Launches with overlap or the w4 non-perm
     decoder take one tile."""
     w8 = name == "w8a16_gemv"
-    bk = W8_BK if w8 else W4P_BK
+    bk = (W8_BK if w8 else W4P_BK) * config.k_blocks
     bn, _, mb, split, steps = _grid(name, M, N, K, bk, config)
     stages = min(config.stages, steps) if w8 and not config.overlap else config.stages
     if config.overlap or (not w8 and config.widen != "perm"):
@@ -617,6 +640,10 @@ def _check_config(name: str, config: GemvConfig):
         raise ShapeError(f"{name}(mosaic): config expects block_n in (64, 128), stages >= 1 (>= 2 with overlap or "
                          f"w4 perm: stages are released one step late), split_k >= 0, load 'upcast' or 'direct', "
                          f"widen 'ptx', 'jnp' or 'perm', overlap w8 only; got {config}")
+    if config.k_blocks < 1 or config.k_blocks > 4 or (config.k_blocks > 1 and (
+            config.overlap or (name == "w4a16_gemv" and config.widen != "perm"))):
+        raise ShapeError(f"{name}(mosaic): config.k_blocks expects 1 to 4, above 1 only without overlap (w8) or with "
+                         f"widen 'perm' (w4); got {config}")
     probes = (("", "stream", "mma") if name == "w8a16_gemv" else ("", *W4_PROBE_STREAMS) if config.widen == "perm"
               else ("",))
     if config.probe not in probes or (config.probe and config.overlap):
@@ -747,7 +774,7 @@ W4_PROBE_STREAMS = {"stream": "psx", "stream-no-x": "ps", "stream-weights": "p"}
 
 
 def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, interpret,
-                probe, xr):
+                probe, xr, kb):
     """NVFP4 GEMV with the "perm" decoder: scales are multiplied in during the decode, so one accumulator per
     64 rows (over all m_tiles x tiles of the CTA, one wgmma against the decoded tile) runs over all K.
     Each step waits for its own wgmmas (wait_group 0) before the next step's decode rewrites the A registers:
@@ -764,22 +791,24 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, s
             if probe:
                 return
             p_smem, s_smem, x_smem = refs
-            xt = x_smem.transpose((1, 0))                             # [256, xr]
-            for g in range(groups):
-                rows = pl.ds(g * ROWS, ROWS)
-                if interpret:
-                    a = _jnp_e2m1_perm(p_smem.at[rows], s_smem.at[rows])
-                else:
-                    a = _ptx_e2m1_perm_to_bf16(plgpu.load(p_smem.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X),
-                                               plgpu.load(s_smem.at[rows], layout=W4_SCALE_LAYOUT))
-                _mma(accs[g], a, xt, a_smem)
+            for j in range(kb):
+                xt = x_smem.at[:, pl.ds(j * W4P_BK, W4P_BK)].transpose((1, 0))          # [256, xr]
+                for g in range(groups):
+                    rows = pl.ds(g * ROWS, ROWS)
+                    p_j, s_j = p_smem.at[rows, pl.ds(j * 128, 128)], s_smem.at[rows, pl.ds(j * 16, 16)]
+                    if interpret:
+                        a = _jnp_e2m1_perm(p_j, s_j)
+                    else:
+                        a = _ptx_e2m1_perm_to_bf16(plgpu.load(p_j, layout=plgpu.Layout.WGMMA_UPCAST_4X),
+                                                   plgpu.load(s_j, layout=W4_SCALE_LAYOUT))
+                    _mma(accs[g], a, xt, a_smem)
             plgpu.wgmma_wait(0)                                       # A registers and x stage free again
 
         spec = lambda shape, tf, row: plgpu.BlockSpec(shape, lambda k: (row, k_first + k), transforms=tf,
                                                        delay_release=1)
-        streams = {"p": (spec((bn, W4P_BK // 2), _tf(128, 1), n_blk), p_gmem),
-                   "s": (spec((bn, W4P_BK // 16), (), n_blk), s_gmem),
-                   "x": (spec((xr, W4P_BK), _tf(128, 2), m_blk), x_gmem)}
+        streams = {"p": (spec((bn, kb * W4P_BK // 2), _tf(128, 1), n_blk), p_gmem),
+                   "s": (spec((bn, kb * W4P_BK // 16), (), n_blk), s_gmem),
+                   "x": (spec((xr, kb * W4P_BK), _tf(128, 2), m_blk), x_gmem)}
         keep = W4_PROBE_STREAMS.get(probe, "psx")
         plgpu.emit_pipeline(body, grid=(steps,), in_specs=[streams[c][0] for c in keep],
                             max_concurrent_steps=stages)(*[streams[c][1] for c in keep])
@@ -797,13 +826,13 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, s
 def _w4p_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, interpret: bool):
     M, K = x.shape
     N = packed.shape[0]
-    bn, nb, mb, split, steps = _grid("w4a16_gemv", M, N, K, W4P_BK, config)
+    bn, nb, mb, split, steps = _grid("w4a16_gemv", M, N, K, W4P_BK * config.k_blocks, config)
     xp = perm64(_pad_rows(x))                          # the decoded tiles' columns arrive in this order
     mt, stages = launch_tiles("w4a16_gemv", M, N, K, config, out_dtype)
     xr = x_rows(M, mt, config.small_m)
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype, xr)
     kernel = functools.partial(_w4p_kernel, bn=bn, steps=steps, stages=stages, direct=direct,
-                               interpret=bool(interpret), probe=config.probe, xr=xr)
+                               interpret=bool(interpret), probe=config.probe, xr=xr, kb=config.k_blocks)
     f = plgpu.kernel(
         kernel, out_type=out_type, grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s"),
         scratch_types=dict(o_smem=o_smem,

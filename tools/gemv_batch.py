@@ -44,9 +44,10 @@ def main():
     ap.add_argument("--m-tiles", default="1", type=lambda v: [int(t) for t in v.split(",") if t],
                     help="fixed m_tiles configs timed beside the auto one")
     ap.add_argument("--launch", default="", help="extra launches beside the default, block_n/stages/split_k"
-                    "[/m_tiles][/p][/x16] or d[/...] (the default launch) comma-separated (e.g. 128/4/2,64/2/0/8,d/x16;"
+                    "[/m_tiles][/p][/x16][/k2] or d[/...] (the default launch) comma-separated (e.g. 128/4/2,64/2/0/8,d/x16;"
                     " split 0 = the default launch's split; p: the 'stream' probe, the TMA pipeline alone; w4 px / pw:"
-                    " without the x / x and scale streams; x16: 16-row x tiles at M <= 8 too)")
+                    " without the x / x and scale streams; x16: 16-row x tiles at M <= 8 too; k2 / k4: K blocks per"
+                    " pipeline step)")
     ap.add_argument("--gpu-time", action="store_true", help="also GPU kernel us per call from a profiler trace")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -69,9 +70,11 @@ def main():
             extra = [(f"mosaic m_tiles={t}", dataclasses.replace(base, m_tiles=t)) for t in args.m_tiles]
             for spec in filter(None, args.launch.split(",")):
                 toks, cfg = spec.split("/"), base
-                while toks[-1] in PROBES or toks[-1] == "x16":
+                while toks[-1] in PROBES or toks[-1] in ("x16", "k2", "k4"):
                     t = toks.pop()
-                    cfg = dataclasses.replace(cfg, **({"small_m": False} if t == "x16" else {"probe": PROBES[t]}))
+                    kw = {"small_m": False} if t == "x16" else {"k_blocks": int(t[1])} if t[0] == "k" else {
+                        "probe": PROBES[t]}
+                    cfg = dataclasses.replace(cfg, **kw)
                 if toks != ["d"]:
                     bn, st, sk, *mt = map(int, toks)
                     cfg = dataclasses.replace(cfg, block_n=bn, stages=st, split_k=sk or base.split_k,

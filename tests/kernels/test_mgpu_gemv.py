@@ -359,7 +359,10 @@ def test_w4a16_mosaic_8b_shapes_on_gpu(rng, N, K, cfg):
                                            ("w8a16", GemvConfig(probe="stream")),
                                            ("w4a16", GemvConfig(widen="perm", probe="stream")),
                                            ("w4a16", GemvConfig(widen="perm", probe="stream-no-x")),
-                                           ("w4a16", GemvConfig(widen="perm", probe="stream-weights"))], ids=str)
+                                           ("w4a16", GemvConfig(widen="perm", probe="stream-weights")),
+                                           ("w8a16", GemvConfig(k_blocks=2)),
+                                           ("w8a16", GemvConfig(k_blocks=4, probe="mma")),
+                                           ("w4a16", GemvConfig(widen="perm", k_blocks=2))], ids=str)
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, F32], ids=lambda d: jnp.dtype(d).name)
 def test_lowers_for_cuda_on_every_output_path(kernel, config, split, out_dtype):
