@@ -20,8 +20,9 @@ the weight tile is loaded in WGMMA_UPCAST_4X layout (8 consecutive bytes per thr
 PTX straight into the registers of the same thread's WGMMA A fragment, which amounts to a fixed permutation of
 K; x's columns get the same permutation (`perm_cols`, `perm64`, done by XLA), so the dot product is unchanged.
 For NVFP4 each 8-byte vector is one scale group, so scales are applied during the decode (no expansion wgmma).
-GPU defaults (H200 runs of 2026-11-30, benchmarks/notes/quant.md): w8 jnp 64 rows x 2 stages, split-K to ~4.5
-CTAs per SM (perm and overlap were no faster); w4 perm 64 rows, split 2 x 4 stages at in_proj. A "probe" config
+GPU defaults (H200 runs, benchmarks/notes/quant.md): w8 jnp 64 rows x 2 stages, unsplit with two K blocks per
+step where the row blocks fill two CTAs per SM (in_proj), else split-K to ~4.5 CTAs per SM (perm and overlap
+were no faster); w4 perm 64 rows, split 2 x 4 stages at in_proj. A "probe" config
 (benchmarks only) skips the compute to time the TMA pipeline alone: 20-23 us at in_proj, the floor of this design.
 
 Weight tiles never depend on M (split-K chosen from (N, K) only, split partials added in a fixed order), and a
@@ -78,7 +79,8 @@ class GemvConfig:
     small_m: bool = True      # w8 / w4 perm at M <= 8: one 8-row x tile (an n8 wgmma) instead of 16 rows; H200
                               # s13-7, M = 1: in_proj w8 24.0 vs 25.5 us, w4 22.0 vs 24.0, rows bit-identical
     k_blocks: int = 1         # w8 / w4 perm: K blocks (w8 128, w4 256 wide) per pipeline step, all their wgmmas
-                              # issued before one wait: block j + 1 is widened while block j's wgmma runs
+                              # issued before one wait: block j + 1 is widened while block j's wgmma runs (w8 up
+                              # to 4, w4 2); rows keep their bits (see resolve_k_blocks)
 
 
 def _tf(cols_bytes: int, itemsize: int):
@@ -640,10 +642,12 @@ def _check_config(name: str, config: GemvConfig):
         raise ShapeError(f"{name}(mosaic): config expects block_n in (64, 128), stages >= 1 (>= 2 with overlap or "
                          f"w4 perm: stages are released one step late), split_k >= 0, load 'upcast' or 'direct', "
                          f"widen 'ptx', 'jnp' or 'perm', overlap w8 only; got {config}")
-    if config.k_blocks < 1 or config.k_blocks > 4 or (config.k_blocks > 1 and (
-            config.overlap or (name == "w4a16_gemv" and config.widen != "perm"))):
-        raise ShapeError(f"{name}(mosaic): config.k_blocks expects 1 to 4, above 1 only without overlap (w8) or with "
-                         f"widen 'perm' (w4); got {config}")
+    w4 = name == "w4a16_gemv"
+    if config.k_blocks < 1 or config.k_blocks > (2 if w4 else 4) or (config.k_blocks > 1 and (
+            config.overlap or (w4 and config.widen != "perm"))):
+        raise ShapeError(f"{name}(mosaic): config.k_blocks expects 1 to 4 (w4: 2; Mosaic finds no bank-conflict-free "
+                         f"scale load for a 64-byte scale row), above 1 only without overlap (w8) or with widen "
+                         f"'perm' (w4); got {config}")
     probes = (("", "stream", "mma") if name == "w8a16_gemv" else ("", *W4_PROBE_STREAMS) if config.widen == "perm"
               else ("",))
     if config.probe not in probes or (config.probe and config.overlap):
@@ -658,12 +662,23 @@ def _check_x_bf16(name: str, x):
 
 
 def w8a16_gemv_blocks(N: int, K: int) -> GemvConfig:
-    """H200 2026-11-30, session 4 (benchmarks/notes/quant.md): 64 rows x 2 stages with K split until ~4.5 CTAs
-    per SM: in_proj split 2, 25.7 us (64/6 unsplit, the session-2..3 default: 27.8); out_proj split 8, 12.6 us
-    (64/6 split 4: 14.9). jnp widening (perm and overlap were no faster in session 3)."""
-    steps = K // W8_BK
-    return GemvConfig(block_n=64, stages=2, widen="jnp",
-                      split_k=auto_split(pl.cdiv(N, ROWS), steps, target=int(4.5 * H200_SMS)))
+    """64 rows x 2 stages, jnp widening (perm and overlap were no faster, session 3). When the row blocks alone
+    give two CTAs per SM, no K split and two K blocks per step (H200 s14-3, in_proj GPU us at M = 1 / 16 / 64 /
+    256: 22.6 / 23.7 / 33.1 / 90.8 against 23.6 / 25.0 / 38.3 / 96.0 with split 2, the session-4 default; the
+    output goes straight to bf16, no split-K sum); else a K split until ~4.5 CTAs per SM (out_proj: 8, 12.2 us)."""
+    nb, steps = pl.cdiv(N, ROWS), K // W8_BK
+    if nb >= 2 * H200_SMS and steps % 2 == 0:
+        return GemvConfig(block_n=64, stages=2, widen="jnp", split_k=1, k_blocks=2)
+    return GemvConfig(block_n=64, stages=2, widen="jnp", split_k=auto_split(nb, steps, target=int(4.5 * H200_SMS)))
+
+
+def resolve_k_blocks(config: GemvConfig, M: int) -> GemvConfig:
+    """config as launched at M rows: auto m_tiles with several x tiles per CTA (M > 16) takes one K block per step
+    (H200 s14-3: two blocks with 4-8 tiles 1.1-1.35x slower). k_blocks keeps every row's operations and their
+    order, so rows stay bit-identical across the two (checked on the H200)."""
+    if config.k_blocks > 1 and config.m_tiles == 0 and pl.cdiv(M, BM) > 1:
+        return dataclasses.replace(config, k_blocks=1)
+    return config
 
 
 def w8a16_gemv_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False, config: GemvConfig | None = None):
@@ -673,7 +688,7 @@ def w8a16_gemv_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False, c
     _check_x_bf16("w8a16_gemv", x)
     N, K = w.shape
     _check_dims("w8a16_gemv", N, K, W8_BK)
-    config = config or w8a16_gemv_blocks(N, K)
+    config = resolve_k_blocks(config or w8a16_gemv_blocks(N, K), x.shape[0])
     _check_config("w8a16_gemv", config)
     return _w8_call(x, w, scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config, interpret=interpret)
 
@@ -862,7 +877,7 @@ def w4a16_gemv_mosaic(x, packed, scale, global_scale, *, out_dtype=None, interpr
     _check_x_bf16("w4a16_gemv", x)
     N, K = packed.shape[0], 2 * packed.shape[1]
     _check_dims("w4a16_gemv", N, K, W4_BK)
-    config = config or w4a16_gemv_blocks(N, K)
+    config = resolve_k_blocks(config or w4a16_gemv_blocks(N, K), x.shape[0])
     _check_config("w4a16_gemv", config)
     call = _w4p_call if config.widen == "perm" else _w4_call
     return call(x, packed, scale, global_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config,

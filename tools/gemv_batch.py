@@ -89,8 +89,10 @@ def main():
                     if cfg is not None:
                         row["rel_err"] = rel_err(jax.jit(lambda *a, fn=fn: fn(*a, out_dtype=jnp.float32))(*sets[0]),
                                                  ref)
-                        row["m_tiles"], row["stages"] = mg.launch_tiles(f"{kern}a16_gemv", M, N, K, cfg,
+                        launched = mg.resolve_k_blocks(cfg, M)
+                        row["m_tiles"], row["stages"] = mg.launch_tiles(f"{kern}a16_gemv", M, N, K, launched,
                                                                         jnp.bfloat16)
+                        row["k_blocks"] = launched.k_blocks
                         y = np.asarray(jax.jit(lambda *a, fn=fn: fn(*a, out_dtype=jnp.float32))(*sets[1]))
                         if cfg is base:
                             y_base = y
@@ -103,7 +105,7 @@ def main():
                 except Exception as e:  # noqa: BLE001
                     row["error"] = repr(e)[:1500]
                 res["rows"].append(row)
-                keep = ("us", "gpu_us", "rel_err", "same_bits_as_default", "m_tiles", "stages", "error")
+                keep = ("us", "gpu_us", "rel_err", "same_bits_as_default", "m_tiles", "stages", "k_blocks", "error")
                 print(shape, kern, M, name, {k: v for k, v in row.items() if k in keep}, flush=True)
             with open(os.path.join(args.out, "gemv_batch.json"), "w") as fh:
                 json.dump(res, fh, indent=1)

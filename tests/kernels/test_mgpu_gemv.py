@@ -59,7 +59,10 @@ W8_CASES = [(3, 192, 384, GemvConfig(64, 2)),
             (17, 64, 512, GemvConfig(64, 2, widen="perm")),
             # several 16-row x tiles per CTA: auto (M = 40: three, the last one part-filled) and a fixed 2 of 5
             (40, 192, 384, GemvConfig(64, 2)),
-            (70, 128, 512, GemvConfig(128, 2, 2, m_tiles=2))]
+            (70, 128, 512, GemvConfig(128, 2, 2, m_tiles=2)),
+            # several 128-wide K blocks per pipeline step, split and unsplit
+            (5, 128, 1024, GemvConfig(64, 2, 2, k_blocks=2)),
+            (3, 192, 1024, GemvConfig(128, 3, k_blocks=4))]
 
 
 @pytest.mark.parametrize("M,N,K,config", W8_CASES, ids=lambda v: str(v))
@@ -81,7 +84,8 @@ W4_CASES = [(3, 192, 1024, GemvConfig(128, 2)),
             (5, 192, 1024, GemvConfig(128, 3, 2, widen="perm")),
             # several 16-row x tiles per CTA (perm decoder): auto (M = 40: three) and a fixed 2 of 5, split
             (40, 128, 1024, GemvConfig(64, 2, widen="perm")),
-            (70, 192, 1024, GemvConfig(128, 2, 2, widen="perm", m_tiles=2))]
+            (70, 192, 1024, GemvConfig(128, 2, 2, widen="perm", m_tiles=2)),
+            (3, 128, 2048, GemvConfig(64, 2, 2, widen="perm", k_blocks=2))]
 
 
 @pytest.mark.parametrize("M,N,K,config", W4_CASES, ids=lambda v: str(v))
@@ -186,6 +190,17 @@ def test_bad_inputs_raise_typed_errors(rng):
     with pytest.raises(ShapeError, match="config.m_tiles=16 needs 327680 bytes of shared memory with 4 stages"):
         mg.w8a16_gemv_mosaic(_x(rng, 2, 512), *_fp8(rng, 64, 512), config=GemvConfig(64, 4, m_tiles=16),
                              interpret=True)
+    with pytest.raises(ShapeError, match="config.k_blocks expects 1 to 4"):
+        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(k_blocks=5))
+    with pytest.raises(ShapeError, match="config.k_blocks expects 1 to 4 .*, above 1 only without overlap"):
+        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(64, 2, overlap=True, k_blocks=2))
+    with pytest.raises(ShapeError, match="K=384 is not a multiple of the 256-wide pipeline step .k_blocks=2."):
+        mg.w8a16_gemv_mosaic(_x(rng, 2, 384), *_fp8(rng, 64, 384), config=GemvConfig(64, 2, k_blocks=2))
+    with pytest.raises(ShapeError, match="config.k_blocks expects .*, above 1 only .* widen .perm."):
+        mg.w4a16_gemv_mosaic(_x(rng, 2, 512), *_nvfp4(rng, 64, 512), config=GemvConfig(64, 2, k_blocks=2))
+    with pytest.raises(ShapeError, match="w4: 2; Mosaic finds no bank-conflict-free scale load"):
+        mg.w4a16_gemv_mosaic(_x(rng, 2, 1024), *_nvfp4(rng, 64, 1024), config=GemvConfig(64, 2, widen="perm",
+                                                                                         k_blocks=4))
     p, s4, g = _nvfp4(rng, 64, 768)
     with pytest.raises(ShapeError, match="K % 512"):
         mg.w4a16_gemv_mosaic(_x(rng, 2, 768), p, s4, g)
@@ -215,6 +230,16 @@ def test_supports_matches_the_typed_errors():
     assert not mg.supports("w8a16_gemv", 128, 320, jnp.bfloat16)
     assert not mg.supports("w4a16_gemv", 64, 768, jnp.bfloat16)
     assert not mg.supports("w8a16_gemv", 128, 256, jnp.float32)
+
+
+def test_w8_defaults_and_k_blocks_resolution():
+    """in_proj-like shapes (>= 2 row blocks per SM) run unsplit with two K blocks per step, others split K; auto
+    multi-tile launches (M > 16) fall back to one block per step, explicit m_tiles keep what was asked."""
+    cfg = mg.w8a16_gemv_blocks(18560, 4096)
+    assert (cfg.split_k, cfg.k_blocks) == (1, 2)
+    assert (mg.w8a16_gemv_blocks(4096, 8192).split_k, mg.w8a16_gemv_blocks(4096, 8192).k_blocks) == (8, 1)
+    assert [mg.resolve_k_blocks(cfg, m).k_blocks for m in (1, 16, 17, 256)] == [2, 2, 1, 1]
+    assert mg.resolve_k_blocks(dataclasses.replace(cfg, m_tiles=2), 64).k_blocks == 2
 
 
 def test_split_k_partials_sum_in_a_fixed_order():
@@ -286,7 +311,8 @@ def test_perm_cols_is_an_involution_and_perm64_a_permutation():
 SHAPES_8B = [(18560, 4096), (4096, 8192)]
 
 
-W8_GPU_CONFIGS = [GemvConfig(64, 6), GemvConfig(64, 3, widen="perm", overlap=True)]
+W8_GPU_CONFIGS = [GemvConfig(64, 6), GemvConfig(64, 3, widen="perm", overlap=True), None,
+                  GemvConfig(64, 3, 2, k_blocks=2)]
 # None = the default for the shape. perm 64/4 gave wrong, M-dependent rows in call s3-1 before the wait fix in
 # _w4p_kernel (ptxas had not serialized its wgmmas): kept as the regression case.
 W4_GPU_CONFIGS = [GemvConfig(128, 3, widen="ptx"), None, GemvConfig(64, 4, widen="perm")]
@@ -306,6 +332,24 @@ def test_w8a16_mosaic_8b_shapes_on_gpu(rng, N, K, cfg):
     yb = mg.w8a16_gemv_mosaic(x16, q, s, config=cfg)
     np.testing.assert_array_equal(np.asarray(mg.w8a16_gemv_mosaic(x16[3:4], q, s, config=cfg)), np.asarray(yb[3:4]))
     assert rel_err(yb, y16) < 4e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["w8a16", "w4a16"])
+@pytest.mark.parametrize("N,K", SHAPES_8B)
+def test_k_blocks_keep_the_bits_on_gpu(rng, N, K, kernel):
+    """Two or four K blocks per pipeline step change when wgmmas are awaited, not what a row computes: the same
+    bits as one block per step at the same split (what lets resolve_k_blocks choose k_blocks from M)."""
+    if kernel == "w8a16":
+        args, fn, base = _fp8(rng, N, K), mg.w8a16_gemv_mosaic, GemvConfig(64, 2, 2)
+    else:
+        args, fn, base = _nvfp4(rng, N, K), mg.w4a16_gemv_mosaic, GemvConfig(64, 3, 2, widen="perm")
+    for m in (1, 16):
+        x = _x(rng, m, K)
+        y1 = np.asarray(fn(x, *args, out_dtype=F32, config=base))
+        for kb in (2, 4) if kernel == "w8a16" else (2,):
+            np.testing.assert_array_equal(np.asarray(fn(x, *args, out_dtype=F32,
+                                                        config=dataclasses.replace(base, k_blocks=kb))), y1)
 
 
 @pytest.mark.gpu
