@@ -32,6 +32,8 @@ def nvfp4_rows(key, N, K):
 
 
 PROBES = {"p": "stream", "px": "stream-no-x", "pw": "stream-weights"}      # launch-spec suffix -> GemvConfig.probe
+SUFFIXES = {"x16": {"small_m": False}, "k1": {"k_blocks": 1}, "k2": {"k_blocks": 2}, "k4": {"k_blocks": 4},
+            "perm": {"widen": "perm"}, "ptx": {"widen": "ptx"}, "ld": {"load": "direct"}}   # launch-spec suffixes
 KERNELS = {"w8": (mg.w8a16_gemv_mosaic, mg.w8a16_gemv_blocks, w8a16.w8a16_reference),
            "w4": (mg.w4a16_gemv_mosaic, mg.w4a16_gemv_blocks, w4a16.w4a16_reference)}
 
@@ -44,10 +46,10 @@ def main():
     ap.add_argument("--m-tiles", default="1", type=lambda v: [int(t) for t in v.split(",") if t],
                     help="fixed m_tiles configs timed beside the auto one")
     ap.add_argument("--launch", default="", help="extra launches beside the default, block_n/stages/split_k"
-                    "[/m_tiles][/p][/x16][/k2] or d[/...] (the default launch) comma-separated (e.g. 128/4/2,64/2/0/8,d/x16;"
+                    "[/m_tiles][/p][/x16][/k2][/perm] or d[/...] (the default launch) comma-separated (e.g. 128/4/2,64/2/0/8,d/x16;"
                     " split 0 = the default launch's split; p: the 'stream' probe, the TMA pipeline alone; w4 px / pw:"
-                    " without the x / x and scale streams; x16: 16-row x tiles at M <= 8 too; k2 / k4: K blocks per"
-                    " pipeline step)")
+                    " without the x / x and scale streams; x16: 16-row x tiles at M <= 8 too; k1 / k2 / k4: K blocks per"
+                    " pipeline step; perm / ptx: w8 widening; ld: direct 8-bit loads)")
     ap.add_argument("--gpu-time", action="store_true", help="also GPU kernel us per call from a profiler trace")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -70,11 +72,9 @@ def main():
             extra = [(f"mosaic m_tiles={t}", dataclasses.replace(base, m_tiles=t)) for t in args.m_tiles]
             for spec in filter(None, args.launch.split(",")):
                 toks, cfg = spec.split("/"), base
-                while toks[-1] in PROBES or toks[-1] in ("x16", "k2", "k4"):
+                while toks[-1] in PROBES or toks[-1] in SUFFIXES:
                     t = toks.pop()
-                    kw = {"small_m": False} if t == "x16" else {"k_blocks": int(t[1])} if t[0] == "k" else {
-                        "probe": PROBES[t]}
-                    cfg = dataclasses.replace(cfg, **kw)
+                    cfg = dataclasses.replace(cfg, **SUFFIXES.get(t) or {"probe": PROBES[t]})
                 if toks != ["d"]:
                     bn, st, sk, *mt = map(int, toks)
                     cfg = dataclasses.replace(cfg, block_n=bn, stages=st, split_k=sk or base.split_k,
