@@ -439,9 +439,9 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, sta
                probe, xr, kb):
     """One wgmma per 128-wide K block over all m_tiles 16-row x tiles of the CTA (the weight tile is read and
     widened once) into a fresh accumulator, waited for before the block scale is applied; a pipeline step holds
-    kb blocks, whose wgmmas are all issued before the wait. A wgmma computes each
-    output column the same way whatever its N (H200 s9-4: rows bit-identical at M = 1, 16, 40 and 256), so a
-    row's result does not depend on M."""
+    kb blocks, whose wgmmas are all issued before the wait. A wgmma computes each output column the same way
+    whatever its N (H200 s9-4: rows bit-identical at M = 1, 16, 40 and 256), so a row's result does not depend
+    on M."""
     n_blk, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
     k_first = split * steps
     s_row = n_blk * bn // FP8_BLOCK                    # bn divides 128: one block-scale row per CTA
