@@ -345,10 +345,7 @@ def _mma(acc_ref, a, b_ref, a_smem):
 
 def _mma_value(a, b_ref, a_smem, n: int):
     """A fresh [64, n] float32 product a @ b_ref (waits for it)."""
-    def run(acc_ref):
-        _mma(acc_ref, a, b_ref, a_smem)
-        return acc_ref[...]
-    return pl.run_scoped(run, plgpu.ACC((ROWS, n), jnp.float32))
+    return _mma_values([lambda: a], [b_ref], a_smem, n)[0]
 
 
 def _mma_values(a_fns, b_refs, a_smem, n: int):
