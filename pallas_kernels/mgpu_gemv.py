@@ -71,9 +71,10 @@ class GemvConfig:
     widen: str = "jnp"        # weights -> bf16: jnp conversions ("jnp"), inline PTX ("ptx"), or the K-permuted
                               # integer recipes ("perm"; 8-byte loads, no conversion instructions)
     overlap: bool = False     # w8: two step accumulators, step k's wgmma runs while step k+1 is widened
-    probe: str = ""           # benchmark probe, WRONG results: "stream" skips the widening and the wgmma, "mma"
-                              # the widening only (w8: a constant A operand); w4 perm also "stream-no-x" and
-                              # "stream-weights": fewer TMA streams (W4_PROBE_STREAMS)
+    probe: str = ""           # benchmark probe: "stream" skips the widening and the wgmma, "mma" the widening
+                              # only (w8: a constant A operand), "stream-no-x" (and w4 perm "stream-weights")
+                              # fewer TMA streams: WRONG results (W8_PROBES, W4_PROBE_STREAMS); w8 "x-pad" /
+                              # "x-private" change only where x is read from
     m_tiles: int = 0          # w8 / w4 perm: 16-row x tiles per CTA, one m64 x n(16 m_tiles) wgmma against the
                               # widened weight tile (0: auto, see launch_tiles; 1 = one CTA per 16 rows)
     small_m: bool = True      # w8 / w4 perm at M <= 8: one 8-row x tile (an n8 wgmma) instead of 16 rows; H200
@@ -421,6 +422,10 @@ def _finish(out, direct: bool, M: int, out_dtype):
 
 
 # ---- W8A16 ---------------------------------------------------------------------------------------------------
+# benchmark probes of the w8 kernel: "stream" (the TMA pipeline alone), "stream-no-x" (the weight tiles alone),
+# "mma" (no widening; these three give WRONG results); "x-pad" (x zero-padded in HBM to whole tiles, no TMA
+# zero-fill) and "x-private" (padded, one copy per row block: no CTAs sharing x's L2 lines) compute the product
+W8_PROBES = ("stream", "stream-no-x", "mma", "x-pad", "x-private")
 def _widen8(w_ref, load: str, widen: str, interpret: bool):
     """E4M3 [64, 128] SMEM tile -> bf16 A operand in WGMMA layout (columns in `perm_cols` order for "perm")."""
     if widen == "perm" and not interpret:
@@ -433,7 +438,7 @@ def _widen8(w_ref, load: str, widen: str, interpret: bool):
 
 
 def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, load, widen, interpret,
-               probe, xr, kb):
+               probe, xr, kb, x_private):
     """One wgmma per 128-wide K block over all m_tiles 16-row x tiles of the CTA (the weight tile is read and
     widened once) into a fresh accumulator, waited for before the block scale is applied; a pipeline step holds
     kb blocks, whose wgmmas are all issued before the wait. A wgmma computes each output column the same way
@@ -444,13 +449,14 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, sta
     s_row = n_blk * bn // FP8_BLOCK                    # bn divides 128: one block-scale row per CTA
     groups = bn // ROWS
 
-    def body(idx, w_smem, x_smem, acc):
+    def body(idx, w_smem, *refs):
+        *x_smem, acc = refs
+        if probe in ("stream", "stream-no-x"):
+            return acc
         (k,) = idx
         blocks = range(kb)
         s = [s_gmem[s_row, (k_first + k) * kb + j] for j in blocks]
-        xt = [x_smem.at[:, pl.ds(j * W8_BK, W8_BK)].transpose((1, 0)) for j in blocks]    # [128, xr]: B operands
-        if probe == "stream":
-            return acc
+        xt = [x_smem[0].at[:, pl.ds(j * W8_BK, W8_BK)].transpose((1, 0)) for j in blocks]    # [128, xr]: B operands
         out = []
         for g in range(groups):
             rows = pl.ds(g * ROWS, ROWS)
@@ -467,12 +473,14 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, sta
         return tuple(out)
 
     zero = plgpu.layout_cast(jnp.zeros((ROWS, xr), jnp.float32), plgpu.Layout.WGMMA)
-    acc = plgpu.emit_pipeline(
-        body, grid=(steps,),
-        in_specs=[plgpu.BlockSpec((bn, kb * W8_BK), lambda k: (n_blk, k_first + k), transforms=_tf(W8_BK, 1)),
-                  plgpu.BlockSpec((xr, kb * W8_BK), lambda k: (m_blk, k_first + k),
-                                  transforms=_tf(2 * W8_BK, 2))],
-        max_concurrent_steps=stages, init_carry=(zero,) * groups)(w_gmem, x_gmem)
+    x_blk = m_blk + n_blk * x_private                 # x_private: the probe's per-CTA copies of x
+    specs = [plgpu.BlockSpec((bn, kb * W8_BK), lambda k: (n_blk, k_first + k), transforms=_tf(W8_BK, 1)),
+             plgpu.BlockSpec((xr, kb * W8_BK), lambda k: (x_blk, k_first + k), transforms=_tf(2 * W8_BK, 2))]
+    refs = (w_gmem, x_gmem)
+    if probe == "stream-no-x":
+        specs, refs = specs[:1], refs[:1]
+    acc = plgpu.emit_pipeline(body, grid=(steps,), in_specs=specs, max_concurrent_steps=stages,
+                              init_carry=(zero,) * groups)(*refs)
     _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, xr)
 
 
@@ -565,11 +573,18 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
     mt, stages = launch_tiles("w8a16_gemv", M, N, K, config, out_dtype)
     xr = BM if config.overlap else x_rows(M, mt, config.small_m)
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype, xr)
+    x_private = 0
+    if config.probe in ("x-pad", "x-private"):          # x in HBM padded to whole tiles (no TMA zero-fill)
+        rows = pl.cdiv(M, xr) * xr
+        xp = jnp.pad(xp, ((0, rows - xp.shape[0]), (0, 0)))
+        if config.probe == "x-private":                 # and one copy per row block (no shared L2 lines)
+            x_private = rows // xr
+            xp = jnp.tile(xp, (nb, 1))
     kernel = functools.partial(_w8_kernel_overlap if config.overlap else _w8_kernel, bn=bn, steps=steps,
                                stages=stages, direct=direct, load=config.load, widen=config.widen,
                                interpret=bool(interpret))
     if not config.overlap:
-        kernel = functools.partial(kernel, probe=config.probe, xr=xr, kb=config.k_blocks)
+        kernel = functools.partial(kernel, probe=config.probe, xr=xr, kb=config.k_blocks, x_private=x_private)
     f = plgpu.kernel(
         kernel, out_type=out_type, grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s"),
         scratch_types=dict(o_smem=o_smem,
@@ -645,11 +660,11 @@ def _check_config(name: str, config: GemvConfig):
         raise ShapeError(f"{name}(mosaic): config.k_blocks expects 1 to 4 (w4: 2; Mosaic finds no bank-conflict-free "
                          f"scale load for a 64-byte scale row), above 1 only without overlap (w8) or with widen "
                          f"'perm' (w4); got {config}")
-    probes = (("", "stream", "mma") if name == "w8a16_gemv" else ("", *W4_PROBE_STREAMS) if config.widen == "perm"
+    probes = (("", *W8_PROBES) if name == "w8a16_gemv" else ("", *W4_PROBE_STREAMS) if config.widen == "perm"
               else ("",))
     if config.probe not in probes or (config.probe and config.overlap):
-        raise ShapeError(f"{name}(mosaic): probe {config.probe!r} is not implemented for {config} (w8: 'stream' / "
-                         "'mma' without overlap; w4 with widen 'perm': 'stream', 'stream-no-x', 'stream-weights')")
+        raise ShapeError(f"{name}(mosaic): probe {config.probe!r} is not implemented for {config} (w8: "
+                         f"{', '.join(map(repr, W8_PROBES))} without overlap; w4 with widen 'perm': 'stream', 'stream-no-x', 'stream-weights')")
 
 
 def _check_x_bf16(name: str, x):

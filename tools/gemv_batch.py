@@ -4,7 +4,7 @@ Nemotron-H-8B projection shapes, M = 1 .. 256. Each arm checked against the refe
 (4 distinct argument sets queued in one executable, best of 3 trials).
 
     PYTHONPATH=. python3 tools/gemv_batch.py --out $OUT [--kernels w8,w4] [--ms 1,16,64,256] [--m-tiles 1,2]
-        [--launch 128/4/2,64/2/0/8,64/4/2/p] [--gpu-time]
+        [--launch 128/4/2,64/2/0/8,64/4/2/p] [--shapes in_proj,n16896=16896x4096] [--gpu-time]
 writes OUT/gemv_batch.json."""
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ def nvfp4_rows(key, N, K):
     return pt.T, st.T, g
 
 
-PROBES = {"p": "stream", "px": "stream-no-x", "pw": "stream-weights"}      # launch-spec suffix -> GemvConfig.probe
+PROBES = {"p": "stream", "px": "stream-no-x", "pw": "stream-weights",        # launch-spec suffix -> GemvConfig.probe
+          "xpad": "x-pad", "xpriv": "x-private"}
 SUFFIXES = {"x16": {"small_m": False}, "k1": {"k_blocks": 1}, "k2": {"k_blocks": 2}, "k4": {"k_blocks": 4},
             "perm": {"widen": "perm"}, "ptx": {"widen": "ptx"}, "ld": {"load": "direct"}}   # launch-spec suffixes
 KERNELS = {"w8": (mg.w8a16_gemv_mosaic, mg.w8a16_gemv_blocks, w8a16.w8a16_reference),
@@ -48,15 +49,20 @@ def main():
     ap.add_argument("--launch", default="", help="extra launches beside the default, block_n/stages/split_k"
                     "[/m_tiles][/p][/x16][/k2][/perm] or d[/...] (the default launch) comma-separated (e.g. 128/4/2,64/2/0/8,d/x16;"
                     " split 0 = the default launch's split; p: the 'stream' probe, the TMA pipeline alone; w4 px / pw:"
-                    " without the x / x and scale streams; x16: 16-row x tiles at M <= 8 too; k1 / k2 / k4: K blocks per"
+                    " without the x / x and scale streams (w8 px too); xpad / xpriv: w8 x padded in HBM / one copy per row block; x16: 16-row x tiles at M <= 8 too; k1 / k2 / k4: K blocks per"
                     " pipeline step; perm / ptx: w8 widening; ld: direct 8-bit loads)")
+    ap.add_argument("--shapes", default="in_proj,out_proj", help="names of bench_prefill.SHAPES or NAME=NxK")
     ap.add_argument("--gpu-time", action="store_true", help="also GPU kernel us per call from a profiler trace")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     res = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "method": __doc__.split("\n\n")[0],
            "rows": []}
     key = jax.random.key(0)
-    for (shape, (N, K)), kern in itertools.product(SHAPES.items(), args.kernels.split(",")):
+    shapes = {}
+    for spec in args.shapes.split(","):
+        name, _, nk = spec.partition("=")
+        shapes[name] = tuple(map(int, nk.split("x"))) if nk else SHAPES[name]
+    for (shape, (N, K)), kern in itertools.product(shapes.items(), args.kernels.split(",")):
         gemv, blocks, reference = KERNELS[kern]
         kx, kw, key = jax.random.split(key, 3)
         w = jax.random.normal(kw, (N, K), jnp.float32) * jax.random.uniform(kw, (N, 1), minval=0.1, maxval=3.0)

@@ -62,7 +62,10 @@ W8_CASES = [(3, 192, 384, GemvConfig(64, 2)),
             (70, 128, 512, GemvConfig(128, 2, 2, m_tiles=2)),
             # several 128-wide K blocks per pipeline step, split and unsplit
             (5, 128, 1024, GemvConfig(64, 2, 2, k_blocks=2)),
-            (3, 192, 1024, GemvConfig(128, 3, k_blocks=4))]
+            (3, 192, 1024, GemvConfig(128, 3, k_blocks=4)),
+            # benchmark probes that read x from elsewhere but compute the product (padded, per-row-block copies)
+            (3, 192, 512, GemvConfig(64, 2, probe="x-pad")),
+            (17, 192, 512, GemvConfig(64, 2, 2, probe="x-private"))]
 
 
 @pytest.mark.parametrize("M,N,K,config", W8_CASES, ids=lambda v: str(v))
@@ -401,6 +404,8 @@ def test_w4a16_mosaic_8b_shapes_on_gpu(rng, N, K, cfg):
 
 @pytest.mark.parametrize("kernel,config", [("w8a16", GemvConfig()), ("w4a16", GemvConfig(widen="perm")),
                                            ("w8a16", GemvConfig(probe="stream")),
+                                           ("w8a16", GemvConfig(probe="stream-no-x")),
+                                           ("w8a16", GemvConfig(probe="x-private")),
                                            ("w4a16", GemvConfig(widen="perm", probe="stream")),
                                            ("w4a16", GemvConfig(widen="perm", probe="stream-no-x")),
                                            ("w4a16", GemvConfig(widen="perm", probe="stream-weights")),
