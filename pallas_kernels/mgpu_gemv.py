@@ -79,6 +79,8 @@ class GemvConfig:
                               # widened weight tile (0: auto, see launch_tiles; 1 = one CTA per 16 rows)
     small_m: bool = True      # w8 / w4 perm at M <= 8: one 8-row x tile (an n8 wgmma) instead of 16 rows; H200
                               # s13-7, M = 1: in_proj w8 24.0 vs 25.5 us, w4 22.0 vs 24.0, rows bit-identical
+    scales: str = "gmem"      # w8: block scales read from global memory at each step, or "smem": the CTA's
+                              # scales copied to shared memory at the first step
     k_blocks: int = 1         # w8 / w4 perm: K blocks (w8 128, w4 256 wide) per pipeline step, all their wgmmas
                               # issued before one wait: block j + 1 is widened while block j's wgmma runs (w8 up
                               # to 4, w4 2); rows keep their bits (see resolve_k_blocks)
@@ -437,8 +439,8 @@ def _widen8(w_ref, load: str, widen: str, interpret: bool):
     return perm_cols(a) if widen == "perm" else a        # interpret: the same permuted product, in jnp
 
 
-def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, load, widen, interpret,
-               probe, xr, kb, x_private):
+def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, s_smem, *, bn, steps, stages, direct, load, widen,
+               interpret, probe, xr, kb, x_private):
     """One wgmma per 128-wide K block over all m_tiles 16-row x tiles of the CTA (the weight tile is read and
     widened once) into a fresh accumulator, waited for before the block scale is applied; a pipeline step holds
     kb blocks, whose wgmmas are all issued before the wait. A wgmma computes each output column the same way
@@ -455,7 +457,14 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, sta
             return acc
         (k,) = idx
         blocks = range(kb)
-        s = [s_gmem[s_row, (k_first + k) * kb + j] for j in blocks]
+        if s_smem is None:
+            s = [s_gmem[s_row, (k_first + k) * kb + j] for j in blocks]
+        else:                      # the CTA's block scales, read from global memory once (at the first step)
+            @pl.when(k == 0)
+            def _():
+                for j in range(steps * kb):
+                    s_smem[j] = s_gmem[s_row, k_first * kb + j]
+            s = [s_smem[k * kb + j] for j in blocks]
         xt = [x_smem[0].at[:, pl.ds(j * W8_BK, W8_BK)].transpose((1, 0)) for j in blocks]    # [128, xr]: B operands
         out = []
         for g in range(groups):
@@ -484,8 +493,8 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, sta
     _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, xr)
 
 
-def _w8_kernel_overlap(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, load, widen,
-                       interpret):
+def _w8_kernel_overlap(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, s_smem, *, bn, steps, stages, direct, load,
+                       widen, interpret):
     """Two 128-wide K blocks per pipeline step, two accumulators: block b's wgmma is issued, then the previous
     block's product is awaited (wait_group(groups)) and folded in with its block scale, so the widening of one
     block overlaps the matrix units' work on the other. Race-free by construction: the two blocks decode into
@@ -589,7 +598,9 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
         kernel, out_type=out_type, grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s"),
         scratch_types=dict(o_smem=o_smem,
                            a_smem=plgpu.SMEM((ROWS, W8_BK), jnp.bfloat16, transforms=_tf(2 * W8_BK, 2))
-                           if interpret else None),
+                           if interpret else None,
+                           s_smem=plgpu.SMEM((steps * config.k_blocks,), jnp.float32)
+                           if config.scales == "smem" else None),
         **_interpret_kw(interpret))
     return _finish(f(xp, w, scale), direct, M, out_dtype)
 
@@ -660,6 +671,9 @@ def _check_config(name: str, config: GemvConfig):
         raise ShapeError(f"{name}(mosaic): config.k_blocks expects 1 to 4 (w4: 2; Mosaic finds no bank-conflict-free "
                          f"scale load for a 64-byte scale row), above 1 only without overlap (w8) or with widen "
                          f"'perm' (w4); got {config}")
+    if config.scales not in ("gmem", "smem") or (config.scales == "smem" and (config.overlap or w4)):
+        raise ShapeError(f"{name}(mosaic): config.scales expects 'gmem' or 'smem' (w8 without overlap only); "
+                         f"got {config}")
     probes = (("", *W8_PROBES) if name == "w8a16_gemv" else ("", *W4_PROBE_STREAMS) if config.widen == "perm"
               else ("",))
     if config.probe not in probes or (config.probe and config.overlap):
@@ -674,14 +688,16 @@ def _check_x_bf16(name: str, x):
 
 
 def w8a16_gemv_blocks(N: int, K: int) -> GemvConfig:
-    """64 rows x 2 stages, jnp widening (perm and overlap were no faster, session 3). When the row blocks alone
-    give two CTAs per SM, no K split and two K blocks per step (H200 s14-3, in_proj GPU us at M = 1 / 16 / 64 /
-    256: 22.6 / 23.7 / 33.1 / 90.8 against 23.6 / 25.0 / 38.3 / 96.0 with split 2, the session-4 default; the
-    output goes straight to bf16, no split-K sum); else a K split until ~4.5 CTAs per SM (out_proj: 8, 12.2 us)."""
+    """64 rows x 2 stages, jnp widening (perm and overlap were no faster, session 3) of tiles read from shared
+    memory as 2-byte vectors (load "direct": H200 s15-1, 0.6-1.7 us faster than "upcast" at in_proj M = 1..64, the
+    same bits). When the row blocks alone give two CTAs per SM, no K split and two K blocks per step (s14-3: the
+    output goes straight to bf16, no split-K sum; in_proj GPU us at M = 1 / 16 / 64 / 256 with direct loads:
+    21.8 / 22.8 / 31.2 / 89.2); else a K split until ~4.5 CTAs per SM (out_proj: 8, 11.9 us)."""
     nb, steps = pl.cdiv(N, ROWS), K // W8_BK
     if nb >= 2 * H200_SMS and steps % 2 == 0:
-        return GemvConfig(block_n=64, stages=2, widen="jnp", split_k=1, k_blocks=2)
-    return GemvConfig(block_n=64, stages=2, widen="jnp", split_k=auto_split(nb, steps, target=int(4.5 * H200_SMS)))
+        return GemvConfig(block_n=64, stages=2, widen="jnp", split_k=1, k_blocks=2, load="direct")
+    return GemvConfig(block_n=64, stages=2, widen="jnp", split_k=auto_split(nb, steps, target=int(4.5 * H200_SMS)),
+                      load="direct")
 
 
 def resolve_k_blocks(config: GemvConfig, M: int) -> GemvConfig:

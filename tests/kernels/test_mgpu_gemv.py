@@ -65,7 +65,10 @@ W8_CASES = [(3, 192, 384, GemvConfig(64, 2)),
             (3, 192, 1024, GemvConfig(128, 3, k_blocks=4)),
             # benchmark probes that read x from elsewhere but compute the product (padded, per-row-block copies)
             (3, 192, 512, GemvConfig(64, 2, probe="x-pad")),
-            (17, 192, 512, GemvConfig(64, 2, 2, probe="x-private"))]
+            (17, 192, 512, GemvConfig(64, 2, 2, probe="x-private")),
+            # block scales copied to shared memory at the first step, split and unsplit, two blocks per step
+            (3, 192, 1024, GemvConfig(64, 2, 2, scales="smem")),
+            (17, 128, 1024, GemvConfig(64, 2, k_blocks=2, scales="smem"))]
 
 
 @pytest.mark.parametrize("M,N,K,config", W8_CASES, ids=lambda v: str(v))
@@ -241,6 +244,7 @@ def test_w8_defaults_and_k_blocks_resolution():
     cfg = mg.w8a16_gemv_blocks(18560, 4096)
     assert (cfg.split_k, cfg.k_blocks) == (1, 2)
     assert (mg.w8a16_gemv_blocks(4096, 8192).split_k, mg.w8a16_gemv_blocks(4096, 8192).k_blocks) == (8, 1)
+    assert {mg.w8a16_gemv_blocks(n, k).load for n, k in SHAPES_8B} == {"direct"}    # H200 s15-1: faster at every M
     assert [mg.resolve_k_blocks(cfg, m).k_blocks for m in (1, 16, 17, 256)] == [2, 2, 1, 1]
     assert mg.resolve_k_blocks(dataclasses.replace(cfg, m_tiles=2), 64).k_blocks == 2
 
@@ -315,7 +319,7 @@ SHAPES_8B = [(18560, 4096), (4096, 8192)]
 
 
 W8_GPU_CONFIGS = [GemvConfig(64, 6), GemvConfig(64, 3, widen="perm", overlap=True), None,
-                  GemvConfig(64, 3, 2, k_blocks=2)]
+                  GemvConfig(64, 3, 2, k_blocks=2), GemvConfig(64, 2, 1, load="direct", k_blocks=2, scales="smem")]
 # None = the default for the shape. perm 64/4 gave wrong, M-dependent rows in call s3-1 before the wait fix in
 # _w4p_kernel (ptxas had not serialized its wgmmas): kept as the regression case.
 W4_GPU_CONFIGS = [GemvConfig(128, 3, widen="ptx"), None, GemvConfig(64, 4, widen="perm")]
@@ -410,6 +414,7 @@ def test_w4a16_mosaic_8b_shapes_on_gpu(rng, N, K, cfg):
                                            ("w4a16", GemvConfig(widen="perm", probe="stream-no-x")),
                                            ("w4a16", GemvConfig(widen="perm", probe="stream-weights")),
                                            ("w8a16", GemvConfig(k_blocks=2)),
+                                           ("w8a16", GemvConfig(k_blocks=2, scales="smem")),
                                            ("w8a16", GemvConfig(k_blocks=4, probe="mma")),
                                            ("w4a16", GemvConfig(widen="perm", k_blocks=2))], ids=str)
 @pytest.mark.parametrize("split", [1, 2])
