@@ -68,19 +68,17 @@ class GemvConfig:
     stages: int = 6
     split_k: int = 0
     load: str = "upcast"      # 8-bit tiles read from SMEM as 4-byte vectors + one shuffle, or "direct" (2 bytes)
-    widen: str = "jnp"        # weights -> bf16: jnp conversions ("jnp"), inline PTX ("ptx"), or the K-permuted
-                              # integer recipes ("perm"; 8-byte loads, no conversion instructions)
+    widen: str = "jnp"        # weights -> bf16: jnp conversions ("jnp"), inline PTX ("ptx"), the K-permuted
+                              # integer recipes ("perm"; 8-byte loads, no conversion instructions), or (w8) the
+                              # integer recipe per 2-byte pair in place ("int")
     overlap: bool = False     # w8: two step accumulators, step k's wgmma runs while step k+1 is widened
     probe: str = ""           # benchmark probe: "stream" skips the widening and the wgmma, "mma" the widening
                               # only (w8: a constant A operand), "stream-no-x" (and w4 perm "stream-weights")
-                              # fewer TMA streams: WRONG results (W8_PROBES, W4_PROBE_STREAMS); w8 "x-pad" /
-                              # "x-private" change only where x is read from
+                              # fewer TMA streams: WRONG results (W8_PROBES, W4_PROBE_STREAMS)
     m_tiles: int = 0          # w8 / w4 perm: 16-row x tiles per CTA, one m64 x n(16 m_tiles) wgmma against the
                               # widened weight tile (0: auto, see launch_tiles; 1 = one CTA per 16 rows)
     small_m: bool = True      # w8 / w4 perm at M <= 8: one 8-row x tile (an n8 wgmma) instead of 16 rows; H200
                               # s13-7, M = 1: in_proj w8 24.0 vs 25.5 us, w4 22.0 vs 24.0, rows bit-identical
-    scales: str = "gmem"      # w8: block scales read from global memory at each step, or "smem": the CTA's
-                              # scales copied to shared memory at the first step
     k_blocks: int = 1         # w8 / w4 perm: K blocks (w8 128, w4 256 wide) per pipeline step, all their wgmmas
                               # issued before one wait: block j + 1 is widened while block j's wgmma runs (w8 up
                               # to 4, w4 2); rows keep their bits (see resolve_k_blocks)
@@ -161,6 +159,20 @@ fma.rn.bf16x2 $1, b, k, z;
 }"""
 
 
+# The same integer recipe for one E4M3 pair (the low two bytes of $1) -> a bf16 pair, in place (widen "int": no
+# conversion instructions and no K permutation, for tiles loaded as 2-byte vectors in WGMMA layout).
+_E4M3X2_TO_BF16 = """{
+.reg .b32 a, k, z, n;
+mov.b32 k, 0x7B807B80;
+mov.b32 z, 0x80008000;
+mov.b32 n, 0;
+prmt.b32 a, $1, n, 0x9180;
+shl.b32 a, a, 4;
+and.b32 a, a, 0x87F087F0;
+fma.rn.bf16x2 $0, a, k, z;
+}"""
+
+
 def perm_cols(a):
     """The fixed K permutation of the "perm" widening, on the last axis (a multiple of 32): within each 32-block,
     index 8q + 2v + u <-> 8v + 2q + u (q, v < 4, u < 2). An involution: applying it twice is the identity."""
@@ -200,20 +212,24 @@ def _ptx_e4m3_perm_to_bf16(w):
     return widen(w)
 
 
-def _ptx_e4m3_to_bf16(w):
-    """E4M3 [64, c] in WGMMA layout -> bf16 [64, c] (same layout) through `_E4M3_TO_BF16` per register."""
+def _ptx_e4m3_to_bf16(w, integer: bool = False):
+    """E4M3 [64, c] in WGMMA layout -> bf16 [64, c] (same layout) through `_E4M3_TO_BF16` (or, integer,
+    `_E4M3X2_TO_BF16`) per register."""
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
                        return_type=plgpu.ShapeDtypeStruct(w.shape, jnp.bfloat16, plgpu.Layout.WGMMA))
     def widen(ctx, fa):
         from jax.experimental.mosaic import gpu as mgpu
         from jax.experimental.mosaic.gpu import utils as mu
         from jaxlib.mlir import ir
-        from jaxlib.mlir.dialects import llvm
+        from jaxlib.mlir.dialects import arith, llvm
         i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
         bf2 = ir.VectorType.get((2,), ir.BF16Type.get())
         regs = np.empty_like(fa.registers)
         for idx, r in np.ndenumerate(fa.registers):
-            out = llvm.inline_asm(i32, [mu.bitcast(r, i16)], _E4M3_TO_BF16, "=r,h")
+            if integer:
+                out = llvm.inline_asm(i32, [arith.extui(i32, mu.bitcast(r, i16))], _E4M3X2_TO_BF16, "=r,r")
+            else:
+                out = llvm.inline_asm(i32, [mu.bitcast(r, i16)], _E4M3_TO_BF16, "=r,h")
             regs[idx] = mu.bitcast(out, bf2)
         return mgpu.FragmentedArray(_registers=regs, _layout=fa.layout, _is_signed=None)
     return widen(w)
@@ -424,23 +440,22 @@ def _finish(out, direct: bool, M: int, out_dtype):
 
 
 # ---- W8A16 ---------------------------------------------------------------------------------------------------
-# benchmark probes of the w8 kernel: "stream" (the TMA pipeline alone), "stream-no-x" (the weight tiles alone),
-# "mma" (no widening; these three give WRONG results); "x-pad" (x zero-padded in HBM to whole tiles, no TMA
-# zero-fill) and "x-private" (padded, one copy per row block: no CTAs sharing x's L2 lines) compute the product
-W8_PROBES = ("stream", "stream-no-x", "mma", "x-pad", "x-private")
+# benchmark probes of the w8 kernel (WRONG results): "stream" (the TMA pipeline alone), "stream-no-x" (the weight
+# tiles alone), "mma" (no widening)
+W8_PROBES = ("stream", "stream-no-x", "mma")
 def _widen8(w_ref, load: str, widen: str, interpret: bool):
     """E4M3 [64, 128] SMEM tile -> bf16 A operand in WGMMA layout (columns in `perm_cols` order for "perm")."""
     if widen == "perm" and not interpret:
         return _ptx_e4m3_perm_to_bf16(plgpu.load(w_ref, layout=plgpu.Layout.WGMMA_UPCAST_4X))
     w = _load_8bit(w_ref, load)
-    if widen == "ptx" and not interpret:
-        return _ptx_e4m3_to_bf16(w)
+    if widen in ("ptx", "int") and not interpret:
+        return _ptx_e4m3_to_bf16(w, integer=widen == "int")
     a = w.astype(jnp.float32).astype(jnp.bfloat16)      # exact; ptxas 13.0 has no direct e4m3->bf16 cvt
     return perm_cols(a) if widen == "perm" else a        # interpret: the same permuted product, in jnp
 
 
-def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, s_smem, *, bn, steps, stages, direct, load, widen,
-               interpret, probe, xr, kb, x_private):
+def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, load, widen, interpret,
+               probe, xr, kb):
     """One wgmma per 128-wide K block over all m_tiles 16-row x tiles of the CTA (the weight tile is read and
     widened once) into a fresh accumulator, waited for before the block scale is applied; a pipeline step holds
     kb blocks, whose wgmmas are all issued before the wait. A wgmma computes each output column the same way
@@ -457,14 +472,7 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, s_smem, *, bn, st
             return acc
         (k,) = idx
         blocks = range(kb)
-        if s_smem is None:
-            s = [s_gmem[s_row, (k_first + k) * kb + j] for j in blocks]
-        else:                      # the CTA's block scales, read from global memory once (at the first step)
-            @pl.when(k == 0)
-            def _():
-                for j in range(steps * kb):
-                    s_smem[j] = s_gmem[s_row, k_first * kb + j]
-            s = [s_smem[k * kb + j] for j in blocks]
+        s = [s_gmem[s_row, (k_first + k) * kb + j] for j in blocks]
         xt = [x_smem[0].at[:, pl.ds(j * W8_BK, W8_BK)].transpose((1, 0)) for j in blocks]    # [128, xr]: B operands
         out = []
         for g in range(groups):
@@ -482,9 +490,8 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, s_smem, *, bn, st
         return tuple(out)
 
     zero = plgpu.layout_cast(jnp.zeros((ROWS, xr), jnp.float32), plgpu.Layout.WGMMA)
-    x_blk = m_blk + n_blk * x_private                 # x_private: the probe's per-CTA copies of x
     specs = [plgpu.BlockSpec((bn, kb * W8_BK), lambda k: (n_blk, k_first + k), transforms=_tf(W8_BK, 1)),
-             plgpu.BlockSpec((xr, kb * W8_BK), lambda k: (x_blk, k_first + k), transforms=_tf(2 * W8_BK, 2))]
+             plgpu.BlockSpec((xr, kb * W8_BK), lambda k: (m_blk, k_first + k), transforms=_tf(2 * W8_BK, 2))]
     refs = (w_gmem, x_gmem)
     if probe == "stream-no-x":
         specs, refs = specs[:1], refs[:1]
@@ -493,8 +500,8 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, s_smem, *, bn, st
     _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, xr)
 
 
-def _w8_kernel_overlap(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, s_smem, *, bn, steps, stages, direct, load,
-                       widen, interpret):
+def _w8_kernel_overlap(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, load, widen,
+                       interpret):
     """Two 128-wide K blocks per pipeline step, two accumulators: block b's wgmma is issued, then the previous
     block's product is awaited (wait_group(groups)) and folded in with its block scale, so the widening of one
     block overlaps the matrix units' work on the other. Race-free by construction: the two blocks decode into
@@ -582,25 +589,16 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
     mt, stages = launch_tiles("w8a16_gemv", M, N, K, config, out_dtype)
     xr = BM if config.overlap else x_rows(M, mt, config.small_m)
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype, xr)
-    x_private = 0
-    if config.probe in ("x-pad", "x-private"):          # x in HBM padded to whole tiles (no TMA zero-fill)
-        rows = pl.cdiv(M, xr) * xr
-        xp = jnp.pad(xp, ((0, rows - xp.shape[0]), (0, 0)))
-        if config.probe == "x-private":                 # and one copy per row block (no shared L2 lines)
-            x_private = rows // xr
-            xp = jnp.tile(xp, (nb, 1))
     kernel = functools.partial(_w8_kernel_overlap if config.overlap else _w8_kernel, bn=bn, steps=steps,
                                stages=stages, direct=direct, load=config.load, widen=config.widen,
                                interpret=bool(interpret))
     if not config.overlap:
-        kernel = functools.partial(kernel, probe=config.probe, xr=xr, kb=config.k_blocks, x_private=x_private)
+        kernel = functools.partial(kernel, probe=config.probe, xr=xr, kb=config.k_blocks)
     f = plgpu.kernel(
         kernel, out_type=out_type, grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s"),
         scratch_types=dict(o_smem=o_smem,
                            a_smem=plgpu.SMEM((ROWS, W8_BK), jnp.bfloat16, transforms=_tf(2 * W8_BK, 2))
-                           if interpret else None,
-                           s_smem=plgpu.SMEM((steps * config.k_blocks,), jnp.float32)
-                           if config.scales == "smem" else None),
+                           if interpret else None),
         **_interpret_kw(interpret))
     return _finish(f(xp, w, scale), direct, M, out_dtype)
 
@@ -659,21 +657,19 @@ def _check_config(name: str, config: GemvConfig):
         raise ShapeError(f"{name}(mosaic): config.m_tiles expects 0 (auto) to 16, above 1 only without overlap "
                          f"(w8) or with widen 'perm' (w4); got {config}")
     if config.block_n not in (64, 128) or config.stages < 1 or config.split_k < 0 or config.load not in (
-            "upcast", "direct") or config.widen not in ("ptx", "jnp", "perm") or (
+            "upcast", "direct") or config.widen not in ("ptx", "jnp", "perm", "int") or (
+            name == "w4a16_gemv" and config.widen == "int") or (
             name == "w4a16_gemv" and config.overlap) or (config.stages < 2 and (
             config.overlap or (name == "w4a16_gemv" and config.widen == "perm"))):
         raise ShapeError(f"{name}(mosaic): config expects block_n in (64, 128), stages >= 1 (>= 2 with overlap or "
                          f"w4 perm: stages are released one step late), split_k >= 0, load 'upcast' or 'direct', "
-                         f"widen 'ptx', 'jnp' or 'perm', overlap w8 only; got {config}")
+                         f"widen 'ptx', 'jnp', 'perm' or (w8) 'int', overlap w8 only; got {config}")
     w4 = name == "w4a16_gemv"
     if config.k_blocks < 1 or config.k_blocks > (2 if w4 else 4) or (config.k_blocks > 1 and (
             config.overlap or (w4 and config.widen != "perm"))):
         raise ShapeError(f"{name}(mosaic): config.k_blocks expects 1 to 4 (w4: 2; Mosaic finds no bank-conflict-free "
                          f"scale load for a 64-byte scale row), above 1 only without overlap (w8) or with widen "
                          f"'perm' (w4); got {config}")
-    if config.scales not in ("gmem", "smem") or (config.scales == "smem" and (config.overlap or w4)):
-        raise ShapeError(f"{name}(mosaic): config.scales expects 'gmem' or 'smem' (w8 without overlap only); "
-                         f"got {config}")
     probes = (("", *W8_PROBES) if name == "w8a16_gemv" else ("", *W4_PROBE_STREAMS) if config.widen == "perm"
               else ("",))
     if config.probe not in probes or (config.probe and config.overlap):
