@@ -20,10 +20,11 @@ the weight tile is loaded in WGMMA_UPCAST_4X layout (8 consecutive bytes per thr
 PTX straight into the registers of the same thread's WGMMA A fragment, which amounts to a fixed permutation of
 K; x's columns get the same permutation (`perm_cols`, `perm64`, done by XLA), so the dot product is unchanged.
 For NVFP4 each 8-byte vector is one scale group, so scales are applied during the decode (no expansion wgmma).
-GPU defaults (H200 runs, benchmarks/notes/quant.md): w8 jnp 64 rows x 2 stages, unsplit with two K blocks per
-step where the row blocks fill two CTAs per SM (in_proj), else split-K to ~4.5 CTAs per SM (perm and overlap
-were no faster); w4 perm 64 rows, split 2 x 4 stages at in_proj. A "probe" config
-(benchmarks only) skips the compute to time the TMA pipeline alone: 20-23 us at in_proj, the floor of this design.
+GPU defaults (H200 runs, benchmarks/notes/quant.md): w8 jnp 64 rows x 2 stages, tiles read from SMEM as 2-byte
+vectors, unsplit with two K blocks per step where the row blocks fill two CTAs per SM (in_proj), else split-K to
+~4.5 CTAs per SM (perm and overlap were no faster); w4 perm 64 rows, split 2 x 4 stages at in_proj. A "probe"
+config (benchmarks only) skips the compute to time the TMA pipeline alone: 19.5-23 us at in_proj, the floor of
+this design.
 
 Weight tiles never depend on M (split-K chosen from (N, K) only, split partials added in a fixed order), and a
 wgmma gives each output column the same bits whatever its N (tested on the H200 at M = 1 / 16 / 40 / 256), so a
@@ -68,9 +69,8 @@ class GemvConfig:
     stages: int = 6
     split_k: int = 0
     load: str = "upcast"      # 8-bit tiles read from SMEM as 4-byte vectors + one shuffle, or "direct" (2 bytes)
-    widen: str = "jnp"        # weights -> bf16: jnp conversions ("jnp"), inline PTX ("ptx"), the K-permuted
-                              # integer recipes ("perm"; 8-byte loads, no conversion instructions), or (w8) the
-                              # integer recipe per 2-byte pair in place ("int")
+    widen: str = "jnp"        # weights -> bf16: jnp conversions ("jnp"), inline PTX ("ptx"), or the K-permuted
+                              # integer recipes ("perm"; 8-byte loads, no conversion instructions)
     overlap: bool = False     # w8: two step accumulators, step k's wgmma runs while step k+1 is widened
     probe: str = ""           # benchmark probe: "stream" skips the widening and the wgmma, "mma" the widening
                               # only (w8: a constant A operand), "stream-no-x" (and w4 perm "stream-weights")
@@ -159,20 +159,6 @@ fma.rn.bf16x2 $1, b, k, z;
 }"""
 
 
-# The same integer recipe for one E4M3 pair (the low two bytes of $1) -> a bf16 pair, in place (widen "int": no
-# conversion instructions and no K permutation, for tiles loaded as 2-byte vectors in WGMMA layout).
-_E4M3X2_TO_BF16 = """{
-.reg .b32 a, k, z, n;
-mov.b32 k, 0x7B807B80;
-mov.b32 z, 0x80008000;
-mov.b32 n, 0;
-prmt.b32 a, $1, n, 0x9180;
-shl.b32 a, a, 4;
-and.b32 a, a, 0x87F087F0;
-fma.rn.bf16x2 $0, a, k, z;
-}"""
-
-
 def perm_cols(a):
     """The fixed K permutation of the "perm" widening, on the last axis (a multiple of 32): within each 32-block,
     index 8q + 2v + u <-> 8v + 2q + u (q, v < 4, u < 2). An involution: applying it twice is the identity."""
@@ -212,24 +198,20 @@ def _ptx_e4m3_perm_to_bf16(w):
     return widen(w)
 
 
-def _ptx_e4m3_to_bf16(w, integer: bool = False):
-    """E4M3 [64, c] in WGMMA layout -> bf16 [64, c] (same layout) through `_E4M3_TO_BF16` (or, integer,
-    `_E4M3X2_TO_BF16`) per register."""
+def _ptx_e4m3_to_bf16(w):
+    """E4M3 [64, c] in WGMMA layout -> bf16 [64, c] (same layout) through `_E4M3_TO_BF16` per register."""
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
                        return_type=plgpu.ShapeDtypeStruct(w.shape, jnp.bfloat16, plgpu.Layout.WGMMA))
     def widen(ctx, fa):
         from jax.experimental.mosaic import gpu as mgpu
         from jax.experimental.mosaic.gpu import utils as mu
         from jaxlib.mlir import ir
-        from jaxlib.mlir.dialects import arith, llvm
+        from jaxlib.mlir.dialects import llvm
         i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
         bf2 = ir.VectorType.get((2,), ir.BF16Type.get())
         regs = np.empty_like(fa.registers)
         for idx, r in np.ndenumerate(fa.registers):
-            if integer:
-                out = llvm.inline_asm(i32, [arith.extui(i32, mu.bitcast(r, i16))], _E4M3X2_TO_BF16, "=r,r")
-            else:
-                out = llvm.inline_asm(i32, [mu.bitcast(r, i16)], _E4M3_TO_BF16, "=r,h")
+            out = llvm.inline_asm(i32, [mu.bitcast(r, i16)], _E4M3_TO_BF16, "=r,h")
             regs[idx] = mu.bitcast(out, bf2)
         return mgpu.FragmentedArray(_registers=regs, _layout=fa.layout, _is_signed=None)
     return widen(w)
@@ -443,13 +425,15 @@ def _finish(out, direct: bool, M: int, out_dtype):
 # benchmark probes of the w8 kernel (WRONG results): "stream" (the TMA pipeline alone), "stream-no-x" (the weight
 # tiles alone), "mma" (no widening)
 W8_PROBES = ("stream", "stream-no-x", "mma")
+
+
 def _widen8(w_ref, load: str, widen: str, interpret: bool):
     """E4M3 [64, 128] SMEM tile -> bf16 A operand in WGMMA layout (columns in `perm_cols` order for "perm")."""
     if widen == "perm" and not interpret:
         return _ptx_e4m3_perm_to_bf16(plgpu.load(w_ref, layout=plgpu.Layout.WGMMA_UPCAST_4X))
     w = _load_8bit(w_ref, load)
-    if widen in ("ptx", "int") and not interpret:
-        return _ptx_e4m3_to_bf16(w, integer=widen == "int")
+    if widen == "ptx" and not interpret:
+        return _ptx_e4m3_to_bf16(w)
     a = w.astype(jnp.float32).astype(jnp.bfloat16)      # exact; ptxas 13.0 has no direct e4m3->bf16 cvt
     return perm_cols(a) if widen == "perm" else a        # interpret: the same permuted product, in jnp
 
@@ -467,7 +451,7 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, sta
     groups = bn // ROWS
 
     def body(idx, w_smem, *refs):
-        *x_smem, acc = refs
+        *x_smem, acc = refs                            # no x stage for the "stream-no-x" probe
         if probe in ("stream", "stream-no-x"):
             return acc
         (k,) = idx
@@ -657,13 +641,12 @@ def _check_config(name: str, config: GemvConfig):
         raise ShapeError(f"{name}(mosaic): config.m_tiles expects 0 (auto) to 16, above 1 only without overlap "
                          f"(w8) or with widen 'perm' (w4); got {config}")
     if config.block_n not in (64, 128) or config.stages < 1 or config.split_k < 0 or config.load not in (
-            "upcast", "direct") or config.widen not in ("ptx", "jnp", "perm", "int") or (
-            name == "w4a16_gemv" and config.widen == "int") or (
+            "upcast", "direct") or config.widen not in ("ptx", "jnp", "perm") or (
             name == "w4a16_gemv" and config.overlap) or (config.stages < 2 and (
             config.overlap or (name == "w4a16_gemv" and config.widen == "perm"))):
         raise ShapeError(f"{name}(mosaic): config expects block_n in (64, 128), stages >= 1 (>= 2 with overlap or "
                          f"w4 perm: stages are released one step late), split_k >= 0, load 'upcast' or 'direct', "
-                         f"widen 'ptx', 'jnp', 'perm' or (w8) 'int', overlap w8 only; got {config}")
+                         f"widen 'ptx', 'jnp' or 'perm', overlap w8 only; got {config}")
     w4 = name == "w4a16_gemv"
     if config.k_blocks < 1 or config.k_blocks > (2 if w4 else 4) or (config.k_blocks > 1 and (
             config.overlap or (w4 and config.widen != "perm"))):
@@ -674,7 +657,8 @@ def _check_config(name: str, config: GemvConfig):
               else ("",))
     if config.probe not in probes or (config.probe and config.overlap):
         raise ShapeError(f"{name}(mosaic): probe {config.probe!r} is not implemented for {config} (w8: "
-                         f"{', '.join(map(repr, W8_PROBES))} without overlap; w4 with widen 'perm': 'stream', 'stream-no-x', 'stream-weights')")
+                         f"{', '.join(map(repr, W8_PROBES))} without overlap; w4 with widen 'perm': "
+                         f"{', '.join(map(repr, W4_PROBE_STREAMS))})")
 
 
 def _check_x_bf16(name: str, x):

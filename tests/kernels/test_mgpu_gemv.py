@@ -62,8 +62,7 @@ W8_CASES = [(3, 192, 384, GemvConfig(64, 2)),
             (70, 128, 512, GemvConfig(128, 2, 2, m_tiles=2)),
             # several 128-wide K blocks per pipeline step, split and unsplit
             (5, 128, 1024, GemvConfig(64, 2, 2, k_blocks=2)),
-            (3, 192, 1024, GemvConfig(128, 3, k_blocks=4)),
-            (5, 128, 512, GemvConfig(64, 2, widen="int", load="direct", k_blocks=2))]
+            (3, 192, 1024, GemvConfig(128, 3, k_blocks=4))]
 
 
 @pytest.mark.parametrize("M,N,K,config", W8_CASES, ids=lambda v: str(v))
@@ -202,8 +201,6 @@ def test_bad_inputs_raise_typed_errors(rng):
     with pytest.raises(ShapeError, match="w4: 2; Mosaic finds no bank-conflict-free scale load"):
         mg.w4a16_gemv_mosaic(_x(rng, 2, 1024), *_nvfp4(rng, 64, 1024), config=GemvConfig(64, 2, widen="perm",
                                                                                          k_blocks=4))
-    with pytest.raises(ShapeError, match="widen 'ptx', 'jnp', 'perm' or .w8. 'int'"):     # no silent jnp fallback
-        mg.w4a16_gemv_mosaic(_x(rng, 2, 512), *_nvfp4(rng, 64, 512), config=GemvConfig(64, 2, widen="int"))
     p, s4, g = _nvfp4(rng, 64, 768)
     with pytest.raises(ShapeError, match="K % 512"):
         mg.w4a16_gemv_mosaic(_x(rng, 2, 768), p, s4, g)
@@ -267,17 +264,6 @@ def test_perm_e4m3_ptx_is_exact_for_every_code():
     assert ok.all() and np.array_equal(np.signbit(got[~np.isnan(want)]), np.signbit(want[~np.isnan(want)]))
 
 
-def test_int_e4m3_pair_ptx_is_exact_for_every_code():
-    """widen "int": the low two bytes of the input (the high two random, to be ignored) -> a bf16 pair, exactly."""
-    codes = np.arange(256, dtype=np.uint32)
-    junk = np.random.default_rng(0).integers(0, 2 ** 16, 256, dtype=np.uint32) << 16
-    (a,) = run_ptx(mg._E4M3X2_TO_BF16, 1, codes | (np.roll(codes, 1) << 8) | junk)
-    want = np.stack([codes, np.roll(codes, 1)], -1).astype(np.uint8).view(jnp.float8_e4m3fn).astype(np.float64)
-    got, fin = bf16_pairs(a), ~np.isnan(want)
-    assert np.array_equal(got[fin], want[fin]) and np.array_equal(np.signbit(got[fin]), np.signbit(want[fin]))
-    assert np.array_equal(np.abs(got[~fin]), np.full((~fin).sum(), 480.0))       # NaN codes: +-480, as "perm"
-
-
 def test_perm_e2m1_ptx_is_exact_for_every_code_and_scale():
     """Every packed byte (two E2M1 codes) times every finite E4M3 scale: value * scale * 2^-8, exactly."""
     scales = np.arange(256, dtype=np.uint32)
@@ -327,7 +313,7 @@ SHAPES_8B = [(18560, 4096), (4096, 8192)]
 
 
 W8_GPU_CONFIGS = [GemvConfig(64, 6), GemvConfig(64, 3, widen="perm", overlap=True), None,
-                  GemvConfig(64, 3, 2, k_blocks=2), GemvConfig(64, 2, 1, load="direct", widen="int", k_blocks=2)]
+                  GemvConfig(64, 3, 2, k_blocks=2)]
 # None = the default for the shape. perm 64/4 gave wrong, M-dependent rows in call s3-1 before the wait fix in
 # _w4p_kernel (ptxas had not serialized its wgmmas): kept as the regression case.
 W4_GPU_CONFIGS = [GemvConfig(128, 3, widen="ptx"), None, GemvConfig(64, 4, widen="perm")]
@@ -376,8 +362,7 @@ def test_gpu_widenings_are_exact_for_every_e4m3_code():
     s = jnp.asarray([[0.75, 1.5]], F32)
     x = jnp.eye(16, 256, dtype=jnp.bfloat16)
     for cfg in (GemvConfig(64, 1, widen="ptx"), GemvConfig(128, 1, widen="ptx", load="direct"),
-                GemvConfig(64, 2, widen="perm"), GemvConfig(128, 2, widen="perm", overlap=True),
-                GemvConfig(64, 1, widen="int", load="direct"), GemvConfig(128, 2, widen="int")):
+                GemvConfig(64, 2, widen="perm"), GemvConfig(128, 2, widen="perm", overlap=True)):
         y = mg.w8a16_gemv_mosaic(x, w, s, out_dtype=F32, config=cfg)
         np.testing.assert_array_equal(np.asarray(y), np.asarray(w.astype(F32)[:, :16].T * 0.75))
 
@@ -422,8 +407,6 @@ def test_w4a16_mosaic_8b_shapes_on_gpu(rng, N, K, cfg):
                                            ("w4a16", GemvConfig(widen="perm", probe="stream-no-x")),
                                            ("w4a16", GemvConfig(widen="perm", probe="stream-weights")),
                                            ("w8a16", GemvConfig(k_blocks=2)),
-                                           ("w8a16", GemvConfig(k_blocks=2, widen="int", load="direct")),
-                                           ("w8a16", GemvConfig(widen="int")),
                                            ("w8a16", GemvConfig(k_blocks=4, probe="mma")),
                                            ("w4a16", GemvConfig(widen="perm", k_blocks=2))], ids=str)
 @pytest.mark.parametrize("split", [1, 2])
