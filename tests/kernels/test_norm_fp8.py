@@ -20,19 +20,26 @@ def _bits(a: qf.Fp8Activations):
 
 
 def _same(got: qf.Fp8Activations, ref: qf.Fp8Activations, exact: bool):
-    """Interpret mode: the same bits. Compiled: the norm's f32 sums may add in another order, which can move a
-    bf16 rounding (and so a code, or a row's amax) in rare elements."""
+    """Interpret mode: the same bits up to rare one-step flips. The kernel's f32 sum of squares runs over its
+    [rows, group] tile, the reference's over the whole array, and XLA picks the reduction tree per shape, so one
+    norm value can round to the neighbouring bf16 (seed 1452713893: 1 code of 5120 one step off): codes then
+    differ by one E4M3 step, or, if that value is its block's amax, the block's scale by at most 1%. Compiled:
+    the same kind of differences, in rare elements."""
     (q, s), (rq, rs) = _bits(got), _bits(ref)
     if exact:
-        np.testing.assert_array_equal(q, rq)
-        np.testing.assert_array_equal(s, rs)
+        s, rs = s.reshape(len(q), -1), rs.reshape(len(q), -1)                      # per row: [M] -> [M, 1]
+        moved = np.repeat(s != rs, q.shape[1] // s.shape[1], axis=1)               # blocks whose amax moved
+        assert np.sum(s != rs) <= 1 and np.all(np.abs(s - rs) <= 1e-2 * rs)
+        off = (q != rq) & ~moved
+        assert off.sum() <= max(2, 2e-4 * off.size)
+        assert np.all(np.abs(q[off].astype(np.int16) - rq[off]) == 1)           # one E4M3 step, same sign
     else:
         assert np.mean(q != rq) < 1e-3
         assert np.max(np.abs(s - rs) / rs) < 1e-2
 
 
-def _check_case(rng, M, W, GS, per_block, interpret, nb=None):
-    y = jnp.asarray(rng.standard_normal((M, W)) * 3, jnp.bfloat16)
+def _check_case(rng, M, W, GS, per_block, interpret, nb=None, amp=3.0):
+    y = jnp.asarray(rng.standard_normal((M, W)) * amp, jnp.bfloat16)
     z = jnp.asarray(rng.standard_normal((M, W)), jnp.bfloat16)
     w = jnp.asarray(rng.uniform(0.5, 1.5, W), jnp.bfloat16)
     got = norm_fp8.gated_rmsnorm_fp8_pallas(y, z, w, group_size=GS, eps=1e-5, per_block=per_block,
@@ -54,6 +61,12 @@ def test_kernel_matches_reference_bits(rng, interpret, M, W, GS, per_block, loop
     both kernel forms (group tiles / one reshaped tile); M not a multiple of the rows per program (2 rows for
     W=512 with rows_elems 1024): the masked tail rows too."""
     _check_case(rng, M, W, GS, per_block, interpret, norm_fp8.NormFp8Blocks(rows_elems=1024, warps=4, loop=loop))
+
+
+@pytest.mark.parametrize("per_block", [False, True])
+def test_eps_dominated_rows_match_reference(rng, interpret, per_block):
+    """Rows of mean square ~1e-5 (as eps): a wrong or misplaced eps moves most codes, not a rare one."""
+    _check_case(rng, 9, 256, 64, per_block, interpret, norm_fp8.NormFp8Blocks(rows_elems=1024, warps=4), amp=3e-3)
 
 
 @pytest.mark.gpu
