@@ -674,10 +674,10 @@ def w8a16_gemv_blocks(N: int, K: int) -> GemvConfig:
     output goes straight to bf16, no split-K sum; in_proj GPU us at M = 1 / 16 / 64 / 256 with direct loads:
     21.8 / 22.8 / 31.2 / 89.2); else a K split until ~4.5 CTAs per SM (out_proj: 8, 11.9 us)."""
     nb, steps = pl.cdiv(N, ROWS), K // W8_BK
+    base = GemvConfig(block_n=64, stages=2, widen="jnp", load="direct")
     if nb >= 2 * H200_SMS and steps % 2 == 0:
-        return GemvConfig(block_n=64, stages=2, widen="jnp", split_k=1, k_blocks=2, load="direct")
-    return GemvConfig(block_n=64, stages=2, widen="jnp", split_k=auto_split(nb, steps, target=int(4.5 * H200_SMS)),
-                      load="direct")
+        return dataclasses.replace(base, split_k=1, k_blocks=2)
+    return dataclasses.replace(base, split_k=auto_split(nb, steps, target=int(4.5 * H200_SMS)))
 
 
 def resolve_k_blocks(config: GemvConfig, M: int) -> GemvConfig:
