@@ -25,6 +25,12 @@ vectors, unsplit with two K blocks per step where the row blocks fill two CTAs p
 ~4.5 CTAs per SM (perm and overlap were no faster); w4 perm 64 rows, split 2 x 4 stages at in_proj. A "probe"
 config (benchmarks only) skips the compute to time the TMA pipeline alone: 19.5-23 us at in_proj, the floor of
 this design.
+Balance (`tail_split`, w8 in_proj default): 290 row blocks over 132 SMs leave 26 SMs a third block; those 26
+blocks run as two K halves in 2-CTA clusters whose CTA 0 adds the other's float32 partial from its shared memory
+(`_cluster_sum`, st.async into the peer's SMEM), so every SM streams about the same bytes (H200 s16: in_proj
+M = 1 / 16 / 256 20.4-20.6 / 21.2-21.3 / 77.0-77.4 us against 21.6-22.0 / 22.8 / 86-89). `reduce="cluster"`
+does the same for split-K partials (out_proj; not yet timed). The cluster sum adds in the order XLA's sum of
+the float32 partials does (the interpret-mode path), so both give the same bits.
 
 Weight tiles never depend on M (split-K chosen from (N, K) only, split partials added in a fixed order), and a
 wgmma gives each output column the same bits whatever its N (tested on the H200 at M = 1 / 16 / 40 / 256), so a
@@ -82,6 +88,12 @@ class GemvConfig:
     k_blocks: int = 1         # w8 / w4 perm: K blocks (w8 128, w4 256 wide) per pipeline step, all their wgmmas
                               # issued before one wait: block j + 1 is widened while block j's wgmma runs (w8 up
                               # to 4, w4 2); rows keep their bits (see resolve_k_blocks)
+    reduce: str = "xla"       # split partials (split_k, tail_split) added by XLA, or in the kernel through the
+                              # shared memory of a cluster of the split CTAs ("cluster"; compiled only, interpret
+                              # mode adds them in XLA), the same bits
+    tail_split: int = 0       # w8 unsplit: the row blocks past a whole number per SM (in_proj: 26 of 290) are
+                              # split into this many K pieces, so every SM streams about the same bytes; the
+                              # pieces' float32 partials are added in a fixed order (`tail_blocks`)
 
 
 def _tf(cols_bytes: int, itemsize: int):
@@ -438,15 +450,107 @@ def _widen8(w_ref, load: str, widen: str, interpret: bool):
     return perm_cols(a) if widen == "perm" else a        # interpret: the same permuted product, in jnp
 
 
-def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, load, widen, interpret,
-               probe, xr, kb):
+def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, *t_gmem, o_smem, a_smem, ready=None, red_bar=None, bn, steps, stages,
+               direct, load, widen, interpret, probe, xr, kb, dp=0, tail=0, cluster=0):
     """One wgmma per 128-wide K block over all m_tiles 16-row x tiles of the CTA (the weight tile is read and
     widened once) into a fresh accumulator, waited for before the block scale is applied; a pipeline step holds
     kb blocks, whose wgmmas are all issued before the wait. A wgmma computes each output column the same way
     whatever its N (H200 s9-4: rows bit-identical at M = 1, 16, 40 and 256), so a row's result does not depend
-    on M."""
-    n_blk, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
-    k_first = split * steps
+    on M. tail > 0: CTAs n < dp take row block n whole; the others piece (n - dp) % tail of the K range of row
+    block dp + (n - dp) // tail, as float32 partials into t_gmem [tail, tail rows, Mp]. cluster > 0: the split
+    (tail pieces or split-K) CTAs of one output tile form a cluster and add their partials in the kernel."""
+    n, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
+    run = functools.partial(_w8_blocks, x_gmem, w_gmem, s_gmem, a_smem, bn=bn, stages=stages, load=load,
+                            widen=widen, interpret=interpret, probe=probe, xr=xr, kb=kb)
+    store = lambda acc, n_blk: _store_out(acc, o_smem, o_gmem, 0, m_blk, n_blk, bn, direct, xr)
+    if cluster and not tail:                  # split-K, CTA c of the cluster: K range c
+        c = lax.axis_index("c")
+        _cluster_sum(run(n, m_blk, c * steps, steps=steps), c, cluster, ready, red_bar, bn, xr,
+                     lambda total: store(total, n))
+        return
+    if not tail:
+        _store_out(run(n, m_blk, split * steps, steps=steps), o_smem, o_gmem, split, m_blk, n, bn, direct, xr)
+        return
+    if cluster:
+        return _w8_tail_cluster(run, store, ready, red_bar, m_blk, bn=bn, steps=steps, xr=xr, dp=dp, tail=tail)
+    (t_gmem,) = t_gmem
+
+    @pl.when(n < dp)
+    def _():
+        store(run(n, m_blk, 0, steps=steps), n)
+
+    @pl.when(n >= dp)
+    def _():
+        t, piece = (n - dp) // tail, (n - dp) % tail
+        acc = run(dp + t, m_blk, piece * (steps // tail), steps=steps // tail)
+        pl.run_scoped(lambda t_smem: _store_out(acc, t_smem, t_gmem, piece, m_blk, t, bn, False, xr),
+                      plgpu.SMEM((bn, xr), jnp.float32))         # in the space the pipeline used
+
+
+def _w8_tail_cluster(run, store, ready, red_bar, m_blk, *, bn, steps, xr, dp, tail):
+    """The tail split reduced in the kernel: clusters of `tail` CTAs; a cluster below dp / tail takes `tail`
+    whole row blocks, one per CTA; the others one tail row block, CTA c its K piece c (`_cluster_sum`)."""
+    g, c = lax.axis_index("n"), lax.axis_index("c")
+    whole = dp // tail
+
+    @pl.when(g < whole)
+    def _():
+        store(run(g * tail + c, m_blk, 0, steps=steps), g * tail + c)
+
+    @pl.when(g >= whole)
+    def _():
+        n = dp + g - whole
+        acc = run(n, m_blk, c * (steps // tail), steps=steps // tail)
+        _cluster_sum(acc, c, tail, ready, red_bar, bn, xr, lambda total: store(total, n))
+
+
+def _cluster_sum(acc, c, size, ready, red_bar, bn: int, xr: int, store):
+    """The `size` CTAs of a cluster (axis "c") hold float32 partials `acc` (per 64-row group, [64, xr]) of one
+    output tile. Once every CTA is past its pipeline (`ready`), CTAs c > 0 store theirs into CTA 0's shared memory
+    (a [size - 1, bn, xr] buffer in the space the pipelines used, arriving on red_bar), and CTA 0 adds them in
+    order of c and stores the total: the order `_finish` adds split partials in, so the same bits as XLA's sum."""
+    def reduce(recv):
+        plgpu.barrier_arrive(ready)
+        plgpu.barrier_wait(ready)
+
+        @pl.when(c > 0)
+        def _():
+            for grp, a in enumerate(acc):
+                plgpu.async_store_smem(a, recv.at[c - 1, pl.ds(grp * ROWS, ROWS)], red_bar, cluster_idx=0,
+                                       cluster_dim="c")
+
+        @pl.when(c == 0)
+        def _():
+            plgpu.barrier_wait(red_bar)
+            total = list(acc)
+            for j in range(size - 1):
+                total = [t + recv[j, pl.ds(grp * ROWS, ROWS)] for grp, t in enumerate(total)]
+            store(total)
+
+    sw = next(b for b in (128, 64, 32) if 4 * xr % b == 0)            # the widest swizzle that tiles an xr row
+    pl.run_scoped(reduce, plgpu.SMEM((size - 1, bn, xr), jnp.float32, transforms=_tf(sw, 4)))
+
+
+def _cluster_scratch(size: int, bn: int) -> dict:
+    """Barriers of `_cluster_sum`: every CTA past its pipeline; the partials' stores into CTA 0 (one per 64-row
+    group of each other CTA: Pallas counts a warpgroup's store as one arrival)."""
+    return dict(ready=plgpu.ClusterBarrier(collective_axes=("c",)),
+                red_bar=plgpu.Barrier(num_arrivals=(size - 1) * (bn // ROWS)))
+
+
+def _check_cluster(name: str, size: int, bn: int, xr: int, o_smem_bytes: int):
+    """A cluster reduction needs a portable cluster (<= 8 CTAs) and its receive buffer in shared memory."""
+    recv = (size - 1) * bn * xr * 4
+    if size > 8 or recv + o_smem_bytes > GEMV_SMEM:
+        raise ShapeError(f"{name}(mosaic): reduce='cluster' needs at most 8 split CTAs and (split - 1) x {bn} x {xr} "
+                         f"float32 partials in shared memory ({recv} + {o_smem_bytes} of {GEMV_SMEM} bytes) for a "
+                         f"split of {size}; use reduce='xla'")
+
+
+def _w8_blocks(x_gmem, w_gmem, s_gmem, a_smem, n_blk, m_blk, k_first, *, bn, steps, stages, load, widen, interpret,
+               probe, xr, kb):
+    """Row block n_blk times x tile m_blk over `steps` pipeline steps from step k_first: per 64-row group, the
+    [64, xr] float32 sum of the block-scaled products (see `_w8_kernel`)."""
     s_row = n_blk * bn // FP8_BLOCK                    # bn divides 128: one block-scale row per CTA
     groups = bn // ROWS
 
@@ -479,9 +583,8 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, sta
     refs = (w_gmem, x_gmem)
     if probe == "stream-no-x":
         specs, refs = specs[:1], refs[:1]
-    acc = plgpu.emit_pipeline(body, grid=(steps,), in_specs=specs, max_concurrent_steps=stages,
-                              init_carry=(zero,) * groups)(*refs)
-    _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, xr)
+    return plgpu.emit_pipeline(body, grid=(steps,), in_specs=specs, max_concurrent_steps=stages,
+                               init_carry=(zero,) * groups)(*refs)
 
 
 def _w8_kernel_overlap(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, load, widen,
@@ -573,18 +676,47 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
     mt, stages = launch_tiles("w8a16_gemv", M, N, K, config, out_dtype)
     xr = BM if config.overlap else x_rows(M, mt, config.small_m)
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype, xr)
+    dp, nt = tail_blocks(nb, config.tail_split) if split == 1 else (nb, 0)
     kernel = functools.partial(_w8_kernel_overlap if config.overlap else _w8_kernel, bn=bn, steps=steps,
                                stages=stages, direct=direct, load=config.load, widen=config.widen,
                                interpret=bool(interpret))
+    scratch = dict(o_smem=o_smem, a_smem=plgpu.SMEM((ROWS, W8_BK), jnp.bfloat16, transforms=_tf(2 * W8_BK, 2))
+                   if interpret else None)
     if not config.overlap:
         kernel = functools.partial(kernel, probe=config.probe, xr=xr, kb=config.k_blocks)
-    f = plgpu.kernel(
-        kernel, out_type=out_type, grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s"),
-        scratch_types=dict(o_smem=o_smem,
-                           a_smem=plgpu.SMEM((ROWS, W8_BK), jnp.bfloat16, transforms=_tf(2 * W8_BK, 2))
-                           if interpret else None),
-        **_interpret_kw(interpret))
-    return _finish(f(xp, w, scale), direct, M, out_dtype)
+    grid, cluster = dict(grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s")), {}
+    tail = config.tail_split
+    size = (tail if nt else split if split > 1 else 0) if config.reduce == "cluster" and not interpret else 0
+    if nt:
+        if steps % tail or (size and dp % tail):
+            raise ShapeError(f"w8a16_gemv(mosaic): tail_split={tail} does not divide the {steps} K steps of "
+                             f"{W8_BK * config.k_blocks}" + (f" or the {dp} whole row blocks" if size else ""))
+        kernel = functools.partial(kernel, dp=dp, tail=tail)
+        grid["grid"] = (dp // tail + nt if size else dp + nt * tail, *grid["grid"][1:])
+        if not size:
+            out_type = (out_type, jax.ShapeDtypeStruct((tail, nt * bn, pl.cdiv(xp.shape[0], xr) * xr), jnp.float32))
+    if size:              # the partials meet in CTA 0 of each cluster (interpret mode has no clusters: XLA adds them)
+        direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, 1, out_dtype, xr)
+        _check_cluster("w8a16_gemv", size, bn, xr, int(np.prod(o_smem.shape)) * jnp.dtype(o_smem.dtype).itemsize)
+        kernel = functools.partial(kernel, direct=direct, cluster=size)
+        grid["grid"] = (*grid["grid"][:2], 1)
+        cluster = dict(cluster=(size,), cluster_names=("c",))
+        scratch.update(o_smem=o_smem, **_cluster_scratch(size, bn))
+    f = plgpu.kernel(kernel, out_type=out_type, **grid, **cluster, scratch_types=scratch, **_interpret_kw(interpret))
+    if not nt or size:
+        return _finish(f(xp, w, scale), direct, M, out_dtype)
+    out, parts = f(xp, w, scale)
+    y = _finish(out, direct, M, out_dtype)
+    return jnp.concatenate([y[:, :dp * bn], _finish(parts, False, M, out_dtype)], axis=1)
+
+
+def tail_blocks(n_blocks: int, tail_split: int, sms: int = H200_SMS) -> tuple[int, int]:
+    """(row blocks taken whole, row blocks split into `tail_split` K pieces) of an unsplit w8 launch: the blocks
+    past the last whole number per SM are split (in_proj: 290 = 264 + 26 over 132 SMs), none without a tail."""
+    whole = n_blocks // sms * sms
+    if not tail_split or not whole or whole == n_blocks:
+        return n_blocks, 0
+    return whole, n_blocks - whole
 
 
 # H200 (benchmarks/notes/quant.md): w8 4 tiles per CTA 1.35-1.56x faster than one at M = 64 (s8-6), 8 tiles 6-25%
@@ -653,6 +785,15 @@ def _check_config(name: str, config: GemvConfig):
         raise ShapeError(f"{name}(mosaic): config.k_blocks expects 1 to 4 (w4: 2; Mosaic finds no bank-conflict-free "
                          f"scale load for a 64-byte scale row), above 1 only without overlap (w8) or with widen "
                          f"'perm' (w4); got {config}")
+    if config.tail_split < 0 or config.tail_split > 16 or (config.tail_split and (
+            name != "w8a16_gemv" or config.overlap)):
+        raise ShapeError(f"{name}(mosaic): config.tail_split expects 0 (off) to 16, and only for w8 without "
+                         f"overlap; got {config}")
+    if config.reduce not in ("cluster", "xla") or (config.reduce == "cluster" and (
+            config.tail_split > 8 or config.split_k > 8 or config.overlap or (
+            name == "w4a16_gemv" and config.widen != "perm"))):
+        raise ShapeError(f"{name}(mosaic): config.reduce expects 'xla' or 'cluster' (split_k and tail_split <= 8: a "
+                         f"portable cluster; no overlap; w4 with widen 'perm'); got {config}")
     probes = (("", *W8_PROBES) if name == "w8a16_gemv" else ("", *W4_PROBE_STREAMS) if config.widen == "perm"
               else ("",))
     if config.probe not in probes or (config.probe and config.overlap):
@@ -671,12 +812,15 @@ def w8a16_gemv_blocks(N: int, K: int) -> GemvConfig:
     """64 rows x 2 stages, jnp widening (perm and overlap were no faster, session 3) of tiles read from shared
     memory as 2-byte vectors (load "direct": H200 s15-1, 0.6-1.7 us faster than "upcast" at in_proj M = 1..64, the
     same bits). When the row blocks alone give two CTAs per SM, no K split and two K blocks per step (s14-3: the
-    output goes straight to bf16, no split-K sum; in_proj GPU us at M = 1 / 16 / 64 / 256 with direct loads:
-    21.8 / 22.8 / 31.2 / 89.2); else a K split until ~4.5 CTAs per SM (out_proj: 8, 11.9 us)."""
+    output goes straight to bf16, no split-K sum), the blocks past two per SM in two K halves reduced in 2-CTA
+    clusters (s16: in_proj GPU us at M = 1 / 4 / 16 / 64 / 256: 20.4-20.6 / 20.5-20.7 / 21.2-21.3 / 28.5-29.0 /
+    77.0-77.4, without the tail split 21.6-22.0 / 21.6-21.8 / 22.8 / 31.0-31.2 / 86.3-89.3; four pieces 0.8-2 us
+    slower); else a K split until ~4.5 CTAs per SM (out_proj: 8, 11.9 us)."""
     nb, steps = pl.cdiv(N, ROWS), K // W8_BK
     base = GemvConfig(block_n=64, stages=2, widen="jnp", load="direct")
     if nb >= 2 * H200_SMS and steps % 2 == 0:
-        return dataclasses.replace(base, split_k=1, k_blocks=2)
+        tail = 2 if steps % 4 == 0 else 0                 # halves of whole steps at one and at two blocks per step
+        return dataclasses.replace(base, split_k=1, k_blocks=2, tail_split=tail, reduce="cluster")
     return dataclasses.replace(base, split_k=auto_split(nb, steps, target=int(4.5 * H200_SMS)))
 
 
@@ -796,16 +940,19 @@ W4P_BK = 256      # K per step of the "perm" NVFP4 kernel (128 packed bytes, 16 
 W4_PROBE_STREAMS = {"stream": "psx", "stream-no-x": "ps", "stream-weights": "p"}
 
 
-def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, interpret,
-                probe, xr, kb):
+def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, ready=None, red_bar=None, *, bn, steps,
+                stages, direct, interpret, probe, xr, kb, cluster=0):
     """NVFP4 GEMV with the "perm" decoder: scales are multiplied in during the decode, so one accumulator per
     64 rows (over all m_tiles x tiles of the CTA, one wgmma against the decoded tile) runs over all K.
     Each step waits for its own wgmmas (wait_group 0) before the next step's decode rewrites the A registers:
     PTX makes touching an in-flight wgmma's A registers undefined, and the loop body writes the same registers
     every step (H200 run s3-1: a wait_group(1) version gave wrong, M-dependent rows whenever ptxas did not
     serialize the wgmmas itself; benchmarks/notes/quant.md). Stages are released one step late
-    (delay_release=1), as in the measured run."""
+    (delay_release=1), as in the measured run. cluster > 0: the split-K CTAs of a tile form a cluster and add
+    their partials in the kernel (`_cluster_sum`)."""
     n_blk, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
+    if cluster:
+        split = lax.axis_index("c")
     k_first = split * steps
     groups = bn // ROWS
 
@@ -842,7 +989,11 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, *, bn, s
         acc = [plgpu.layout_cast(jnp.zeros((ROWS, xr), jnp.float32), plgpu.Layout.WGMMA) for _ in acc]
     gs = g_gmem[0] * E2M1_A_SHIFT
     acc = [a * gs for a in acc]
-    _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, xr)
+    if cluster:
+        _cluster_sum(acc, split, cluster, ready, red_bar, bn, xr,
+                     lambda total: _store_out(total, o_smem, o_gmem, 0, m_blk, n_blk, bn, direct, xr))
+    else:
+        _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, xr)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
@@ -853,15 +1004,18 @@ def _w4p_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, 
     xp = perm64(_pad_rows(x))                          # the decoded tiles' columns arrive in this order
     mt, stages = launch_tiles("w4a16_gemv", M, N, K, config, out_dtype)
     xr = x_rows(M, mt, config.small_m)
-    direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype, xr)
+    size = split if split > 1 and config.reduce == "cluster" and not interpret else 0
+    direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, 1 if size else split, out_dtype, xr)
     kernel = functools.partial(_w4p_kernel, bn=bn, steps=steps, stages=stages, direct=direct,
-                               interpret=bool(interpret), probe=config.probe, xr=xr, kb=config.k_blocks)
-    f = plgpu.kernel(
-        kernel, out_type=out_type, grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s"),
-        scratch_types=dict(o_smem=o_smem,
-                           a_smem=plgpu.SMEM((ROWS, W4P_BK), jnp.bfloat16, transforms=_tf(128, 2))
-                           if interpret else None),
-        **_interpret_kw(interpret))
+                               interpret=bool(interpret), probe=config.probe, xr=xr, kb=config.k_blocks, cluster=size)
+    scratch = dict(o_smem=o_smem, a_smem=plgpu.SMEM((ROWS, W4P_BK), jnp.bfloat16, transforms=_tf(128, 2))
+                   if interpret else None)
+    grid = dict(grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s"))
+    if size:              # the split-K partials meet in CTA 0 of each cluster (interpret mode: XLA adds them)
+        _check_cluster("w4a16_gemv", size, bn, xr, int(np.prod(o_smem.shape)) * jnp.dtype(o_smem.dtype).itemsize)
+        grid.update(grid=(nb, pl.cdiv(mb, mt), 1), cluster=(size,), cluster_names=("c",))
+        scratch.update(_cluster_scratch(size, bn))
+    f = plgpu.kernel(kernel, out_type=out_type, **grid, scratch_types=scratch, **_interpret_kw(interpret))
     g = jnp.asarray(global_scale, jnp.float32).reshape(1)
     return _finish(f(xp, packed, scale, g), direct, M, out_dtype)
 

@@ -201,6 +201,23 @@ def test_bad_inputs_raise_typed_errors(rng):
     with pytest.raises(ShapeError, match="w4: 2; Mosaic finds no bank-conflict-free scale load"):
         mg.w4a16_gemv_mosaic(_x(rng, 2, 1024), *_nvfp4(rng, 64, 1024), config=GemvConfig(64, 2, widen="perm",
                                                                                          k_blocks=4))
+    with pytest.raises(ShapeError, match="config.tail_split expects 0 .off. to 16, and only for w8 without"):
+        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(64, 2, overlap=True, tail_split=2))
+    with pytest.raises(ShapeError, match="config.tail_split expects"):
+        mg.w4a16_gemv_mosaic(_x(rng, 2, 512), *_nvfp4(rng, 64, 512), config=GemvConfig(widen="perm", tail_split=1))
+    with pytest.raises(ShapeError, match="config.reduce expects .*w4 with widen 'perm'"):
+        mg.w4a16_gemv_mosaic(_x(rng, 2, 512), *_nvfp4(rng, 64, 512), config=GemvConfig(split_k=2, reduce="cluster"))
+    with pytest.raises(ShapeError, match=r"reduce='cluster' needs at most 8 split CTAs and \(split - 1\) x 64 x 128"):
+        mg.w8a16_gemv_mosaic(_x(rng, 256, 1024), *_fp8(rng, 64, 1024), config=GemvConfig(64, 2, 8, reduce="cluster"))
+    with pytest.raises(ShapeError, match="config.reduce expects 'xla' or 'cluster' .split_k and tail_split <= 8"):
+        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(tail_split=16, reduce="cluster"))
+    with pytest.raises(ShapeError, match="config.reduce expects"):
+        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(split_k=16, reduce="cluster"))
+    with pytest.raises(ShapeError, match="config.reduce expects"):
+        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(tail_split=2, reduce="atomic"))
+    with pytest.raises(ShapeError, match="tail_split=2 does not divide the 3 K steps of 128"):
+        mg.w8a16_gemv_mosaic(_x(rng, 2, 384), *_fp8(rng, 64 * 133, 384), config=GemvConfig(64, 2, 1, tail_split=2),
+                             interpret=True)
     p, s4, g = _nvfp4(rng, 64, 768)
     with pytest.raises(ShapeError, match="K % 512"):
         mg.w4a16_gemv_mosaic(_x(rng, 2, 768), p, s4, g)
@@ -241,6 +258,34 @@ def test_w8_defaults_and_k_blocks_resolution():
     assert {mg.w8a16_gemv_blocks(n, k).load for n, k in SHAPES_8B} == {"direct"}    # H200 s15-1: faster at every M
     assert [mg.resolve_k_blocks(cfg, m).k_blocks for m in (1, 16, 17, 256)] == [2, 2, 1, 1]
     assert mg.resolve_k_blocks(dataclasses.replace(cfg, m_tiles=2), 64).k_blocks == 2
+
+
+def test_tail_split_blocks_and_default():
+    """in_proj's 290 row blocks: 264 (two per SM) whole, the last 26 in two K pieces; shapes without a tail (a whole
+    number of blocks per SM, or fewer blocks than SMs) are unchanged."""
+    assert mg.w8a16_gemv_blocks(18560, 4096).tail_split == 2
+    assert mg.w8a16_gemv_blocks(18560, 3840).tail_split == 0          # 15 two-block steps: no whole halves
+    assert mg.tail_blocks(290, 2) == (264, 26)
+    assert mg.tail_blocks(290, 0) == (290, 0) and mg.tail_blocks(264, 2) == (264, 0) and mg.tail_blocks(64, 8) == (64, 0)
+
+
+def test_tail_split_matches_reference(rng, interpret):
+    """133 row blocks over the 132 SMs the split counts: block 132 runs as two K pieces whose float32 partials are
+    added in order (XLA in interpret mode, a CTA cluster compiled); the whole blocks keep the unsplit launch's bits
+    and every row (outputs start as NaN in interpret mode) matches the reference."""
+    M, N, K = 3, 64 * 133, 256
+    x, (q, s) = _x(rng, M, K), _fp8(rng, N, K)
+    ref = w8a16.w8a16_reference(x, q, s, out_dtype=F32)
+    base = GemvConfig(64, 2, 1, load="direct")
+    y = np.asarray(mg.w8a16_gemv_mosaic(x, q, s, out_dtype=F32, interpret=interpret,
+                                        config=dataclasses.replace(base, tail_split=2)))
+    _finite(y)
+    y0 = np.asarray(mg.w8a16_gemv_mosaic(x, q, s, out_dtype=F32, interpret=interpret, config=base))
+    np.testing.assert_array_equal(y[:, :132 * 64], y0[:, :132 * 64])
+    assert rel_err(y[:, 132 * 64:], ref[:, 132 * 64:]) < 1e-5 and rel_err(y, ref) < 1e-5
+    yb = mg.w8a16_gemv_mosaic(x, q, s, interpret=interpret, config=dataclasses.replace(base, tail_split=2))
+    _finite(yb)
+    assert yb.dtype == jnp.bfloat16 and rel_err(yb, ref) < 4e-3
 
 
 def test_split_k_partials_sum_in_a_fixed_order():
@@ -387,6 +432,43 @@ def test_mosaic_gemv_large_batch_on_gpu(rng, N, K, kernel):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tail", [2, 4])
+def test_tail_cluster_reduction_on_gpu(rng, tail):
+    """in_proj's tail blocks in K pieces: the in-kernel cluster reduction gives the bits of the XLA-summed
+    partials, right against the reference, at one and at several x tiles per CTA."""
+    N, K = SHAPES_8B[0]
+    q, s = _fp8(rng, N, K)
+    base = dataclasses.replace(mg.w8a16_gemv_blocks(N, K), tail_split=tail)
+    for m in (1, 40):
+        x = _x(rng, m, K)
+        ref = w8a16.w8a16_reference(x, q, s, out_dtype=F32)
+        for od in (F32, jnp.bfloat16):
+            yc = np.asarray(mg.w8a16_gemv_mosaic(x, q, s, out_dtype=od, config=base).astype(F32))
+            yx = np.asarray(mg.w8a16_gemv_mosaic(x, q, s, out_dtype=od, config=dataclasses.replace(
+                base, reduce="xla")).astype(F32))
+            np.testing.assert_array_equal(yc, yx)
+            assert rel_err(yc[:, 264 * 64:], ref[:, 264 * 64:]) < (1e-5 if od == F32 else 4e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["w8a16", "w4a16"])
+def test_split_k_cluster_reduction_on_gpu(rng, kernel):
+    """out_proj's split-K partials added in the kernel (reduce='cluster') give the bits of XLA's sum."""
+    N, K = SHAPES_8B[1]
+    if kernel == "w8a16":
+        args, fn, base, ref = _fp8(rng, N, K), mg.w8a16_gemv_mosaic, mg.w8a16_gemv_blocks(N, K), w8a16.w8a16_reference
+    else:
+        args, fn, base, ref = _nvfp4(rng, N, K), mg.w4a16_gemv_mosaic, mg.w4a16_gemv_blocks(N, K), w4a16.w4a16_reference
+    for m in (1, 40):
+        x = _x(rng, m, K)
+        for od in (F32, jnp.bfloat16):
+            yc = np.asarray(fn(x, *args, out_dtype=od, config=dataclasses.replace(base, reduce="cluster")).astype(F32))
+            yx = np.asarray(fn(x, *args, out_dtype=od, config=dataclasses.replace(base, reduce="xla")).astype(F32))
+            np.testing.assert_array_equal(yc, yx)
+            assert rel_err(yc, ref(x, *args, out_dtype=F32)) < (1e-5 if od == F32 else 4e-3)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("cfg", W4_GPU_CONFIGS, ids=str)
 @pytest.mark.parametrize("N,K", SHAPES_8B)
 def test_w4a16_mosaic_8b_shapes_on_gpu(rng, N, K, cfg):
@@ -426,3 +508,38 @@ def test_lowers_for_cuda_on_every_output_path(kernel, config, split, out_dtype):
         fn = lambda x, p, s, g: mg.w4a16_gemv_mosaic(x, p, s, g, out_dtype=out_dtype, config=config)
     text = jax.jit(fn).trace(x, *args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("reduce", ["cluster", "xla"])
+@pytest.mark.parametrize("M", [1, 16, 40, 256])
+def test_tail_split_lowers_for_cuda(M, reduce):
+    """The in_proj default's tail split (a 2-CTA cluster with a shared-memory reduction, or float32 partials)
+    lowers for CUDA at one to eight x tiles per CTA (M = 40: three, 192-byte float32 rows), both output paths."""
+    N, K, sd = 18560, 4096, jax.ShapeDtypeStruct
+    config = dataclasses.replace(mg.w8a16_gemv_blocks(N, K), reduce=reduce)
+    for out_dtype in (jnp.bfloat16, F32):
+        fn = lambda x, w, s: mg.w8a16_gemv_mosaic(x, w, s, out_dtype=out_dtype, config=config)
+        text = jax.jit(fn).trace(sd((M, K), jnp.bfloat16), sd((N, K), jnp.float8_e4m3fn),
+                                 sd((N // 128, K // 128), F32)).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("kernel", ["w8a16", "w4a16"])
+@pytest.mark.parametrize("M", [1, 16, 40])
+def test_split_k_cluster_reduction_lowers_for_cuda(kernel, M):
+    """out_proj's split-K launch with reduce='cluster' (the split CTAs of a tile as one cluster, partials added in
+    CTA 0's shared memory, bf16 straight out) lowers for CUDA, for both output paths. Not yet timed on the GPU."""
+    N, K, sd = 4096, 8192, jax.ShapeDtypeStruct
+    x = sd((M, K), jnp.bfloat16)
+    for out_dtype in (jnp.bfloat16, F32):
+        if kernel == "w8a16":
+            config = dataclasses.replace(mg.w8a16_gemv_blocks(N, K), reduce="cluster")
+            args = (sd((N, K), jnp.float8_e4m3fn), sd((N // 128, K // 128), F32))
+            fn = lambda x, w, s: mg.w8a16_gemv_mosaic(x, w, s, out_dtype=out_dtype, config=config)
+        else:
+            config = dataclasses.replace(mg.w4a16_gemv_blocks(N, K), reduce="cluster")
+            args = (sd((N, K // 2), jnp.uint8), sd((N, K // 16), jnp.float8_e4m3fn), sd((), F32))
+            fn = lambda x, p, s, g: mg.w4a16_gemv_mosaic(x, p, s, g, out_dtype=out_dtype, config=config)
+        assert config.split_k > 1
+        text = jax.jit(fn).trace(x, *args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
