@@ -495,7 +495,8 @@ def _w8_tail_cluster(run, store, ready, red_bar, m_blk, *, bn, steps, xr, dp, ta
 
     @pl.when(g < whole)
     def _():
-        store(run(g * tail + c, m_blk, 0, steps=steps), g * tail + c)
+        n = g * tail + c
+        store(run(n, m_blk, 0, steps=steps), n)
 
     @pl.when(g >= whole)
     def _():
@@ -538,9 +539,11 @@ def _cluster_scratch(size: int, bn: int) -> dict:
                 red_bar=plgpu.Barrier(num_arrivals=(size - 1) * (bn // ROWS)))
 
 
-def _check_cluster(name: str, size: int, bn: int, xr: int, o_smem_bytes: int):
-    """A cluster reduction needs a portable cluster (<= 8 CTAs) and its receive buffer in shared memory."""
+def _check_cluster(name: str, size: int, bn: int, xr: int, o_smem):
+    """A cluster reduction needs a portable cluster (<= 8 CTAs) and its receive buffer in shared memory beside
+    the output staging tile o_smem."""
     recv = (size - 1) * bn * xr * 4
+    o_smem_bytes = int(np.prod(o_smem.shape)) * jnp.dtype(o_smem.dtype).itemsize
     if size > 8 or recv + o_smem_bytes > GEMV_SMEM:
         raise ShapeError(f"{name}(mosaic): reduce='cluster' needs at most 8 split CTAs and (split - 1) x {bn} x {xr} "
                          f"float32 partials in shared memory ({recv} + {o_smem_bytes} of {GEMV_SMEM} bytes) for a "
@@ -697,7 +700,7 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
             out_type = (out_type, jax.ShapeDtypeStruct((tail, nt * bn, pl.cdiv(xp.shape[0], xr) * xr), jnp.float32))
     if size:              # the partials meet in CTA 0 of each cluster (interpret mode has no clusters: XLA adds them)
         direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, 1, out_dtype, xr)
-        _check_cluster("w8a16_gemv", size, bn, xr, int(np.prod(o_smem.shape)) * jnp.dtype(o_smem.dtype).itemsize)
+        _check_cluster("w8a16_gemv", size, bn, xr, o_smem)
         kernel = functools.partial(kernel, direct=direct, cluster=size)
         grid["grid"] = (*grid["grid"][:2], 1)
         cluster = dict(cluster=(size,), cluster_names=("c",))
@@ -1012,7 +1015,7 @@ def _w4p_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, 
                    if interpret else None)
     grid = dict(grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s"))
     if size:              # the split-K partials meet in CTA 0 of each cluster (interpret mode: XLA adds them)
-        _check_cluster("w4a16_gemv", size, bn, xr, int(np.prod(o_smem.shape)) * jnp.dtype(o_smem.dtype).itemsize)
+        _check_cluster("w4a16_gemv", size, bn, xr, o_smem)
         grid.update(grid=(nb, pl.cdiv(mb, mt), 1), cluster=(size,), cluster_names=("c",))
         scratch.update(_cluster_scratch(size, bn))
     f = plgpu.kernel(kernel, out_type=out_type, **grid, scratch_types=scratch, **_interpret_kw(interpret))
