@@ -532,22 +532,20 @@ def _cluster_sum(acc, c, size, ready, red_bar, bn: int, xr: int, store):
     pl.run_scoped(reduce, plgpu.SMEM((size - 1, bn, xr), jnp.float32, transforms=_tf(sw, 4)))
 
 
-def _cluster_scratch(size: int, bn: int) -> dict:
-    """Barriers of `_cluster_sum`: every CTA past its pipeline; the partials' stores into CTA 0 (one per 64-row
-    group of each other CTA: Pallas counts a warpgroup's store as one arrival)."""
-    return dict(ready=plgpu.ClusterBarrier(collective_axes=("c",)),
-                red_bar=plgpu.Barrier(num_arrivals=(size - 1) * (bn // ROWS)))
-
-
-def _check_cluster(name: str, size: int, bn: int, xr: int, o_smem):
-    """A cluster reduction needs a portable cluster (<= 8 CTAs) and its receive buffer in shared memory beside
-    the output staging tile o_smem."""
+def _cluster_launch(name: str, size: int, bn: int, xr: int, o_smem, grid: tuple) -> tuple[dict, dict]:
+    """plgpu.kernel launch arguments for `_cluster_sum` over `size` split CTAs (the grid's split axis becomes the
+    cluster axis "c") and its barriers: every CTA past its pipeline; the partials' stores into CTA 0 (one per
+    64-row group of each other CTA: Pallas counts a warpgroup's store as one arrival). Needs a portable cluster
+    (<= 8 CTAs) and the receive buffer beside the output staging tile o_smem in shared memory."""
     recv = (size - 1) * bn * xr * 4
     o_smem_bytes = int(np.prod(o_smem.shape)) * jnp.dtype(o_smem.dtype).itemsize
     if size > 8 or recv + o_smem_bytes > GEMV_SMEM:
         raise ShapeError(f"{name}(mosaic): reduce='cluster' needs at most 8 split CTAs and (split - 1) x {bn} x {xr} "
                          f"float32 partials in shared memory ({recv} + {o_smem_bytes} of {GEMV_SMEM} bytes) for a "
                          f"split of {size}; use reduce='xla'")
+    launch = dict(grid=(*grid[:2], 1), grid_names=("n", "m", "s"), cluster=(size,), cluster_names=("c",))
+    return launch, dict(ready=plgpu.ClusterBarrier(collective_axes=("c",)),
+                        red_bar=plgpu.Barrier(num_arrivals=(size - 1) * (bn // ROWS)))
 
 
 def _w8_blocks(x_gmem, w_gmem, s_gmem, a_smem, n_blk, m_blk, k_first, *, bn, steps, stages, load, widen, interpret,
@@ -678,8 +676,10 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
         xp = perm_cols(xp)                                # the weight tiles' columns arrive in this order
     mt, stages = launch_tiles("w8a16_gemv", M, N, K, config, out_dtype)
     xr = BM if config.overlap else x_rows(M, mt, config.small_m)
-    direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype, xr)
     dp, nt = tail_blocks(nb, config.tail_split) if split == 1 else (nb, 0)
+    tail = config.tail_split
+    size = (tail if nt else split if split > 1 else 0) if config.reduce == "cluster" and not interpret else 0
+    direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, 1 if size else split, out_dtype, xr)
     kernel = functools.partial(_w8_kernel_overlap if config.overlap else _w8_kernel, bn=bn, steps=steps,
                                stages=stages, direct=direct, load=config.load, widen=config.widen,
                                interpret=bool(interpret))
@@ -687,25 +687,21 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
                    if interpret else None)
     if not config.overlap:
         kernel = functools.partial(kernel, probe=config.probe, xr=xr, kb=config.k_blocks)
-    grid, cluster = dict(grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s")), {}
-    tail = config.tail_split
-    size = (tail if nt else split if split > 1 else 0) if config.reduce == "cluster" and not interpret else 0
+    grid = (nb, pl.cdiv(mb, mt), split)
     if nt:
         if steps % tail or (size and dp % tail):
             raise ShapeError(f"w8a16_gemv(mosaic): tail_split={tail} does not divide the {steps} K steps of "
                              f"{W8_BK * config.k_blocks}" + (f" or the {dp} whole row blocks" if size else ""))
         kernel = functools.partial(kernel, dp=dp, tail=tail)
-        grid["grid"] = (dp // tail + nt if size else dp + nt * tail, *grid["grid"][1:])
+        grid = (dp // tail + nt if size else dp + nt * tail, *grid[1:])
         if not size:
             out_type = (out_type, jax.ShapeDtypeStruct((tail, nt * bn, pl.cdiv(xp.shape[0], xr) * xr), jnp.float32))
+    launch = dict(grid=grid, grid_names=("n", "m", "s"))
     if size:              # the partials meet in CTA 0 of each cluster (interpret mode has no clusters: XLA adds them)
-        direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, 1, out_dtype, xr)
-        _check_cluster("w8a16_gemv", size, bn, xr, o_smem)
-        kernel = functools.partial(kernel, direct=direct, cluster=size)
-        grid["grid"] = (*grid["grid"][:2], 1)
-        cluster = dict(cluster=(size,), cluster_names=("c",))
-        scratch.update(o_smem=o_smem, **_cluster_scratch(size, bn))
-    f = plgpu.kernel(kernel, out_type=out_type, **grid, **cluster, scratch_types=scratch, **_interpret_kw(interpret))
+        kernel = functools.partial(kernel, cluster=size)
+        launch, barriers = _cluster_launch("w8a16_gemv", size, bn, xr, o_smem, grid)
+        scratch.update(barriers)
+    f = plgpu.kernel(kernel, out_type=out_type, **launch, scratch_types=scratch, **_interpret_kw(interpret))
     if not nt or size:
         return _finish(f(xp, w, scale), direct, M, out_dtype)
     out, parts = f(xp, w, scale)
@@ -1013,12 +1009,12 @@ def _w4p_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, 
                                interpret=bool(interpret), probe=config.probe, xr=xr, kb=config.k_blocks, cluster=size)
     scratch = dict(o_smem=o_smem, a_smem=plgpu.SMEM((ROWS, W4P_BK), jnp.bfloat16, transforms=_tf(128, 2))
                    if interpret else None)
-    grid = dict(grid=(nb, pl.cdiv(mb, mt), split), grid_names=("n", "m", "s"))
+    grid = (nb, pl.cdiv(mb, mt), split)
+    launch = dict(grid=grid, grid_names=("n", "m", "s"))
     if size:              # the split-K partials meet in CTA 0 of each cluster (interpret mode: XLA adds them)
-        _check_cluster("w4a16_gemv", size, bn, xr, o_smem)
-        grid.update(grid=(nb, pl.cdiv(mb, mt), 1), cluster=(size,), cluster_names=("c",))
-        scratch.update(_cluster_scratch(size, bn))
-    f = plgpu.kernel(kernel, out_type=out_type, **grid, scratch_types=scratch, **_interpret_kw(interpret))
+        launch, barriers = _cluster_launch("w4a16_gemv", size, bn, xr, o_smem, grid)
+        scratch.update(barriers)
+    f = plgpu.kernel(kernel, out_type=out_type, **launch, scratch_types=scratch, **_interpret_kw(interpret))
     g = jnp.asarray(global_scale, jnp.float32).reshape(1)
     return _finish(f(xp, packed, scale, g), direct, M, out_dtype)
 

@@ -53,7 +53,8 @@ def main():
                     " split 0 = the default launch's split; p: the 'stream' probe, the TMA pipeline alone; w4 px / pw:"
                     " without the x / x and scale streams (w8 px too); pm: w8 'mma' probe, no widening; x16: 16-row"
                     " x tiles at M <= 8 too; k1 / k2 / k4: K blocks per pipeline step; perm / ptx: w8 widening;"
-                    " ld / up: direct / upcast 8-bit loads; t0 .. t16: w8 tail_split; tx / tc: split partials added by XLA / in a cluster)")
+                    " ld / up: direct / upcast 8-bit loads; t0 .. t16: w8 tail_split; tx / tc: split partials"
+                    " added by XLA / in a cluster)")
     ap.add_argument("--shapes", default="in_proj,out_proj", help="names of bench_prefill.SHAPES or NAME=NxK")
     ap.add_argument("--gpu-time", action="store_true", help="also GPU kernel us per call from a profiler trace")
     args = ap.parse_args()
