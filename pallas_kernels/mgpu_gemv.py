@@ -94,6 +94,9 @@ class GemvConfig:
     tail_split: int = 0       # w8 unsplit: the row blocks past a whole number per SM (in_proj: 26 of 290) are
                               # split into this many K pieces, so every SM streams about the same bytes; the
                               # pieces' float32 partials are added in a fixed order (`tail_blocks`)
+    x_resident: bool = False  # w4 perm: the CTA's x rows over its whole K range copied into shared memory once
+                              # (TMA, one barrier) instead of re-streamed with every weight tile (s13-6: x's
+                              # stream ~5 of the w4 in_proj's 20 us); the same bits
 
 
 def _tf(cols_bytes: int, itemsize: int):
@@ -738,18 +741,20 @@ def launch_tiles(name: str, M: int, N: int, K: int, config: GemvConfig, out_dtyp
         return 1, stages
     w_bytes = bn * (bk if w8 else bk // 2 + bk // 16)       # per stage
     out_bytes = 2 if _direct(split, out_dtype) else 4
-    smem = lambda mt, st: st * w_bytes + (st * 2 * bk + out_bytes * bn) * BM * mt
+    x_bytes = lambda st: 2 * (steps * bk if config.x_resident else st * bk)      # per x row
+    smem = lambda mt, st: st * w_bytes + (x_bytes(st) + out_bytes * bn) * BM * mt
     if config.m_tiles:
-        if smem(config.m_tiles, stages) > GEMV_SMEM:
-            raise ShapeError(f"{name}(mosaic): config.m_tiles={config.m_tiles} needs {smem(config.m_tiles, stages)} "
-                             f"bytes of shared memory with {stages} stages of {bn} rows (at most {GEMV_SMEM}); use "
-                             "fewer stages or tiles")
-        return config.m_tiles, stages
-    mt = min(mb, M_TILES_AUTO[name])
-    tile_stages = min(stages, TILES_STAGES)
-    while mt > 1 and smem(mt, tile_stages) > GEMV_SMEM:
-        mt -= 1
-    return (pl.cdiv(mb, pl.cdiv(mb, mt)), tile_stages) if mt > 1 else (1, stages)
+        mt, st = config.m_tiles, stages
+    else:
+        mt, st = min(mb, M_TILES_AUTO[name]), min(stages, TILES_STAGES)
+        while mt > 1 and smem(mt, st) > GEMV_SMEM:
+            mt -= 1
+        mt, st = (pl.cdiv(mb, pl.cdiv(mb, mt)), st) if mt > 1 else (1, stages)
+    if smem(mt, st) > GEMV_SMEM:
+        raise ShapeError(f"{name}(mosaic): config.m_tiles={mt} needs {smem(mt, st)} bytes of shared memory with "
+                         f"{st} stages of {bn} rows{' and x resident' if config.x_resident else ''} (at most "
+                         f"{GEMV_SMEM}); use fewer stages or tiles")
+    return mt, st
 
 
 def x_rows(M: int, m_tiles: int, small_m: bool = True) -> int:
@@ -793,6 +798,9 @@ def _check_config(name: str, config: GemvConfig):
             name == "w4a16_gemv" and config.widen != "perm"))):
         raise ShapeError(f"{name}(mosaic): config.reduce expects 'xla' or 'cluster' (split_k and tail_split <= 8: a "
                          f"portable cluster; no overlap; w4 with widen 'perm'); got {config}")
+    if config.x_resident and (name != "w4a16_gemv" or config.widen != "perm"):
+        raise ShapeError(f"{name}(mosaic): config.x_resident is implemented for w4 with widen 'perm' only; got "
+                         f"{config}")
     probes = (("", *W8_PROBES) if name == "w8a16_gemv" else ("", *W4_PROBE_STREAMS) if config.widen == "perm"
               else ("",))
     if config.probe not in probes or (config.probe and config.overlap):
@@ -940,7 +948,7 @@ W4_PROBE_STREAMS = {"stream": "psx", "stream-no-x": "ps", "stream-weights": "p"}
 
 
 def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, ready=None, red_bar=None, *, bn, steps,
-                stages, direct, interpret, probe, xr, kb, cluster=0):
+                stages, direct, interpret, probe, xr, kb, cluster=0, x_resident=False):
     """NVFP4 GEMV with the "perm" decoder: scales are multiplied in during the decode, so one accumulator per
     64 rows (over all m_tiles x tiles of the CTA, one wgmma against the decoded tile) runs over all K.
     Each step waits for its own wgmmas (wait_group 0) before the next step's decode rewrites the A registers:
@@ -955,13 +963,18 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, ready=No
     k_first = split * steps
     groups = bn // ROWS
 
-    def scoped(*accs):                                                # per 64-row group: [64, xr]
+    def scoped(*accs, x_res=None, x_bar=None):                        # per 64-row group: [64, xr]
         def body(idx, *refs):
             if probe:
                 return
-            p_smem, s_smem, x_smem = refs
+            if x_res is not None:
+                @pl.when(idx[0] == 0)
+                def _():
+                    plgpu.barrier_wait(x_bar)
+            p_smem, s_smem = refs[:2]
             for j in range(kb):
-                xt = x_smem.at[:, pl.ds(j * W4P_BK, W4P_BK)].transpose((1, 0))          # [256, xr]
+                xt = (x_res.at[idx[0] * kb + j] if x_res is not None else
+                      refs[2].at[:, pl.ds(j * W4P_BK, W4P_BK)]).transpose((1, 0))       # [256, xr]
                 for g in range(groups):
                     rows = pl.ds(g * ROWS, ROWS)
                     p_j, s_j = p_smem.at[rows, pl.ds(j * 128, 128)], s_smem.at[rows, pl.ds(j * 16, 16)]
@@ -978,12 +991,23 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, ready=No
         streams = {"p": (spec((bn, kb * W4P_BK // 2), _tf(128, 1), n_blk), p_gmem),
                    "s": (spec((bn, kb * W4P_BK // 16), (), n_blk), s_gmem),
                    "x": (spec((xr, kb * W4P_BK), _tf(128, 2), m_blk), x_gmem)}
-        keep = W4_PROBE_STREAMS.get(probe, "psx")
+        keep = W4_PROBE_STREAMS.get(probe, "psx").replace("x", "" if x_res is not None else "x")
         plgpu.emit_pipeline(body, grid=(steps,), in_specs=[streams[c][0] for c in keep],
                             max_concurrent_steps=stages)(*[streams[c][1] for c in keep])
         return tuple(acc[...] for acc in accs)
 
-    acc = pl.run_scoped(scoped, *[plgpu.ACC((ROWS, xr), jnp.float32) for _ in range(groups)])
+    accs = [plgpu.ACC((ROWS, xr), jnp.float32) for _ in range(groups)]
+    if x_resident:
+        def with_x(x_res, x_bar):                                     # x_res: [steps * kb, xr, 256]
+            for j in range(steps * kb):
+                cols = pl.ds((k_first * kb + j) * W4P_BK, W4P_BK)
+                plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(m_blk * xr, xr), cols], x_res.at[j], x_bar)
+            return pl.run_scoped(functools.partial(scoped, x_res=x_res, x_bar=x_bar), *accs)
+
+        acc = pl.run_scoped(with_x, plgpu.SMEM((steps * kb, xr, W4P_BK), jnp.bfloat16, transforms=_tf(128, 2)),
+                            plgpu.Barrier(num_arrivals=steps * kb))
+    else:
+        acc = pl.run_scoped(scoped, *accs)
     if probe:                   # accumulators no wgmma wrote: give them the layout the output store expects
         acc = [plgpu.layout_cast(jnp.zeros((ROWS, xr), jnp.float32), plgpu.Layout.WGMMA) for _ in acc]
     gs = g_gmem[0] * E2M1_A_SHIFT
@@ -1006,7 +1030,8 @@ def _w4p_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, 
     size = split if split > 1 and config.reduce == "cluster" and not interpret else 0
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, 1 if size else split, out_dtype, xr)
     kernel = functools.partial(_w4p_kernel, bn=bn, steps=steps, stages=stages, direct=direct,
-                               interpret=bool(interpret), probe=config.probe, xr=xr, kb=config.k_blocks, cluster=size)
+                               interpret=bool(interpret), probe=config.probe, xr=xr, kb=config.k_blocks, cluster=size,
+                               x_resident=config.x_resident)
     scratch = dict(o_smem=o_smem, a_smem=plgpu.SMEM((ROWS, W4P_BK), jnp.bfloat16, transforms=_tf(128, 2))
                    if interpret else None)
     grid = (nb, pl.cdiv(mb, mt), split)

@@ -85,7 +85,10 @@ W4_CASES = [(3, 192, 1024, GemvConfig(128, 2)),
             # several 16-row x tiles per CTA (perm decoder): auto (M = 40: three) and a fixed 2 of 5, split
             (40, 128, 1024, GemvConfig(64, 2, widen="perm")),
             (70, 192, 1024, GemvConfig(128, 2, 2, widen="perm", m_tiles=2)),
-            (3, 128, 2048, GemvConfig(64, 2, 2, widen="perm", k_blocks=2))]
+            (3, 128, 2048, GemvConfig(64, 2, 2, widen="perm", k_blocks=2)),
+            # x copied into shared memory once per CTA: one 8-row tile (split 2), two 16-row tiles (unsplit)
+            (5, 128, 1024, GemvConfig(64, 2, 2, widen="perm", x_resident=True)),
+            (24, 64, 1024, GemvConfig(64, 3, 1, widen="perm", x_resident=True, k_blocks=2))]
 
 
 @pytest.mark.parametrize("M,N,K,config", W4_CASES, ids=lambda v: str(v))
@@ -218,6 +221,12 @@ def test_bad_inputs_raise_typed_errors(rng):
     with pytest.raises(ShapeError, match="tail_split=2 does not divide the 3 K steps of 128"):
         mg.w8a16_gemv_mosaic(_x(rng, 2, 384), *_fp8(rng, 64 * 133, 384), config=GemvConfig(64, 2, 1, tail_split=2),
                              interpret=True)
+    with pytest.raises(ShapeError, match="config.x_resident is implemented for w4 with widen 'perm' only"):
+        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(x_resident=True))
+    with pytest.raises(ShapeError, match="config.m_tiles=4 needs 2123776 bytes of shared memory with 2 stages of 64 rows "
+                                         "and x resident"):               # x [64, 16384] alone is 2 MB
+        mg.w4a16_gemv_mosaic(_x(rng, 64, 16384), *_nvfp4(rng, 64, 16384),
+                             config=GemvConfig(64, 2, 1, widen="perm", x_resident=True, m_tiles=4), interpret=True)
     p, s4, g = _nvfp4(rng, 64, 768)
     with pytest.raises(ShapeError, match="K % 512"):
         mg.w4a16_gemv_mosaic(_x(rng, 2, 768), p, s4, g)
@@ -470,6 +479,22 @@ def test_split_k_cluster_reduction_on_gpu(rng, kernel):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("N,K", SHAPES_8B)
+def test_x_resident_keeps_the_bits_on_gpu(rng, N, K):
+    """x copied into shared memory once per CTA (w4 perm) instead of streamed per step: the same bits, with the
+    XLA and the cluster sum of the split partials."""
+    args = _nvfp4(rng, N, K)
+    base = dataclasses.replace(mg.w4a16_gemv_blocks(N, K), x_resident=False, reduce="xla")
+    for m in (1, 16):
+        x = _x(rng, m, K)
+        y = np.asarray(mg.w4a16_gemv_mosaic(x, *args, out_dtype=F32, config=base))
+        assert rel_err(y, w4a16.w4a16_reference(x, *args, out_dtype=F32)) < 1e-5
+        for reduce in ("xla", "cluster"):
+            cfg = dataclasses.replace(base, x_resident=True, reduce=reduce)
+            np.testing.assert_array_equal(np.asarray(mg.w4a16_gemv_mosaic(x, *args, out_dtype=F32, config=cfg)), y)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("cfg", W4_GPU_CONFIGS, ids=str)
 @pytest.mark.parametrize("N,K", SHAPES_8B)
 def test_w4a16_mosaic_8b_shapes_on_gpu(rng, N, K, cfg):
@@ -491,7 +516,8 @@ def test_w4a16_mosaic_8b_shapes_on_gpu(rng, N, K, cfg):
                                            ("w4a16", GemvConfig(widen="perm", probe="stream-weights")),
                                            ("w8a16", GemvConfig(k_blocks=2)),
                                            ("w8a16", GemvConfig(k_blocks=4, probe="mma")),
-                                           ("w4a16", GemvConfig(widen="perm", k_blocks=2))], ids=str)
+                                           ("w4a16", GemvConfig(widen="perm", k_blocks=2)),
+                                           ("w4a16", GemvConfig(widen="perm", x_resident=True))], ids=str)
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, F32], ids=lambda d: jnp.dtype(d).name)
 def test_lowers_for_cuda_on_every_output_path(kernel, config, split, out_dtype):
