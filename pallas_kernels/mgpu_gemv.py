@@ -94,9 +94,6 @@ class GemvConfig:
     tail_split: int = 0       # w8 unsplit: the row blocks past a whole number per SM (in_proj: 26 of 290) are
                               # split into this many K pieces, so every SM streams about the same bytes; the
                               # pieces' float32 partials are added in a fixed order (`tail_blocks`)
-    x_resident: bool = False  # w4 perm: the CTA's x rows over its whole K range copied into shared memory once
-                              # (TMA, one barrier) instead of re-streamed with every weight tile (s13-6: x's
-                              # stream ~5 of the w4 in_proj's 20 us); the same bits
 
 
 def _tf(cols_bytes: int, itemsize: int):
@@ -741,20 +738,18 @@ def launch_tiles(name: str, M: int, N: int, K: int, config: GemvConfig, out_dtyp
         return 1, stages
     w_bytes = bn * (bk if w8 else bk // 2 + bk // 16)       # per stage
     out_bytes = 2 if _direct(split, out_dtype) else 4
-    x_bytes = lambda st: 2 * (steps * bk if config.x_resident else st * bk)      # per x row
-    smem = lambda mt, st: st * w_bytes + (x_bytes(st) + out_bytes * bn) * BM * mt
+    smem = lambda mt, st: st * w_bytes + (st * 2 * bk + out_bytes * bn) * BM * mt
     if config.m_tiles:
-        mt, st = config.m_tiles, stages
-    else:
-        mt, st = min(mb, M_TILES_AUTO[name]), min(stages, TILES_STAGES)
-        while mt > 1 and smem(mt, st) > GEMV_SMEM:
-            mt -= 1
-        mt, st = (pl.cdiv(mb, pl.cdiv(mb, mt)), st) if mt > 1 else (1, stages)
-    if smem(mt, st) > GEMV_SMEM:
-        raise ShapeError(f"{name}(mosaic): config.m_tiles={mt} needs {smem(mt, st)} bytes of shared memory with "
-                         f"{st} stages of {bn} rows{' and x resident' if config.x_resident else ''} (at most "
-                         f"{GEMV_SMEM}); use fewer stages or tiles")
-    return mt, st
+        if smem(config.m_tiles, stages) > GEMV_SMEM:
+            raise ShapeError(f"{name}(mosaic): config.m_tiles={config.m_tiles} needs {smem(config.m_tiles, stages)} "
+                             f"bytes of shared memory with {stages} stages of {bn} rows (at most {GEMV_SMEM}); use "
+                             "fewer stages or tiles")
+        return config.m_tiles, stages
+    mt = min(mb, M_TILES_AUTO[name])
+    tile_stages = min(stages, TILES_STAGES)
+    while mt > 1 and smem(mt, tile_stages) > GEMV_SMEM:
+        mt -= 1
+    return (pl.cdiv(mb, pl.cdiv(mb, mt)), tile_stages) if mt > 1 else (1, stages)
 
 
 def x_rows(M: int, m_tiles: int, small_m: bool = True) -> int:
@@ -798,9 +793,6 @@ def _check_config(name: str, config: GemvConfig):
             name == "w4a16_gemv" and config.widen != "perm"))):
         raise ShapeError(f"{name}(mosaic): config.reduce expects 'xla' or 'cluster' (split_k and tail_split <= 8: a "
                          f"portable cluster; no overlap; w4 with widen 'perm'); got {config}")
-    if config.x_resident and (name != "w4a16_gemv" or config.widen != "perm"):
-        raise ShapeError(f"{name}(mosaic): config.x_resident is implemented for w4 with widen 'perm' only; got "
-                         f"{config}")
     probes = (("", *W8_PROBES) if name == "w8a16_gemv" else ("", *W4_PROBE_STREAMS) if config.widen == "perm"
               else ("",))
     if config.probe not in probes or (config.probe and config.overlap):
@@ -948,7 +940,7 @@ W4_PROBE_STREAMS = {"stream": "psx", "stream-no-x": "ps", "stream-weights": "p"}
 
 
 def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, ready=None, red_bar=None, *, bn, steps,
-                stages, direct, interpret, probe, xr, kb, cluster=0, x_resident=False):
+                stages, direct, interpret, probe, xr, kb, cluster=0):
     """NVFP4 GEMV with the "perm" decoder: scales are multiplied in during the decode, so one accumulator per
     64 rows (over all m_tiles x tiles of the CTA, one wgmma against the decoded tile) runs over all K.
     Each step waits for its own wgmmas (wait_group 0) before the next step's decode rewrites the A registers:
@@ -963,18 +955,13 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, ready=No
     k_first = split * steps
     groups = bn // ROWS
 
-    def scoped(*accs, x_res=None, x_bar=None):                        # per 64-row group: [64, xr]
+    def scoped(*accs):                                                # per 64-row group: [64, xr]
         def body(idx, *refs):
             if probe:
                 return
-            if x_res is not None:
-                @pl.when(idx[0] == 0)
-                def _():
-                    plgpu.barrier_wait(x_bar)
-            p_smem, s_smem = refs[:2]
+            p_smem, s_smem, x_smem = refs
             for j in range(kb):
-                xt = (x_res.at[idx[0] * kb + j] if x_res is not None else
-                      refs[2].at[:, pl.ds(j * W4P_BK, W4P_BK)]).transpose((1, 0))       # [256, xr]
+                xt = x_smem.at[:, pl.ds(j * W4P_BK, W4P_BK)].transpose((1, 0))          # [256, xr]
                 for g in range(groups):
                     rows = pl.ds(g * ROWS, ROWS)
                     p_j, s_j = p_smem.at[rows, pl.ds(j * 128, 128)], s_smem.at[rows, pl.ds(j * 16, 16)]
@@ -991,23 +978,12 @@ def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, ready=No
         streams = {"p": (spec((bn, kb * W4P_BK // 2), _tf(128, 1), n_blk), p_gmem),
                    "s": (spec((bn, kb * W4P_BK // 16), (), n_blk), s_gmem),
                    "x": (spec((xr, kb * W4P_BK), _tf(128, 2), m_blk), x_gmem)}
-        keep = W4_PROBE_STREAMS.get(probe, "psx").replace("x", "" if x_res is not None else "x")
+        keep = W4_PROBE_STREAMS.get(probe, "psx")
         plgpu.emit_pipeline(body, grid=(steps,), in_specs=[streams[c][0] for c in keep],
                             max_concurrent_steps=stages)(*[streams[c][1] for c in keep])
         return tuple(acc[...] for acc in accs)
 
-    accs = [plgpu.ACC((ROWS, xr), jnp.float32) for _ in range(groups)]
-    if x_resident:
-        def with_x(x_res, x_bar):                                     # x_res: [steps * kb, xr, 256]
-            for j in range(steps * kb):
-                cols = pl.ds((k_first * kb + j) * W4P_BK, W4P_BK)
-                plgpu.copy_gmem_to_smem(x_gmem.at[pl.ds(m_blk * xr, xr), cols], x_res.at[j], x_bar)
-            return pl.run_scoped(functools.partial(scoped, x_res=x_res, x_bar=x_bar), *accs)
-
-        acc = pl.run_scoped(with_x, plgpu.SMEM((steps * kb, xr, W4P_BK), jnp.bfloat16, transforms=_tf(128, 2)),
-                            plgpu.Barrier(num_arrivals=steps * kb))
-    else:
-        acc = pl.run_scoped(scoped, *accs)
+    acc = pl.run_scoped(scoped, *[plgpu.ACC((ROWS, xr), jnp.float32) for _ in range(groups)])
     if probe:                   # accumulators no wgmma wrote: give them the layout the output store expects
         acc = [plgpu.layout_cast(jnp.zeros((ROWS, xr), jnp.float32), plgpu.Layout.WGMMA) for _ in acc]
     gs = g_gmem[0] * E2M1_A_SHIFT
@@ -1030,8 +1006,7 @@ def _w4p_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, 
     size = split if split > 1 and config.reduce == "cluster" and not interpret else 0
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, 1 if size else split, out_dtype, xr)
     kernel = functools.partial(_w4p_kernel, bn=bn, steps=steps, stages=stages, direct=direct,
-                               interpret=bool(interpret), probe=config.probe, xr=xr, kb=config.k_blocks, cluster=size,
-                               x_resident=config.x_resident)
+                               interpret=bool(interpret), probe=config.probe, xr=xr, kb=config.k_blocks, cluster=size)
     scratch = dict(o_smem=o_smem, a_smem=plgpu.SMEM((ROWS, W4P_BK), jnp.bfloat16, transforms=_tf(128, 2))
                    if interpret else None)
     grid = (nb, pl.cdiv(mb, mt), split)
@@ -1044,14 +1019,17 @@ def _w4p_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, 
     return _finish(f(xp, packed, scale, g), direct, M, out_dtype)
 
 
-def w4a16_gemv_blocks(N: int, K: int) -> GemvConfig:
-    """H200 2026-11-30, perm decoder, 64-row tiles. Session 4: in_proj (N=18560, 290 row tiles) split 2 x 4 stages
-    24.6 / 23.6 us at M = 1 / 16 (unsplit 64/3, session 3's default: 25.1 / 25.0); out_proj (N=4096) 64 x 3 with
-    the auto split (4) 12.5 us (128 x 3: 12.9; split 8: 13.7). So: split 2 when the rows alone fill two CTAs per
-    SM, else the auto split."""
+def w4a16_gemv_blocks(N: int, K: int, M: int = 1) -> GemvConfig:
+    """The launch at M rows. H200 2026-11-30, perm decoder, 64-row tiles. Session 4: in_proj (N=18560, 290 row
+    tiles) split 2 x 4 stages 24.6 / 23.6 us at M = 1 / 16 (unsplit 64/3, session 3's default: 25.1 / 25.0);
+    out_proj (N=4096) 64 x 3 with the auto split (4) 12.5 us (128 x 3: 12.9; split 8: 13.7). So: split 2 when the
+    rows alone fill two CTAs per SM, else the auto split. The split 2's halves are added in 2-CTA clusters up to
+    M = 64 (s17-1 / s17-2, in_proj GPU us at M = 1 / 4 / 16 / 64: 21.7-22.0 / 22.0-22.2 / 22.7-22.9 / 46.2 against
+    XLA's sum 22.0-22.3 / 22.4-22.6 / 23.5-23.6 / 46.4-47.4; M = 256 137.3 vs 133.3, the same bits); out_proj's
+    split 4 stays summed by XLA (clusters of 4: 13.5 vs 11.4 at M = 1)."""
     nb, steps = pl.cdiv(N, ROWS), K // W4P_BK
     if nb >= 2 * H200_SMS and steps % 2 == 0:
-        return GemvConfig(block_n=64, stages=4, split_k=2, widen="perm")
+        return GemvConfig(block_n=64, stages=4, split_k=2, widen="perm", reduce="cluster" if M <= 64 else "xla")
     return GemvConfig(block_n=64, stages=3, split_k=auto_split(nb, steps), widen="perm")
 
 
@@ -1063,7 +1041,7 @@ def w4a16_gemv_mosaic(x, packed, scale, global_scale, *, out_dtype=None, interpr
     _check_x_bf16("w4a16_gemv", x)
     N, K = packed.shape[0], 2 * packed.shape[1]
     _check_dims("w4a16_gemv", N, K, W4_BK)
-    config = resolve_k_blocks(config or w4a16_gemv_blocks(N, K), x.shape[0])
+    config = resolve_k_blocks(config or w4a16_gemv_blocks(N, K, x.shape[0]), x.shape[0])
     _check_config("w4a16_gemv", config)
     call = _w4p_call if config.widen == "perm" else _w4_call
     return call(x, packed, scale, global_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config,

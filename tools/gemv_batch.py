@@ -34,7 +34,7 @@ def nvfp4_rows(key, N, K):
 PROBES = {"p": "stream", "px": "stream-no-x", "pw": "stream-weights", "pm": "mma"}   # suffix -> GemvConfig.probe
 SUFFIXES = {"x16": {"small_m": False}, "k1": {"k_blocks": 1}, "k2": {"k_blocks": 2}, "k4": {"k_blocks": 4},
             "perm": {"widen": "perm"}, "ptx": {"widen": "ptx"}, "ld": {"load": "direct"},
-            "up": {"load": "upcast"}, "tx": {"reduce": "xla"}, "tc": {"reduce": "cluster"}, "xr": {"x_resident": True}, "xs": {"x_resident": False},
+            "up": {"load": "upcast"}, "tx": {"reduce": "xla"}, "tc": {"reduce": "cluster"},
             **{f"t{n}": {"tail_split": n} for n in (0, 2, 4, 8, 16)}}   # launch-spec suffixes
 KERNELS = {"w8": (mg.w8a16_gemv_mosaic, mg.w8a16_gemv_blocks, w8a16.w8a16_reference),
            "w4": (mg.w4a16_gemv_mosaic, mg.w4a16_gemv_blocks, w4a16.w4a16_reference)}
@@ -54,7 +54,7 @@ def main():
                     " without the x / x and scale streams (w8 px too); pm: w8 'mma' probe, no widening; x16: 16-row"
                     " x tiles at M <= 8 too; k1 / k2 / k4: K blocks per pipeline step; perm / ptx: w8 widening;"
                     " ld / up: direct / upcast 8-bit loads; t0 .. t16: w8 tail_split; tx / tc: split partials"
-                    " added by XLA / in a cluster; xr / xs: w4 x resident in shared memory / streamed)")
+                    " added by XLA / in a cluster)")
     ap.add_argument("--shapes", default="in_proj,out_proj", help="names of bench_prefill.SHAPES or NAME=NxK")
     ap.add_argument("--gpu-time", action="store_true", help="also GPU kernel us per call from a profiler trace")
     args = ap.parse_args()
@@ -74,8 +74,8 @@ def main():
         wq = [fp8_blocks(w), fp8_blocks(w * 1.01)] if kern == "w8" else [nvfp4_rows(k, N, K) for k in
                                                                          jax.random.split(kw)]
         del w
-        base = blocks(N, K)
         for M in map(int, args.ms.split(",")):
+            base = blocks(N, K, M) if kern == "w4" else blocks(N, K)
             xs = [jax.random.normal(k, (M, K), jnp.bfloat16) for k in jax.random.split(jax.random.fold_in(kx, M), 4)]
             ref = reference(xs[0], *wq[0], out_dtype=jnp.float32)
             arms = {"xla_bf16": (xla_bf16, [(xs[i], wb[i % 2]) for i in range(4)], None)}

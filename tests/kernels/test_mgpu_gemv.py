@@ -85,10 +85,7 @@ W4_CASES = [(3, 192, 1024, GemvConfig(128, 2)),
             # several 16-row x tiles per CTA (perm decoder): auto (M = 40: three) and a fixed 2 of 5, split
             (40, 128, 1024, GemvConfig(64, 2, widen="perm")),
             (70, 192, 1024, GemvConfig(128, 2, 2, widen="perm", m_tiles=2)),
-            (3, 128, 2048, GemvConfig(64, 2, 2, widen="perm", k_blocks=2)),
-            # x copied into shared memory once per CTA: one 8-row tile (split 2), two 16-row tiles (unsplit)
-            (5, 128, 1024, GemvConfig(64, 2, 2, widen="perm", x_resident=True)),
-            (24, 64, 1024, GemvConfig(64, 3, 1, widen="perm", x_resident=True, k_blocks=2))]
+            (3, 128, 2048, GemvConfig(64, 2, 2, widen="perm", k_blocks=2))]
 
 
 @pytest.mark.parametrize("M,N,K,config", W4_CASES, ids=lambda v: str(v))
@@ -127,7 +124,8 @@ def test_rows_are_batch_invariant(rng, interpret, kernel, config):
     """Row i of an M=16 (and M=8) batch is bit-identical to the same row computed alone. M <= 8 runs one 8-row x
     tile (an n8 wgmma), larger M 16-row tiles: on the GPU rows agree across the two (the hardware computes each
     output column alike whatever N); in interpret mode the emulated wgmma is XLA's CPU dot, whose blocking depends
-    on N, so there the classes are compared within themselves (and bitwise across them with small_m=False)."""
+    on N, so there the classes are compared within themselves (and bitwise across them with small_m=False), and
+    a CTA's several x tiles (one wider wgmma) against one tile per CTA to a tolerance."""
     N, K = 128, 512
     x16 = _x(rng, 16, K)
 
@@ -144,8 +142,12 @@ def test_rows_are_batch_invariant(rng, interpret, kernel, config):
             np.testing.assert_array_equal(run(x16[i:i + 1])[0], y16[i])            # n8 against n16 (hardware)
     for i in (0, 15):                                                                 # 16-row tiles at every M
         np.testing.assert_array_equal(run(x16[i:i + 1], small_m=False)[0], y16[i])
-    x40 = jnp.concatenate([x16, _x(rng, 24, K)])                                     # several 16-row tiles per CTA
-    np.testing.assert_array_equal(run(x40)[:16], y16)
+    x40 = jnp.concatenate([x16, _x(rng, 24, K)])
+    np.testing.assert_array_equal(run(x40, m_tiles=1)[:16], y16)                     # one 16-row tile per CTA
+    if interpret:        # n48 against n16: XLA's CPU dot blocks by N on some CPUs (AMD EPYC, 2026-12-02)
+        assert rel_err(run(x40)[:16], y16) < 1e-6
+    else:                                                                             # several tiles per CTA
+        np.testing.assert_array_equal(run(x40)[:16], y16)
 
 
 def test_no_races_in_the_pipeline(rng):
@@ -221,12 +223,6 @@ def test_bad_inputs_raise_typed_errors(rng):
     with pytest.raises(ShapeError, match="tail_split=2 does not divide the 3 K steps of 128"):
         mg.w8a16_gemv_mosaic(_x(rng, 2, 384), *_fp8(rng, 64 * 133, 384), config=GemvConfig(64, 2, 1, tail_split=2),
                              interpret=True)
-    with pytest.raises(ShapeError, match="config.x_resident is implemented for w4 with widen 'perm' only"):
-        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(x_resident=True))
-    with pytest.raises(ShapeError, match="config.m_tiles=4 needs 2123776 bytes of shared memory with 2 stages of 64 rows "
-                                         "and x resident"):               # x [64, 16384] alone is 2 MB
-        mg.w4a16_gemv_mosaic(_x(rng, 64, 16384), *_nvfp4(rng, 64, 16384),
-                             config=GemvConfig(64, 2, 1, widen="perm", x_resident=True, m_tiles=4), interpret=True)
     p, s4, g = _nvfp4(rng, 64, 768)
     with pytest.raises(ShapeError, match="K % 512"):
         mg.w4a16_gemv_mosaic(_x(rng, 2, 768), p, s4, g)
@@ -267,6 +263,14 @@ def test_w8_defaults_and_k_blocks_resolution():
     assert {mg.w8a16_gemv_blocks(n, k).load for n, k in SHAPES_8B} == {"direct"}    # H200 s15-1: faster at every M
     assert [mg.resolve_k_blocks(cfg, m).k_blocks for m in (1, 16, 17, 256)] == [2, 2, 1, 1]
     assert mg.resolve_k_blocks(dataclasses.replace(cfg, m_tiles=2), 64).k_blocks == 2
+
+
+def test_w4_defaults_add_split_halves_in_clusters_up_to_m64():
+    """w4 in_proj (split 2): the halves meet in 2-CTA clusters at M <= 64 and in XLA's sum above (H200 s17: the
+    cluster sum 0.3-1.1 us faster to M = 64, 3% slower at 256; the same bits either way); out_proj's split 4 in XLA."""
+    assert [mg.w4a16_gemv_blocks(18560, 4096, m).reduce for m in (1, 16, 64, 65, 256)] == ["cluster"] * 3 + ["xla"] * 2
+    assert mg.w4a16_gemv_blocks(18560, 4096).split_k == 2
+    assert {mg.w4a16_gemv_blocks(4096, 8192, m).reduce for m in (1, 256)} == {"xla"}
 
 
 def test_tail_split_blocks_and_default():
@@ -479,22 +483,6 @@ def test_split_k_cluster_reduction_on_gpu(rng, kernel):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N,K", SHAPES_8B)
-def test_x_resident_keeps_the_bits_on_gpu(rng, N, K):
-    """x copied into shared memory once per CTA (w4 perm) instead of streamed per step: the same bits, with the
-    XLA and the cluster sum of the split partials."""
-    args = _nvfp4(rng, N, K)
-    base = dataclasses.replace(mg.w4a16_gemv_blocks(N, K), x_resident=False, reduce="xla")
-    for m in (1, 16):
-        x = _x(rng, m, K)
-        y = np.asarray(mg.w4a16_gemv_mosaic(x, *args, out_dtype=F32, config=base))
-        assert rel_err(y, w4a16.w4a16_reference(x, *args, out_dtype=F32)) < 1e-5
-        for reduce in ("xla", "cluster"):
-            cfg = dataclasses.replace(base, x_resident=True, reduce=reduce)
-            np.testing.assert_array_equal(np.asarray(mg.w4a16_gemv_mosaic(x, *args, out_dtype=F32, config=cfg)), y)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("cfg", W4_GPU_CONFIGS, ids=str)
 @pytest.mark.parametrize("N,K", SHAPES_8B)
 def test_w4a16_mosaic_8b_shapes_on_gpu(rng, N, K, cfg):
@@ -516,8 +504,7 @@ def test_w4a16_mosaic_8b_shapes_on_gpu(rng, N, K, cfg):
                                            ("w4a16", GemvConfig(widen="perm", probe="stream-weights")),
                                            ("w8a16", GemvConfig(k_blocks=2)),
                                            ("w8a16", GemvConfig(k_blocks=4, probe="mma")),
-                                           ("w4a16", GemvConfig(widen="perm", k_blocks=2)),
-                                           ("w4a16", GemvConfig(widen="perm", x_resident=True))], ids=str)
+                                           ("w4a16", GemvConfig(widen="perm", k_blocks=2))], ids=str)
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, F32], ids=lambda d: jnp.dtype(d).name)
 def test_lowers_for_cuda_on_every_output_path(kernel, config, split, out_dtype):
