@@ -676,7 +676,7 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
         xp = perm_cols(xp)                                # the weight tiles' columns arrive in this order
     mt, stages = launch_tiles("w8a16_gemv", M, N, K, config, out_dtype)
     xr = BM if config.overlap else x_rows(M, mt, config.small_m)
-    dp, nt = tail_blocks(nb, config.tail_split) if split == 1 else (nb, 0)
+    dp, nt = tail_blocks(nb, config.tail_split, H200_SMS) if split == 1 else (nb, 0)
     tail = config.tail_split
     size = (tail if nt else split if split > 1 else 0) if config.reduce == "cluster" and not interpret else 0
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, 1 if size else split, out_dtype, xr)

@@ -283,11 +283,14 @@ def test_tail_split_blocks_and_default():
     assert mg.tail_blocks(64, 8) == (64, 0)
 
 
-def test_tail_split_matches_reference(rng, interpret):
-    """133 row blocks over the 132 SMs the split counts: block 132 runs as two K pieces whose float32 partials are
-    added in order (XLA in interpret mode, a CTA cluster compiled); the whole blocks keep the unsplit launch's bits
-    and every row (outputs start as NaN in interpret mode) matches the reference."""
-    M, N, K = 3, 64 * 133, 256
+def test_tail_split_matches_reference(rng, interpret, monkeypatch):
+    """One row block more than the SMs the split counts (132 on the GPU, 4 here in interpret mode): the last block
+    runs as two K pieces whose float32 partials are added in order (XLA in interpret mode, a CTA cluster compiled);
+    the whole blocks keep the unsplit launch's bits and every row (outputs start as NaN in interpret mode) matches
+    the reference."""
+    sms = mg.H200_SMS if not interpret else 4
+    monkeypatch.setattr(mg, "H200_SMS", sms)
+    M, N, K = 3, 64 * (sms + 1), 256
     x, (q, s) = _x(rng, M, K), _fp8(rng, N, K)
     ref = w8a16.w8a16_reference(x, q, s, out_dtype=F32)
     base = GemvConfig(64, 2, 1, load="direct")
@@ -295,8 +298,8 @@ def test_tail_split_matches_reference(rng, interpret):
                                         config=dataclasses.replace(base, tail_split=2)))
     _finite(y)
     y0 = np.asarray(mg.w8a16_gemv_mosaic(x, q, s, out_dtype=F32, interpret=interpret, config=base))
-    np.testing.assert_array_equal(y[:, :132 * 64], y0[:, :132 * 64])
-    assert rel_err(y[:, 132 * 64:], ref[:, 132 * 64:]) < 1e-5 and rel_err(y, ref) < 1e-5
+    np.testing.assert_array_equal(y[:, :sms * 64], y0[:, :sms * 64])
+    assert rel_err(y[:, sms * 64:], ref[:, sms * 64:]) < 1e-5 and rel_err(y, ref) < 1e-5
     yb = mg.w8a16_gemv_mosaic(x, q, s, interpret=interpret, config=dataclasses.replace(base, tail_split=2))
     _finite(yb)
     assert yb.dtype == jnp.bfloat16 and rel_err(yb, ref) < 4e-3
