@@ -676,7 +676,7 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
         xp = perm_cols(xp)                                # the weight tiles' columns arrive in this order
     mt, stages = launch_tiles("w8a16_gemv", M, N, K, config, out_dtype)
     xr = BM if config.overlap else x_rows(M, mt, config.small_m)
-    dp, nt = tail_blocks(nb, config.tail_split, H200_SMS) if split == 1 else (nb, 0)
+    dp, nt = tail_blocks(nb, config.tail_split) if split == 1 else (nb, 0)
     tail = config.tail_split
     size = (tail if nt else split if split > 1 else 0) if config.reduce == "cluster" and not interpret else 0
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, 1 if size else split, out_dtype, xr)
@@ -709,10 +709,10 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
     return jnp.concatenate([y[:, :dp * bn], _finish(parts, False, M, out_dtype)], axis=1)
 
 
-def tail_blocks(n_blocks: int, tail_split: int, sms: int = H200_SMS) -> tuple[int, int]:
+def tail_blocks(n_blocks: int, tail_split: int) -> tuple[int, int]:
     """(row blocks taken whole, row blocks split into `tail_split` K pieces) of an unsplit w8 launch: the blocks
-    past the last whole number per SM are split (in_proj: 290 = 264 + 26 over 132 SMs), none without a tail."""
-    whole = n_blocks // sms * sms
+    past the last whole number per SM are split (in_proj: 290 = 264 + 26 over H200_SMS = 132), none without a tail."""
+    whole = n_blocks // H200_SMS * H200_SMS
     if not tail_split or not whole or whole == n_blocks:
         return n_blocks, 0
     return whole, n_blocks - whole
