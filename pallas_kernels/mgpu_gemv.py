@@ -94,8 +94,6 @@ class GemvConfig:
     tail_split: int = 0       # w8 unsplit: the row blocks past a whole number per SM (in_proj: 26 of 290) are
                               # split into this many K pieces, so every SM streams about the same bytes; the
                               # pieces' float32 partials are added in a fixed order (`tail_blocks`)
-    x_multicast: bool = False  # w8 tail split in clusters: the CTAs that take whole row blocks load each x tile
-                              # once per cluster (TMA multicast; compiled only, interpret mode has no clusters)
 
 
 def _tf(cols_bytes: int, itemsize: int):
@@ -453,7 +451,7 @@ def _widen8(w_ref, load: str, widen: str, interpret: bool):
 
 
 def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, *t_gmem, o_smem, a_smem, ready=None, red_bar=None, bn, steps, stages,
-               direct, load, widen, interpret, probe, xr, kb, dp=0, tail=0, cluster=0, multicast=False):
+               direct, load, widen, interpret, probe, xr, kb, dp=0, tail=0, cluster=0):
     """One wgmma per 128-wide K block over all m_tiles 16-row x tiles of the CTA (the weight tile is read and
     widened once) into a fresh accumulator, waited for before the block scale is applied; a pipeline step holds
     kb blocks, whose wgmmas are all issued before the wait. A wgmma computes each output column the same way
@@ -474,8 +472,7 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, *t_gmem, o_smem, a_smem, ready=No
         _store_out(run(n, m_blk, split * steps, steps=steps), o_smem, o_gmem, split, m_blk, n, bn, direct, xr)
         return
     if cluster:
-        return _w8_tail_cluster(run, store, ready, red_bar, m_blk, bn=bn, steps=steps, xr=xr, dp=dp, tail=tail,
-                                multicast=multicast)
+        return _w8_tail_cluster(run, store, ready, red_bar, m_blk, bn=bn, steps=steps, xr=xr, dp=dp, tail=tail)
     (t_gmem,) = t_gmem
 
     @pl.when(n < dp)
@@ -490,17 +487,16 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, *t_gmem, o_smem, a_smem, ready=No
                       plgpu.SMEM((bn, xr), jnp.float32))         # in the space the pipeline used
 
 
-def _w8_tail_cluster(run, store, ready, red_bar, m_blk, *, bn, steps, xr, dp, tail, multicast):
+def _w8_tail_cluster(run, store, ready, red_bar, m_blk, *, bn, steps, xr, dp, tail):
     """The tail split reduced in the kernel: clusters of `tail` CTAs; a cluster below dp / tail takes `tail`
-    whole row blocks, one per CTA (the same x tiles: multicast within the cluster if asked); the others one tail
-    row block, CTA c its K piece c (`_cluster_sum`)."""
+    whole row blocks, one per CTA; the others one tail row block, CTA c its K piece c (`_cluster_sum`)."""
     g, c = lax.axis_index("n"), lax.axis_index("c")
     whole = dp // tail
 
     @pl.when(g < whole)
     def _():
         n = g * tail + c
-        store(run(n, m_blk, 0, steps=steps, multicast=multicast), n)
+        store(run(n, m_blk, 0, steps=steps), n)
 
     @pl.when(g >= whole)
     def _():
@@ -553,10 +549,9 @@ def _cluster_launch(name: str, size: int, bn: int, xr: int, o_smem, grid: tuple)
 
 
 def _w8_blocks(x_gmem, w_gmem, s_gmem, a_smem, n_blk, m_blk, k_first, *, bn, steps, stages, load, widen, interpret,
-               probe, xr, kb, multicast=False):
+               probe, xr, kb):
     """Row block n_blk times x tile m_blk over `steps` pipeline steps from step k_first: per 64-row group, the
-    [64, xr] float32 sum of the block-scaled products (see `_w8_kernel`). multicast: every CTA of the cluster
-    runs this with the same m_blk, k_first and steps (`_x_multicast_pipeline`)."""
+    [64, xr] float32 sum of the block-scaled products (see `_w8_kernel`)."""
     s_row = n_blk * bn // FP8_BLOCK                    # bn divides 128: one block-scale row per CTA
     groups = bn // ROWS
 
@@ -589,48 +584,8 @@ def _w8_blocks(x_gmem, w_gmem, s_gmem, a_smem, n_blk, m_blk, k_first, *, bn, ste
     refs = (w_gmem, x_gmem)
     if probe == "stream-no-x":
         specs, refs = specs[:1], refs[:1]
-    if multicast:
-        return _x_multicast_pipeline(body, specs, refs, steps=steps, stages=stages, init=(zero,) * groups)
     return plgpu.emit_pipeline(body, grid=(steps,), in_specs=specs, max_concurrent_steps=stages,
                                init_carry=(zero,) * groups)(*refs)
-
-
-def _x_multicast_pipeline(body, specs, refs, *, steps, stages, init):
-    """emit_pipeline(body, grid=(steps,), in_specs=specs, init_carry=init)(*refs) for the CTAs of a cluster
-    (axis "c") that stream their own weight tiles (specs[0]) against the same x tiles (specs[1]): each x tile is
-    loaded once per cluster, every CTA fetching a part and multicasting it to all. A stage is refilled once every
-    CTA has consumed it (a cluster barrier per stage), since the refill writes into every CTA's copy; arrivals
-    are made only where the peers wait for them, so no CTA exits with a remote arrival or copy still in flight."""
-    stages = min(stages, steps)
-
-    def scoped(w_smem, x_smem, full, free):
-        def fetch(k, slot):
-            for spec, ref, smem, collective in zip(specs, refs, (w_smem, x_smem), (None, "c")):
-                (rb, cb), (rs, cs) = spec.index_map(k), spec.block_shape
-                plgpu.copy_gmem_to_smem(ref.at[pl.ds(rb * rs, rs), pl.ds(cb * cs, cs)], smem.at[slot],
-                                        full.at[slot], collective_axes=collective)
-
-        for k in range(stages):
-            fetch(k, k)
-
-        def step(k, carry):
-            slot = lax.rem(k, stages)
-            plgpu.barrier_wait(full.at[slot])
-            carry = body((k,), w_smem.at[slot], x_smem.at[slot], carry)    # its wgmmas are awaited inside
-
-            @pl.when(k + stages < steps)
-            def _():
-                plgpu.barrier_arrive(free.at[slot])
-                plgpu.barrier_wait(free.at[slot])
-                fetch(k + stages, slot)
-            return carry
-
-        return lax.fori_loop(0, steps, step, init)
-
-    smem = [plgpu.SMEM((stages, *spec.block_shape), ref.dtype, transforms=spec.transforms)
-            for spec, ref in zip(specs, refs)]
-    return pl.run_scoped(scoped, *smem, plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-                         plgpu.ClusterBarrier(collective_axes=("c",), num_barriers=stages))
 
 
 def _w8_kernel_overlap(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, load, widen,
@@ -743,7 +698,7 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
             out_type = (out_type, jax.ShapeDtypeStruct((tail, nt * bn, pl.cdiv(xp.shape[0], xr) * xr), jnp.float32))
     launch = dict(grid=grid, grid_names=("n", "m", "s"))
     if size:              # the partials meet in CTA 0 of each cluster (interpret mode has no clusters: XLA adds them)
-        kernel = functools.partial(kernel, cluster=size, multicast=bool(nt and config.x_multicast))
+        kernel = functools.partial(kernel, cluster=size)
         launch, barriers = _cluster_launch("w8a16_gemv", size, bn, xr, o_smem, grid)
         scratch.update(barriers)
     f = plgpu.kernel(kernel, out_type=out_type, **launch, scratch_types=scratch, **_interpret_kw(interpret))
@@ -838,10 +793,6 @@ def _check_config(name: str, config: GemvConfig):
             name == "w4a16_gemv" and config.widen != "perm"))):
         raise ShapeError(f"{name}(mosaic): config.reduce expects 'xla' or 'cluster' (split_k and tail_split <= 8: a "
                          f"portable cluster; no overlap; w4 with widen 'perm'); got {config}")
-    if config.x_multicast and (name != "w8a16_gemv" or not config.tail_split or config.reduce != "cluster" or
-                               config.probe == "stream-no-x"):
-        raise ShapeError(f"{name}(mosaic): config.x_multicast needs w8 with tail_split and reduce='cluster' (the "
-                         f"clusters whose CTAs share x tiles) and an x stream; got {config}")
     probes = (("", *W8_PROBES) if name == "w8a16_gemv" else ("", *W4_PROBE_STREAMS) if config.widen == "perm"
               else ("",))
     if config.probe not in probes or (config.probe and config.overlap):

@@ -35,7 +35,6 @@ PROBES = {"p": "stream", "px": "stream-no-x", "pw": "stream-weights", "pm": "mma
 SUFFIXES = {"x16": {"small_m": False}, "k1": {"k_blocks": 1}, "k2": {"k_blocks": 2}, "k4": {"k_blocks": 4},
             "perm": {"widen": "perm"}, "ptx": {"widen": "ptx"}, "ld": {"load": "direct"},
             "up": {"load": "upcast"}, "tx": {"reduce": "xla"}, "tc": {"reduce": "cluster"},
-            "mc": {"x_multicast": True},
             **{f"t{n}": {"tail_split": n} for n in (0, 2, 4, 8, 16)}}   # launch-spec suffixes
 KERNELS = {"w8": (mg.w8a16_gemv_mosaic, mg.w8a16_gemv_blocks, w8a16.w8a16_reference),
            "w4": (mg.w4a16_gemv_mosaic, mg.w4a16_gemv_blocks, w4a16.w4a16_reference)}
@@ -55,7 +54,7 @@ def main():
                     " without the x / x and scale streams (w8 px too); pm: w8 'mma' probe, no widening; x16: 16-row"
                     " x tiles at M <= 8 too; k1 / k2 / k4: K blocks per pipeline step; perm / ptx: w8 widening;"
                     " ld / up: direct / upcast 8-bit loads; t0 .. t16: w8 tail_split; tx / tc: split partials"
-                    " added by XLA / in a cluster; mc: x multicast in the tail-split clusters)")
+                    " added by XLA / in a cluster)")
     ap.add_argument("--shapes", default="in_proj,out_proj", help="names of bench_prefill.SHAPES or NAME=NxK")
     ap.add_argument("--gpu-time", action="store_true", help="also GPU kernel us per call from a profiler trace")
     args = ap.parse_args()

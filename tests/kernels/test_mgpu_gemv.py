@@ -220,11 +220,6 @@ def test_bad_inputs_raise_typed_errors(rng):
         mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(split_k=16, reduce="cluster"))
     with pytest.raises(ShapeError, match="config.reduce expects"):
         mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(tail_split=2, reduce="atomic"))
-    with pytest.raises(ShapeError, match="config.x_multicast needs w8 with tail_split and reduce='cluster'"):
-        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(x_multicast=True))                # no clusters to share x
-    with pytest.raises(ShapeError, match="config.x_multicast needs .* an x stream"):
-        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(tail_split=2, reduce="cluster", x_multicast=True,
-                                                        probe="stream-no-x"))
     with pytest.raises(ShapeError, match="tail_split=2 does not divide the 3 K steps of 128"):
         mg.w8a16_gemv_mosaic(_x(rng, 2, 384), *_fp8(rng, 64 * 133, 384), config=GemvConfig(64, 2, 1, tail_split=2),
                              interpret=True)
@@ -474,23 +469,6 @@ def test_tail_cluster_reduction_on_gpu(rng, tail):
 
 
 @pytest.mark.gpu
-def test_x_multicast_keeps_the_bits_on_gpu(rng):
-    """in_proj's whole row blocks with each x tile loaded once per cluster (TMA multicast) give the bits of the
-    default launch at one to eight x tiles per CTA, at both output dtypes."""
-    N, K = SHAPES_8B[0]
-    q, s = _fp8(rng, N, K)
-    base = mg.w8a16_gemv_blocks(N, K)
-    for m in (1, 4, 16, 40, 256):
-        x = _x(rng, m, K)
-        for od in (F32, jnp.bfloat16):
-            y = np.asarray(mg.w8a16_gemv_mosaic(x, q, s, out_dtype=od, config=base).astype(F32))
-            ym = np.asarray(mg.w8a16_gemv_mosaic(x, q, s, out_dtype=od, config=dataclasses.replace(
-                base, x_multicast=True)).astype(F32))
-            np.testing.assert_array_equal(ym, y)
-            assert rel_err(ym, w8a16.w8a16_reference(x, q, s, out_dtype=F32)) < (1e-5 if od == F32 else 4e-3)
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["w8a16", "w4a16"])
 def test_split_k_cluster_reduction_on_gpu(rng, kernel):
     """out_proj's split-K partials added in the kernel (reduce='cluster') give the bits of XLA's sum."""
@@ -550,15 +528,13 @@ def test_lowers_for_cuda_on_every_output_path(kernel, config, split, out_dtype):
     assert "mosaic_gpu" in text
 
 
-@pytest.mark.parametrize("reduce", ["cluster", "xla", "cluster+multicast"])
+@pytest.mark.parametrize("reduce", ["cluster", "xla"])
 @pytest.mark.parametrize("M", [1, 16, 40, 256])
 def test_tail_split_lowers_for_cuda(M, reduce):
-    """The in_proj default's tail split (a 2-CTA cluster with a shared-memory reduction, with or without x
-    multicast, or float32 partials) lowers for CUDA at one to eight x tiles per CTA (M = 40: three, 192-byte
-    float32 rows), both output paths."""
+    """The in_proj default's tail split (a 2-CTA cluster with a shared-memory reduction, or float32 partials)
+    lowers for CUDA at one to eight x tiles per CTA (M = 40: three, 192-byte float32 rows), both output paths."""
     N, K, sd = 18560, 4096, jax.ShapeDtypeStruct
-    config = dataclasses.replace(mg.w8a16_gemv_blocks(N, K), reduce=reduce.split("+")[0],
-                                 x_multicast=reduce.endswith("multicast"))
+    config = dataclasses.replace(mg.w8a16_gemv_blocks(N, K), reduce=reduce)
     for out_dtype in (jnp.bfloat16, F32):
         fn = lambda x, w, s: mg.w8a16_gemv_mosaic(x, w, s, out_dtype=out_dtype, config=config)
         text = jax.jit(fn).trace(sd((M, K), jnp.bfloat16), sd((N, K), jnp.float8_e4m3fn),
