@@ -2,14 +2,13 @@
 
 import os
 
+ON_CPU = not os.environ.get("METRALE_TEST_GPU")
+if ON_CPU:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # On the CPU the tests' programs are tiny and compile-bound: LLVM at -O0 (XLA's HLO passes unchanged) cut
 # tests/sharding + tests/model/test_hf_equivalence from 128 to 77 s cold on 2 cores (2026-12-02).
-CPU_XLA_FLAGS = "--xla_force_host_platform_device_count=4 --xla_backend_optimization_level=0"
-if not os.environ.get("METRALE_TEST_GPU"):
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-    os.environ.setdefault("XLA_FLAGS", CPU_XLA_FLAGS)
-else:
-    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4"
+                      + (" --xla_backend_optimization_level=0" if ON_CPU else ""))
 # One on-disk compilation cache for every test, xdist worker and notebook kernel: they compile many identical
 # programs (the built-in model, interpreted kernels). 2026-12-02, 2 cores: tests/weights 108 -> 78 s, a clean-clone
 # suite unchanged (16:43 vs 16:39), reruns reuse it. No size cap: JAX's eviction lists the whole directory on
