@@ -33,6 +33,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 import traceback
 
@@ -41,6 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks import timing
 from benchmarks.random_weights import device_tensors, matmul_params
 from metrale_jax.config import ModelConfig
 from metrale_jax.layers.projection import PREFILL_ONLY_ARMS, Projection
@@ -59,9 +61,9 @@ TINY = dict(vocab_size=256, hidden_size=64, hybrid_override_pattern="M*E-M-", ma
             intermediate_size=96, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
             moe_shared_expert_intermediate_size=32, n_group=4, topk_group=2)
 SIZES = {  # decode batches / prompt / new tokens; prefill T = ttft prefix, + tail; spec batches / new tokens
-    "full": dict(batches=(1, 32, 256), prompt=64, new=64, prefix=2048, tail=64, spec_batches=(1, 8), spec_new=256,
+    "full": dict(batches=(1, 32, 256), profile_batches=(1, 32), prompt=64, new=64, prefix=2048, tail=64, spec_batches=(1, 8), spec_new=256,
                  nominal_bw=4.8e12, nominal_flops=989e12),
-    "tiny": dict(batches=(1, 4, 8), prompt=16, new=8, prefix=64, tail=16, spec_batches=(1, 4), spec_new=24,
+    "tiny": dict(batches=(1, 4, 8), profile_batches=(1,), prompt=16, new=8, prefix=64, tail=16, spec_batches=(1, 4), spec_new=24,
                  nominal_bw=None, nominal_flops=None),
 }
 T0 = time.time()
@@ -159,7 +161,7 @@ def bench_decode(model, sz, exe, bw, out):
     batches, prompt, new = sz["batches"], sz["prompt"], sz["new"]
     Bmax, chain = max(batches), 16
     pre = min(32, Bmax)                                    # prefill rows per step (one prefill executable)
-    eng = Engine(model, max_slots=Bmax, max_len=prompt + new + 2 * chain + 1, batch_buckets=batches,
+    eng = Engine(model, max_slots=Bmax, max_len=prompt + new + 3 * chain + 1, batch_buckets=batches,
                  prefill_batch_buckets=(pre,), token_buckets=(prompt,), prefill_token_budget=prompt * pre,
                  executables=exe, eos_ids=[])
     log(f"decode: warm-up compiles {eng.warmup()}")
@@ -192,8 +194,9 @@ def bench_decode(model, sz, exe, bw, out):
                 tok = exe.run("sample", greedy, logits, z, z, zi, zi, static=False)
             return tok
 
-        block(chained())                                   # max_len has room for two chains
+        block(chained())                                   # max_len has room for three chains
         dev_s = median_time(chained, reps=1) / chain
+        profile = decode_profile(chained, chain, dev_s) if B in sz["profile_batches"] else None
         per = state_bytes_per_seq(eng.cache, prompt + new)
         floor_s = (wbytes + B * sum(per.values())) / bw
         kv_pool_read = per["kv_write"] * eng.cache.max_len          # decode attends over the slot's whole row
@@ -203,8 +206,42 @@ def bench_decode(model, sz, exe, bw, out):
                   "state_bytes_per_seq": per, "kv_bytes_read_per_seq_actual": kv_pool_read}
         log(f"decode B={B}: device {B / dev_s:,.0f} tok/s ({floor_s / dev_s:.0%} of the bytes floor), "
             f"engine {rows / engine_s:,.0f} tok/s ({floor_s / engine_step:.0%})")
+        if profile is not None:
+            res[B]["profile"] = profile
+            log(f"decode B={B} profile: " + (profile.get("error") or ", ".join(
+                f"{k} {v['us_per_step']:.0f} us" for k, v in profile["by_class"].items())
+                + f"; {profile['kernels_per_step']:.0f} kernels, idle {profile['idle_us_per_step']:.0f} us per step"))
     out["decode"] = {"weight_bytes": wbytes, "prompt": prompt, "new_tokens": new, "max_len": eng.cache.max_len,
                      "by_batch": res}
+
+
+KERNEL_CLASSES = (  # (class, substrings of a kernel name), first match wins
+    ("projections (Pallas)", ("gemv", "w8a16", "w4a16", "w4a4", "fp8_gemm", "quantize_rows")),
+    ("mamba mixer (Pallas)", ("ssm_state_update", "causal_conv1d", "ssd", "rmsnorm")),
+    ("XLA matmuls", ("nvjet", "gemm", "cutlass", "cublas", "sm90_xmma", "dot")),
+)
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    return next((c for c, keys in KERNEL_CLASSES if any(k in low for k in keys)), "XLA fusions and other")
+
+
+def decode_profile(chained, chain: int, dev_s: float) -> dict:
+    """Where a chained decode step's GPU time goes, from a profiler trace of one chain: kernel time per class and
+    per kernel name, kernels per step, and the idle part of the traced span (launch gaps, host waits)."""
+    if jax.default_backend() != "gpu":
+        return {"error": "GPU only: the trace has kernel events on the GPU backend"}
+    d = tempfile.mkdtemp()
+    try:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            block(chained())
+        events = timing.gpu_kernel_events(d)
+    except Exception as e:  # noqa: BLE001  (the profiler is optional; the timing above stands)
+        return {"error": f"profile failed: {e!r}"[:300]}
+    if not events:
+        return {"error": "no kernel events in the trace"}
+    return {"wall_step_us": dev_s * 1e6, **timing.kernel_breakdown(events, chain, kernel_class)}
 
 
 def _one_slot_engine(model, sz, exe):

@@ -62,12 +62,12 @@ def interleaved_rounds(arms: dict, rounds: int, *, reps: int = 6, trials: int = 
     return walls
 
 
-def gpu_kernel_us(trace_dir: str, calls: int) -> tuple[float | None, dict]:
-    """Sum of GPU kernel durations in the perfetto trace per call, and the largest kernels (name -> us per call):
-    the Mosaic kernel apart from XLA's small ones around it (x permutation, split-K sum)."""
+def gpu_kernel_events(trace_dir: str) -> list[dict] | None:
+    """The GPU kernel events (perfetto "X" events of a GPU process, copies and memsets left out) of the first
+    trace under trace_dir, sorted by start; None if no trace was written."""
     files = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     if not files:
-        return None, {}
+        return None
     with gzip.open(files[0], "rt") as fh:
         tr = json.load(fh)
     events = tr["traceEvents"] if isinstance(tr, dict) else tr
@@ -76,12 +76,41 @@ def gpu_kernel_us(trace_dir: str, calls: int) -> tuple[float | None, dict]:
     gpu_pids = {pid for pid, n in names.items() if "gpu" in n.lower()}
     if not gpu_pids:
         raise RuntimeError(f"no GPU process in the trace; processes: {sorted(names.values())[:10]}")
+    kernels = [e for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids
+               and "memcpy" not in str(e.get("name", "")).lower() and "memset" not in str(e.get("name", "")).lower()]
+    return sorted(kernels, key=lambda e: e.get("ts", 0))
+
+
+def kernel_breakdown(events: list[dict], steps: int, classify, top: int = 25) -> dict:
+    """Per step of a traced run of `steps` steps: kernel time and count per class (classify(name)) and for the
+    `top` longest kernel names, the busy time, the trace span from the first kernel's start to the last one's
+    end, and the span's idle part (launch gaps, host waits). events: gpu_kernel_events' list."""
+    names, classes = {}, {}
+    for e in events:
+        n, us = str(e.get("name", "")), e.get("dur", 0) / steps
+        k = names.setdefault(n[:100], {"us_per_step": 0.0, "count_per_step": 0.0, "class": classify(n)})
+        c = classes.setdefault(k["class"], {"us_per_step": 0.0, "count_per_step": 0.0})
+        for row in (k, c):
+            row["us_per_step"] += us
+            row["count_per_step"] += 1 / steps
+    busy = sum(c["us_per_step"] for c in classes.values())
+    span = (max(e["ts"] + e.get("dur", 0) for e in events) - min(e["ts"] for e in events)) / steps
+    return {"traced_span_us_per_step": span, "kernel_us_per_step": busy, "idle_us_per_step": span - busy,
+            "kernels_per_step": len(events) / steps,
+            "by_class": dict(sorted(classes.items(), key=lambda kv: -kv[1]["us_per_step"])),
+            "top_kernels": dict(sorted(names.items(), key=lambda kv: -kv[1]["us_per_step"])[:top])}
+
+
+def gpu_kernel_us(trace_dir: str, calls: int) -> tuple[float | None, dict]:
+    """Sum of GPU kernel durations in the perfetto trace per call, and the largest kernels (name -> us per call):
+    the Mosaic kernel apart from XLA's small ones around it (x permutation, split-K sum)."""
+    events = gpu_kernel_events(trace_dir)
+    if events is None:
+        return None, {}
     kernels = {}
     for e in events:
         name = str(e.get("name", ""))
-        if (e.get("ph") == "X" and e.get("pid") in gpu_pids and "memcpy" not in name.lower()
-                and "memset" not in name.lower()):
-            kernels[name] = kernels.get(name, 0.0) + e.get("dur", 0) / calls
+        kernels[name] = kernels.get(name, 0.0) + e.get("dur", 0) / calls
     total = sum(kernels.values())
     return (total or None), {k[:80]: round(v, 3) for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:6]}
 

@@ -35,3 +35,43 @@ def test_interleaved_rounds_reuse_given_executables(rng):
     n = len(traces)
     walls = timing.interleaved_rounds(arms, 3, reps=2, trials=1, many=many)
     assert len(walls["add"]) == 3 and len(traces) == n
+
+
+def _write_trace(tmp_path, events):
+    import gzip
+    import json
+    d = tmp_path / "plugins" / "profile" / "run"
+    d.mkdir(parents=True)
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}}]
+    with gzip.open(d / "perfetto_trace.json.gz", "wt") as fh:
+        json.dump({"traceEvents": meta + events}, fh)
+
+
+def test_kernel_breakdown_from_a_trace(tmp_path):
+    """GPU kernels only (host events, copies and memsets left out), summed per class and name per step; the idle
+    time is the span the kernels leave uncovered."""
+    ev = lambda name, ts, dur, pid=1: {"ph": "X", "name": name, "pid": pid, "ts": ts, "dur": dur}
+    _write_trace(tmp_path, [ev("w8a16_gemv", 0, 20), ev("loop_add_fusion", 25, 5), ev("w8a16_gemv", 40, 20),
+                            ev("loop_add_fusion", 65, 5), ev("MemcpyDtoD", 70, 50), ev("host_work", 0, 999, pid=2),
+                            ev("Memset", 80, 9)])
+    events = timing.gpu_kernel_events(str(tmp_path))
+    assert [e["name"] for e in events] == ["w8a16_gemv", "loop_add_fusion"] * 2
+    b = timing.kernel_breakdown(events, 2, lambda n: "gemv" if "gemv" in n else "xla")
+    assert b["kernels_per_step"] == 2 and b["kernel_us_per_step"] == 25
+    assert b["traced_span_us_per_step"] == 35 and b["idle_us_per_step"] == 10
+    assert b["by_class"] == {"gemv": {"us_per_step": 20, "count_per_step": 1}, "xla": {"us_per_step": 5, "count_per_step": 1}}
+    assert list(b["top_kernels"]) == ["w8a16_gemv", "loop_add_fusion"]
+    assert timing.gpu_kernel_us(str(tmp_path), 2)[0] == 25
+
+
+def test_decode_profile_kernel_classes():
+    from benchmarks.bench_runtime import kernel_class
+    assert kernel_class("w8a16_gemv_kernel") == "projections (Pallas)"
+    assert kernel_class("ssm_state_update") == "mamba mixer (Pallas)"
+    assert kernel_class("nvjet_hsh_128x256") == "XLA matmuls"
+    assert kernel_class("loop_multiply_fusion") == "XLA fusions and other"
+
+
+def test_gpu_kernel_events_without_a_trace(tmp_path):
+    assert timing.gpu_kernel_events(str(tmp_path)) is None
