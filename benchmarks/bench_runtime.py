@@ -216,9 +216,11 @@ def bench_decode(model, sz, exe, bw, out):
 
 
 KERNEL_CLASSES = (  # (class, substrings of a kernel name), first match wins
-    ("projections (Pallas)", ("gemv", "w8a16", "w4a16", "w4a4", "fp8_gemm", "quantize_rows")),
+    # Mosaic kernels reach the trace as `anonymous_mosaic_gpu_kernel`; at decode they are the projection GEMVs
+    ("projections (Pallas)", ("gemv", "w8a16", "w4a16", "w4a4", "fp8_gemm", "quantize_rows", "mosaic_gpu")),
     ("mamba mixer (Pallas)", ("ssm_state_update", "causal_conv1d", "ssd", "rmsnorm")),
     ("XLA matmuls", ("nvjet", "gemm", "cutlass", "cublas", "sm90_xmma", "dot")),
+    ("XLA slices", ("slice",)),   # operands cut out for a custom call (each a kernel of its own)
 )
 
 

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from metrale_jax.errors import ShapeError
 from pallas_kernels import registry
 from pallas_kernels.triton_util import check_floating, check_shape, compiler_params, next_pow2
 from pallas_kernels.varlen import as_cu_seqlens, token_positions
@@ -89,19 +90,28 @@ def _update_step(window: jax.Array, x: jax.Array, weight: jax.Array, bias: jax.A
     return _activate(acc, activation), nxt
 
 
+def _columns(x: jax.Array, x_col: int | None, C: int) -> jax.Array:
+    return x if x_col is None else x[..., x_col:x_col + C]
+
+
 def causal_conv1d_update_reference(pool: jax.Array, rows: jax.Array, x: jax.Array, weight: jax.Array,
-                                   bias: jax.Array | None = None, *,
-                                   activation: str | None = "silu") -> tuple[jax.Array, jax.Array]:
+                                   bias: jax.Array | None = None, *, activation: str | None = "silu",
+                                   x_col: int | None = None) -> tuple[jax.Array, jax.Array]:
     """One decode step per batch row, slot-indexed.  pool [R, C, K-1] (conv states, oldest first), rows [B],
-    x [B, C] -> (y [B, C] in x.dtype, pool with the named rows advanced; no other row touched)."""
+    x [B, C] -> (y [B, C] in x.dtype, pool with the named rows advanced; no other row touched).
+    With x_col, x [B, W] holds the conv input in its columns [x_col, x_col + C) (the Mamba-2 in_proj output)."""
+    x = _columns(x, x_col, weight.shape[0])
     y, nxt = _update_step(pool[rows], x, weight, bias, activation)
     return y.astype(x.dtype), pool.at[rows].set(nxt)
 
 
 def causal_conv1d_update_multi_reference(pool: jax.Array, rows: jax.Array, x: jax.Array, weight: jax.Array,
-                                         bias: jax.Array | None = None, *, activation: str | None = "silu"):
+                                         bias: jax.Array | None = None, *, activation: str | None = "silu",
+                                         x_col: int | None = None):
     """k consecutive tokens per batch row (speculative verify).  x [B, k, C] -> (y [B, k, C],
     step_states [B, k, C, K-1] (the conv state after each token), pool with the rows at their last token)."""
+    x = _columns(x, x_col, weight.shape[0])
+
     def body(window, xk):
         yk, window = _update_step(window, xk, weight, bias, activation)
         return window, (yk, window)
@@ -212,7 +222,7 @@ def _conv_fwd(x, weight, bias, initial_states, cu_seqlens, *, activation, interp
 
 
 def _conv_update_kernel(rows_ref, x_ref, w_ref, b_ref, pool_in_ref, y_ref, pool_ref, *steps_ref, C, K, KT, BC,
-                        has_bias, activation, multi):
+                        x_col, has_bias, activation, multi):
     del pool_in_ref  # aliased to pool_ref
     cb, b = pl.program_id(0), pl.program_id(1)
     f32 = jnp.float32
@@ -224,7 +234,7 @@ def _conv_update_kernel(rows_ref, x_ref, w_ref, b_ref, pool_in_ref, y_ref, pool_
     bias = plgpu.load(b_ref.at[ch], mask=cm, other=0.0).astype(f32) if has_bias else None
     for t in range(KT):
         at = (b, t) if multi else (b,)
-        x = plgpu.load(x_ref.at[(*at, ch)], mask=cm, other=0.0)
+        x = plgpu.load(x_ref.at[(*at, x_col + ch)], mask=cm, other=0.0)
         acc = jnp.zeros((BC,), f32) if bias is None else bias
         for k in range(K):
             acc = acc + w[k] * (x.astype(f32) if k == K - 1 else window[k].astype(f32))
@@ -237,11 +247,17 @@ def _conv_update_kernel(rows_ref, x_ref, w_ref, b_ref, pool_in_ref, y_ref, pool_
         plgpu.store(pool_ref.at[r, ch, k], window[k], mask=cm)
 
 
-def _check_update(kernel, pool, rows, x, weight, bias, lead):
+def _check_update(kernel, pool, rows, x, weight, bias, lead, x_col):
     check_shape(kernel, "x", x, (*lead, None))
     check_floating(kernel, "x", x)
-    C = x.shape[-1]
-    check_shape(kernel, "weight", weight, (C, None))
+    if x_col is None:
+        C = x.shape[-1]
+        check_shape(kernel, "weight", weight, (C, None))
+    else:
+        check_shape(kernel, "weight", weight, (None, None))
+        C = weight.shape[0]
+        if not 0 <= x_col <= x.shape[-1] - C:
+            raise ShapeError(f"{kernel}: x has {x.shape[-1]} columns; x_col {x_col} + {C} channels does not fit")
     check_shape(kernel, "pool", pool, (None, C, weight.shape[1] - 1))
     check_shape(kernel, "rows", rows, (x.shape[0],))
     if bias is not None:
@@ -250,21 +266,23 @@ def _check_update(kernel, pool, rows, x, weight, bias, lead):
 
 def causal_conv1d_update_pallas(pool: jax.Array, rows: jax.Array, x: jax.Array, weight: jax.Array,
                                 bias: jax.Array | None = None, *, activation: str | None = "silu",
-                                interpret: bool = False, blocks: ConvBlocks | None = None):
+                                x_col: int | None = None, interpret: bool = False,
+                                blocks: ConvBlocks | None = None):
     """The Pallas conv decode step; same call and results as `causal_conv1d_update_reference`, the pool
-    updated in place when the caller donates it."""
-    _check_update("causal_conv1d_update", pool, rows, x, weight, bias, (None,))
+    updated in place when the caller donates it; with x_col the input columns are read in place."""
+    _check_update("causal_conv1d_update", pool, rows, x, weight, bias, (None,), x_col)
     return _conv_update(pool, rows, x, weight, bias, activation=_checked(activation), interpret=interpret,
-                        blocks=blocks, multi=False)
+                        blocks=blocks, multi=False, x_col=x_col)
 
 
 def causal_conv1d_update_multi_pallas(pool: jax.Array, rows: jax.Array, x: jax.Array, weight: jax.Array,
                                       bias: jax.Array | None = None, *, activation: str | None = "silu",
-                                      interpret: bool = False, blocks: ConvBlocks | None = None):
+                                      x_col: int | None = None, interpret: bool = False,
+                                      blocks: ConvBlocks | None = None):
     """The Pallas k-token conv update; same call and results as `causal_conv1d_update_multi_reference`."""
-    _check_update("causal_conv1d_update_multi", pool, rows, x, weight, bias, (None, None))
+    _check_update("causal_conv1d_update_multi", pool, rows, x, weight, bias, (None, None), x_col)
     y, pool, steps = _conv_update(pool, rows, x, weight, bias, activation=_checked(activation),
-                                  interpret=interpret, blocks=blocks, multi=True)
+                                  interpret=interpret, blocks=blocks, multi=True, x_col=x_col)
     return y, steps, pool
 
 
@@ -274,18 +292,17 @@ def _checked(activation):
     return activation
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "interpret", "blocks", "multi"))
-def _conv_update(pool, rows, x, weight, bias, *, activation, interpret, blocks, multi):
-    Bt, C = x.shape[0], x.shape[-1]
-    K = weight.shape[1]
+@functools.partial(jax.jit, static_argnames=("activation", "interpret", "blocks", "multi", "x_col"))
+def _conv_update(pool, rows, x, weight, bias, *, activation, interpret, blocks, multi, x_col):
+    Bt, (C, K) = x.shape[0], weight.shape
     KT = x.shape[1] if multi else 1
     blk = blocks or ConvBlocks()
     BC = min(blk.block_c * 4, next_pow2(C))
-    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)]
+    out_shape = [jax.ShapeDtypeStruct((*x.shape[:-1], C), x.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)]
     if multi:
         out_shape.append(jax.ShapeDtypeStruct((Bt, KT, C, K - 1), pool.dtype))
-    kernel = functools.partial(_conv_update_kernel, C=C, K=K, KT=KT, BC=BC, has_bias=bias is not None,
-                               activation=activation, multi=multi)
+    kernel = functools.partial(_conv_update_kernel, C=C, K=K, KT=KT, BC=BC, x_col=x_col or 0,
+                               has_bias=bias is not None, activation=activation, multi=multi)
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=(pl.cdiv(C, BC), Bt), input_output_aliases={4: 1},
         compiler_params=compiler_params(blk.num_warps), interpret=interpret, name="causal_conv1d_update",

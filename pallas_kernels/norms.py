@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from metrale_jax.errors import ShapeError
 from pallas_kernels import registry
 from pallas_kernels.triton_util import check_floating, check_shape, compiler_params, next_pow2
 
@@ -25,11 +26,13 @@ def rmsnorm_reference(x: jax.Array, weight: jax.Array, *, eps: float, out_dtype=
 
 
 def gated_rmsnorm_reference(y: jax.Array, z: jax.Array, weight: jax.Array, *, group_size: int, eps: float,
-                            out_dtype=None) -> jax.Array:
-    """Gate then normalise per group: rmsnorm_group(y * silu(z)) * weight.  y, z [..., I], weight [I]."""
+                            out_dtype=None, z_col: int | None = None) -> jax.Array:
+    """Gate then normalise per group: rmsnorm_group(y * silu(z)) * weight.  y, z [..., I], weight [I].
+    With z_col, z [..., W] holds the gate in its columns [z_col, z_col + I) (the Mamba-2 in_proj output)."""
     width = y.shape[-1]
     if width % group_size:
         raise ValueError(f"gated_rmsnorm: group_size {group_size} does not divide the width {width}")
+    z = z if z_col is None else z[..., z_col:z_col + width]
     h = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
     hg = h.reshape(*h.shape[:-1], width // group_size, group_size)
     var = jnp.mean(hg * hg, axis=-1, keepdims=True)
@@ -46,7 +49,7 @@ registry.register("gated_rmsnorm", reference=gated_rmsnorm_reference)
 # registers: read once, write once. Width up to 16384 per group in one block.
 
 
-def _norm_kernel(x_ref, z_ref, w_ref, o_ref, *, M, W, GS, BM, BG, eps, gated):
+def _norm_kernel(x_ref, z_ref, w_ref, o_ref, *, M, W, GS, BM, BG, eps, gated, z_col):
     g, i = pl.program_id(0), pl.program_id(1)
     f32 = jnp.float32
     rows = i * BM + jnp.arange(BM)
@@ -55,7 +58,7 @@ def _norm_kernel(x_ref, z_ref, w_ref, o_ref, *, M, W, GS, BM, BG, eps, gated):
     m = (rows < M)[:, None] & cm[None, :]
     h = plgpu.load(x_ref.at[rows[:, None], cols[None, :]], mask=m, other=0.0).astype(f32)
     if gated:
-        z = plgpu.load(z_ref.at[rows[:, None], cols[None, :]], mask=m, other=0.0).astype(f32)
+        z = plgpu.load(z_ref.at[rows[:, None], z_col + cols[None, :]], mask=m, other=0.0).astype(f32)
         h = h * (z * jax.nn.sigmoid(z))
     var = jnp.sum(h * h, axis=1) / GS
     out = h * jax.lax.rsqrt(var + eps)[:, None]
@@ -63,8 +66,8 @@ def _norm_kernel(x_ref, z_ref, w_ref, o_ref, *, M, W, GS, BM, BG, eps, gated):
     plgpu.store(o_ref.at[rows[:, None], cols[None, :]], (out * w[None, :]).astype(o_ref.dtype), mask=m)
 
 
-@functools.partial(jax.jit, static_argnames=("group_size", "eps", "out_dtype", "gated", "interpret"))
-def _norm(x, z, weight, *, group_size, eps, out_dtype, gated, interpret):
+@functools.partial(jax.jit, static_argnames=("group_size", "eps", "out_dtype", "gated", "interpret", "z_col"))
+def _norm(x, z, weight, *, group_size, eps, out_dtype, gated, interpret, z_col=0):
     W = x.shape[-1]
     x2 = x.reshape(-1, W)
     M = x2.shape[0]
@@ -72,11 +75,12 @@ def _norm(x, z, weight, *, group_size, eps, out_dtype, gated, interpret):
     if BG > 16384:
         raise ValueError(f"rmsnorm: group width {group_size} is over the kernel's 16384")
     BM = max(1, min(next_pow2(M), 4096 // BG))
-    kernel = functools.partial(_norm_kernel, M=M, W=W, GS=group_size, BM=BM, BG=BG, eps=eps, gated=gated)
+    kernel = functools.partial(_norm_kernel, M=M, W=W, GS=group_size, BM=BM, BG=BG, eps=eps, gated=gated,
+                               z_col=z_col)
     out = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((M, W), out_dtype), grid=(W // group_size, pl.cdiv(M, BM)),
         compiler_params=compiler_params(4 if BM * BG <= 4096 else 8), interpret=interpret, name="rmsnorm",
-    )(x2, x2 if z is None else z.reshape(-1, W), weight)
+    )(x2, x2 if z is None else z.reshape(M, z.shape[-1]), weight)
     return out.reshape(x.shape)
 
 
@@ -90,16 +94,22 @@ def rmsnorm_pallas(x: jax.Array, weight: jax.Array, *, eps: float, out_dtype=Non
 
 
 def gated_rmsnorm_pallas(y: jax.Array, z: jax.Array, weight: jax.Array, *, group_size: int, eps: float,
-                         out_dtype=None, interpret: bool = False) -> jax.Array:
-    """The Pallas gated group RMSNorm; same call and results as `gated_rmsnorm_reference`."""
+                         out_dtype=None, z_col: int | None = None, interpret: bool = False) -> jax.Array:
+    """The Pallas gated group RMSNorm; same call and results as `gated_rmsnorm_reference` (z's columns read
+    in place when z_col is given)."""
     width = y.shape[-1]
     if width % group_size:
         raise ValueError(f"gated_rmsnorm: group_size {group_size} does not divide the width {width}")
     check_floating("gated_rmsnorm", "y", y)
-    check_shape("gated_rmsnorm", "z", z, y.shape)
+    if z_col is None:
+        check_shape("gated_rmsnorm", "z", z, y.shape)
+    else:
+        check_shape("gated_rmsnorm", "z", z, (*y.shape[:-1], None))
+        if not 0 <= z_col <= z.shape[-1] - width:
+            raise ShapeError(f"gated_rmsnorm: z has {z.shape[-1]} columns; z_col {z_col} + {width} does not fit")
     check_shape("gated_rmsnorm", "weight", weight, (width,))
     return _norm(y, z, weight, group_size=group_size, eps=float(eps), out_dtype=jnp.dtype(out_dtype or y.dtype),
-                 gated=True, interpret=interpret)
+                 gated=True, interpret=interpret, z_col=z_col or 0)
 
 
 registry.register("rmsnorm", pallas=rmsnorm_pallas)

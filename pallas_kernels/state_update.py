@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from metrale_jax.errors import ShapeError
 from pallas_kernels import registry
 from pallas_kernels.ssd import process_dt
 from pallas_kernels.triton_util import check_floating, check_shape, compiler_params, next_pow2, softplus
@@ -67,15 +68,45 @@ def state_update_multi_reference(state: jax.Array, rows: jax.Array, x: jax.Array
     return swap(y).astype(x.dtype), swap(hs).astype(state.dtype), state.at[rows].set(h.astype(state.dtype))
 
 
+def unpack_xbc(xbc: jax.Array, dt: jax.Array, dt_col: int | None, H: int, P: int, N: int):
+    """The Mamba-2 packed operands cut apart: xbc [..., H*P + 2*G*N] (x | B | C) -> x [..., H, P],
+    B, C [..., G, N]; dt [..., H], or its columns [dt_col, dt_col + H) when dt_col is given."""
+    lead, HP = xbc.shape[:-1], H * P
+    GN = (xbc.shape[-1] - HP) // 2
+    x = xbc[..., :HP].reshape(*lead, H, P)
+    B = xbc[..., HP:HP + GN].reshape(*lead, GN // N, N)
+    C = xbc[..., HP + GN:].reshape(*lead, GN // N, N)
+    return x, (dt if dt_col is None else dt[..., dt_col:dt_col + H]), B, C
+
+
+def state_update_xbc_reference(state: jax.Array, rows: jax.Array, xbc: jax.Array, dt: jax.Array, A: jax.Array, *,
+                               dt_col: int | None = None, **kw) -> tuple[jax.Array, jax.Array]:
+    """`state_update_reference` on the packed operands (the conv output xbc [Bt, H*P + 2*G*N] and dt, or the
+    in_proj output holding dt at dt_col), which the Pallas kernel reads in place."""
+    x, dt, B, C = unpack_xbc(xbc, dt, dt_col, *state.shape[1:])
+    return state_update_reference(state, rows, x, dt, A, B, C, **kw)
+
+
+def state_update_multi_xbc_reference(state: jax.Array, rows: jax.Array, xbc: jax.Array, dt: jax.Array,
+                                     A: jax.Array, *, dt_col: int | None = None, **kw):
+    """`state_update_multi_reference` on the packed operands: xbc [Bt, K, H*P + 2*G*N], dt [Bt, K, ...]."""
+    x, dt, B, C = unpack_xbc(xbc, dt, dt_col, *state.shape[1:])
+    return state_update_multi_reference(state, rows, x, dt, A, B, C, **kw)
+
+
 registry.register("state_update", reference=state_update_reference)
 registry.register("state_update_multi", reference=state_update_multi_reference)
+registry.register("state_update_xbc", reference=state_update_xbc_reference)
+registry.register("state_update_multi_xbc", reference=state_update_multi_xbc_reference)
 
 
 # ---- Pallas (Triton backend) ---------------------------------------------------------------------------------
 # Grid (P-blocks, heads, batch rows): each program gathers the [BP, N] tile of its pool row, advances it (K tokens
 # in registers for the multi form) and scatters it back into the same buffer: the pool is an input aliased to
 # an output (input_output_aliases), so under jit with the pool donated nothing else of the pool is read,
-# written or copied. Batch rows naming the same (padding) row race only on that row.
+# written or copied. Batch rows naming the same (padding) row race only on that row. x, B, C and dt reach the
+# kernel as [*lead, columns] arrays with a static column offset each, so the packed forms (`*_xbc`) read the
+# conv output and the in_proj output in place: no slice kernels between the custom calls.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +123,8 @@ def default_update_blocks(P: int, N: int) -> UpdateBlocks:
 
 
 def _update_kernel(rows_ref, A_ref, D_ref, dtb_ref, x_ref, dt_ref, B_ref, C_ref, state_in_ref, y_ref, state_ref,
-                   *steps_ref, K, P, N, rep, BP, Np, has_D, has_bias, softplus_dt, dt_lo, dt_hi, clamp_dt, multi):
+                   *steps_ref, K, P, N, rep, BP, Np, cols, has_D, has_bias, softplus_dt, dt_lo, dt_hi, clamp_dt,
+                   multi):
     del state_in_ref  # aliased to state_ref
     pb, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     f32 = jnp.float32
@@ -101,21 +133,22 @@ def _update_kernel(rows_ref, A_ref, D_ref, dtb_ref, x_ref, dt_ref, B_ref, C_ref,
     pm, nm = pc < P, n < N
     tile = pm[:, None] & nm[None, :]
     r, g = rows_ref[b], h // rep
+    x_col, b_col, c_col, dt_col = cols
     a = A_ref[h].astype(f32)
     state = plgpu.load(state_ref.at[r, h, pc[:, None], n[None, :]], mask=tile, other=0.0).astype(f32)
 
     def token(k, state):
         at = (b, k) if multi else (b,)
-        dt = dt_ref[(*at, h)].astype(f32)
+        dt = dt_ref[(*at, dt_col + h)].astype(f32)
         if has_bias:
             dt = dt + dtb_ref[h].astype(f32)
         if softplus_dt:
             dt = softplus(dt)
         if clamp_dt:
             dt = jnp.minimum(jnp.maximum(dt, dt_lo), dt_hi)
-        x = plgpu.load(x_ref.at[(*at, h, pc)], mask=pm, other=0.0).astype(f32)          # [BP]
-        Bv = plgpu.load(B_ref.at[(*at, g, n)], mask=nm, other=0.0).astype(f32)          # [Np]
-        Cv = plgpu.load(C_ref.at[(*at, g, n)], mask=nm, other=0.0).astype(f32)
+        x = plgpu.load(x_ref.at[(*at, x_col + h * P + pc)], mask=pm, other=0.0).astype(f32)       # [BP]
+        Bv = plgpu.load(B_ref.at[(*at, b_col + g * N + n)], mask=nm, other=0.0).astype(f32)       # [Np]
+        Cv = plgpu.load(C_ref.at[(*at, c_col + g * N + n)], mask=nm, other=0.0).astype(f32)
         dA = jnp.exp(jnp.minimum(dt * a, 0.0))
         state = state * dA + (dt * x)[:, None] * Bv[None, :]
         y = jnp.sum(state * Cv[None, :], axis=1)
@@ -154,26 +187,68 @@ def _check_update(state, rows, x, dt, A, B, C, D, dt_bias, lead):
         check_shape(name, "dt_bias", dt_bias, (H,))
 
 
-@functools.partial(jax.jit, static_argnames=("dt_softplus", "dt_limit", "interpret", "blocks", "multi"))
-def _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, *, dt_softplus, dt_limit, interpret, blocks, multi):
+def _check_packed(state, rows, xbc, dt, A, D, dt_bias, dt_col, lead):
+    """The packed operands: xbc [*lead, H*P + 2*G*N] with G dividing H, dt [*lead, H] or holding H columns
+    at dt_col; then the rest as `_check_update` on the shapes they unpack to. Returns G."""
+    name = "state_update_xbc"
+    check_shape(name, "state", state, (None, None, None, None))
     _, H, P, N = state.shape
-    Bt = x.shape[0]
-    K = x.shape[1] if multi else 1
+    check_shape(name, "xbc", xbc, (*lead, None))
+    GN2 = xbc.shape[-1] - H * P
+    if GN2 <= 0 or GN2 % (2 * N) or H % (GN2 // (2 * N)):
+        raise ShapeError(f"{name}: xbc expected {H}*{P} x columns then B and C of G*{N} each (G dividing {H}), "
+                         f"got {xbc.shape[-1]} columns")
+    if dt_col is None:
+        check_shape(name, "dt", dt, (*lead, H))
+    else:
+        check_shape(name, "dt", dt, (*lead, None))
+        if not 0 <= dt_col <= dt.shape[-1] - H:
+            raise ShapeError(f"{name}: dt has {dt.shape[-1]} columns; dt_col {dt_col} + {H} heads does not fit")
+    x, dt, B, C = jax.eval_shape(functools.partial(unpack_xbc, dt_col=dt_col, H=H, P=P, N=N), xbc, dt)
+    _check_update(state, rows, x, dt, A, B, C, D, dt_bias, lead)
+    return GN2 // (2 * N)
+
+
+@functools.partial(jax.jit, static_argnames=("G", "cols", "dt_softplus", "dt_limit", "interpret", "blocks",
+                                             "multi"))
+def _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, *, G, cols, dt_softplus, dt_limit, interpret, blocks,
+                   multi):
+    """x, B, C, dt: [*lead, columns], read from the static column offsets cols = (x, B, C, dt)."""
+    _, H, P, N = state.shape
+    lead = x.shape[:-1]
+    Bt = lead[0]
+    K = lead[1] if multi else 1
     blk = blocks or default_update_blocks(P, N)
     BP, Np = blk.block_p, next_pow2(N)
     lo, hi = dt_limit
     one = jnp.zeros((1,), jnp.float32)
-    out_shape = [jax.ShapeDtypeStruct(x.shape, x.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)]
+    out_shape = [jax.ShapeDtypeStruct((*lead, H, P), x.dtype), jax.ShapeDtypeStruct(state.shape, state.dtype)]
     if multi:
         out_shape.append(jax.ShapeDtypeStruct((Bt, K, H, P, N), state.dtype))
     kernel = functools.partial(
-        _update_kernel, K=K, P=P, N=N, rep=H // B.shape[-2], BP=BP, Np=Np, has_D=D is not None,
+        _update_kernel, K=K, P=P, N=N, rep=H // G, BP=BP, Np=Np, cols=cols, has_D=D is not None,
         has_bias=dt_bias is not None, softplus_dt=dt_softplus, dt_lo=lo, dt_hi=hi,
         clamp_dt=lo > 0.0 or not math.isinf(hi), multi=multi)
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=(pl.cdiv(P, BP), H, Bt), input_output_aliases={8: 1},
         compiler_params=compiler_params(blk.num_warps, 1), interpret=interpret, name="ssm_state_update",
     )(rows.astype(jnp.int32), A, one if D is None else D, one if dt_bias is None else dt_bias, x, dt, B, C, state)
+
+
+def _flat_operands(x, B, C, lead):
+    """The unpacked operands as the kernel reads them: [*lead, columns], all from column 0."""
+    n = len(lead)
+    return (x.reshape(*x.shape[:n], -1), B.reshape(*B.shape[:n], -1), C.reshape(*C.shape[:n], -1),
+            B.shape[-2], (0, 0, 0, 0))
+
+
+def _packed_operands(state, xbc, dt_col, G):
+    _, H, P, N = state.shape
+    return xbc, xbc, xbc, G, (0, H * P, H * P + G * N, dt_col or 0)
+
+
+def _limit(dt_limit):
+    return tuple(float(v) for v in dt_limit)
 
 
 def state_update_pallas(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array,
@@ -183,10 +258,9 @@ def state_update_pallas(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax
     """The Pallas one-token update; same call and results as `state_update_reference`, the pool updated in
     place when the caller donates it."""
     _check_update(state, rows, x, dt, A, B, C, D, dt_bias, (x.shape[0],))
-    y, state = _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, dt_softplus=dt_softplus,
-                              dt_limit=tuple(float(v) for v in dt_limit), interpret=interpret, blocks=blocks,
-                              multi=False)
-    return y, state
+    x, B, C, G, cols = _flat_operands(x, B, C, (x.shape[0],))
+    return _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, G=G, cols=cols, dt_softplus=dt_softplus,
+                          dt_limit=_limit(dt_limit), interpret=interpret, blocks=blocks, multi=False)
 
 
 def state_update_multi_pallas(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array,
@@ -196,11 +270,41 @@ def state_update_multi_pallas(state: jax.Array, rows: jax.Array, x: jax.Array, d
                               blocks: UpdateBlocks | None = None):
     """The Pallas K-token update; same call and results as `state_update_multi_reference`."""
     _check_update(state, rows, x, dt, A, B, C, D, dt_bias, x.shape[:2])
-    y, state, steps = _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, dt_softplus=dt_softplus,
-                                     dt_limit=tuple(float(v) for v in dt_limit), interpret=interpret,
+    x, B, C, G, cols = _flat_operands(x, B, C, x.shape[:2])
+    y, state, steps = _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, G=G, cols=cols,
+                                     dt_softplus=dt_softplus, dt_limit=_limit(dt_limit), interpret=interpret,
+                                     blocks=blocks, multi=True)
+    return y, steps, state
+
+
+def state_update_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Array, dt: jax.Array, A: jax.Array, *,
+                            dt_col: int | None = None, D: jax.Array | None = None, dt_bias: jax.Array | None = None,
+                            dt_softplus: bool = True, dt_limit: tuple[float, float] = (0.0, math.inf),
+                            interpret: bool = False, blocks: UpdateBlocks | None = None):
+    """The one-token update reading x, B, C (and dt at dt_col) in place; same call and results as
+    `state_update_xbc_reference`."""
+    G = _check_packed(state, rows, xbc, dt, A, D, dt_bias, dt_col, (xbc.shape[0],))
+    x, B, C, G, cols = _packed_operands(state, xbc, dt_col, G)
+    return _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, G=G, cols=cols, dt_softplus=dt_softplus,
+                          dt_limit=_limit(dt_limit), interpret=interpret, blocks=blocks, multi=False)
+
+
+def state_update_multi_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Array, dt: jax.Array, A: jax.Array,
+                                  *, dt_col: int | None = None, D: jax.Array | None = None,
+                                  dt_bias: jax.Array | None = None, dt_softplus: bool = True,
+                                  dt_limit: tuple[float, float] = (0.0, math.inf), interpret: bool = False,
+                                  blocks: UpdateBlocks | None = None):
+    """The K-token update reading its operands in place; same call and results as
+    `state_update_multi_xbc_reference`."""
+    G = _check_packed(state, rows, xbc, dt, A, D, dt_bias, dt_col, xbc.shape[:2])
+    x, B, C, G, cols = _packed_operands(state, xbc, dt_col, G)
+    y, state, steps = _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, G=G, cols=cols,
+                                     dt_softplus=dt_softplus, dt_limit=_limit(dt_limit), interpret=interpret,
                                      blocks=blocks, multi=True)
     return y, steps, state
 
 
 registry.register("state_update", pallas=state_update_pallas)
 registry.register("state_update_multi", pallas=state_update_multi_pallas)
+registry.register("state_update_xbc", pallas=state_update_xbc_pallas)
+registry.register("state_update_multi_xbc", pallas=state_update_multi_xbc_pallas)

@@ -68,8 +68,10 @@ def test_kernel_breakdown_from_a_trace(tmp_path):
 def test_decode_profile_kernel_classes():
     from benchmarks.bench_runtime import kernel_class
     assert kernel_class("w8a16_gemv_kernel") == "projections (Pallas)"
+    assert kernel_class("anonymous_mosaic_gpu_kernel") == "projections (Pallas)"   # how Mosaic GEMVs are traced
     assert kernel_class("ssm_state_update") == "mamba mixer (Pallas)"
     assert kernel_class("nvjet_hsh_128x256") == "XLA matmuls"
+    assert kernel_class("wrapped_slice_3") == "XLA slices"
     assert kernel_class("loop_multiply_fusion") == "XLA fusions and other"
 
 

@@ -216,15 +216,20 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         return dict(A=-jnp.exp(self.A_log[...].astype(jnp.float32)), D=self.D[...], dt_bias=self.dt_bias[...],
                     dt_limit=tuple(self.config.time_step_limit))
 
-    def _project_out(self, y: jax.Array, z: jax.Array, hidden: jax.Array, phase: str) -> jax.Array:
-        """Gated group norm + out_proj + residual.  y [T, H, P], z [T, I], hidden [T, D] -> [T, D]."""
+    def _project_out(self, y: jax.Array, z: jax.Array, hidden: jax.Array, phase: str,
+                     z_col: int | None = None) -> jax.Array:
+        """Gated group norm + out_proj + residual.  y [T, H, P], z [T, I] (or its columns from z_col on),
+        hidden [T, D] -> [T, D]."""
         c = self.config
         quant = self._fp8_input(self.out_proj, "gated_rmsnorm_fp8", phase, y.shape[0], c.d_inner,
                                 c.gated_norm_group_size)
-        args = (y.reshape(y.shape[0], c.d_inner), z, self.norm_weight[...])
         kw = dict(group_size=c.gated_norm_group_size, eps=c.layer_norm_epsilon, out_dtype=hidden.dtype)
-        g = (self._kernel("gated_rmsnorm_fp8")(*args, **quant, **kw) if quant
-             else self._kernel("gated_rmsnorm")(*args, **kw))
+        y = y.reshape(y.shape[0], c.d_inner)
+        if quant:
+            z = z if z_col is None else z[:, z_col:z_col + c.d_inner]
+            g = self._kernel("gated_rmsnorm_fp8")(y, z, self.norm_weight[...], **quant, **kw)
+        else:
+            g = self._kernel("gated_rmsnorm")(y, z, self.norm_weight[...], z_col=z_col, **kw)
         if self.tp_axis is not None:
             return hidden + reduced_linear(self.out_proj, None, g, phase, self.tp_axis)
         return hidden + self.out_proj(g, phase=phase)
@@ -275,15 +280,15 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         if hidden.shape[0] == 1:
             out, pool = self.decode_multi_seq(*_pad_one(pool, slots, hidden))
             return out[:1], pool
-        z, xbc, dt = self._split_in(self._project_in(hidden, "decode"))
+        zxbcdt = self._project_in(hidden, "decode")                   # [N, I + conv_dim + H], read in place
+        I, dt_col = self.config.d_inner, self.config.d_inner + self.config.conv_dim
         w, b = self._conv()
         rows = self.pool_layer * pool.num_slots + slots
         conv, ssm = _flat(pool.conv_state), _flat(pool.ssm_state)
-        xbc, conv = self._kernel("causal_conv1d_update")(conv, rows, xbc, w, b)
-        x, B, C = self._split_xbc(xbc)
-        y, ssm = self._kernel("state_update")(ssm, rows, x, dt, B=B, C=C, **self._ssm_args())
+        xbc, conv = self._kernel("causal_conv1d_update")(conv, rows, zxbcdt, w, b, x_col=I)
+        y, ssm = self._kernel("state_update_xbc")(ssm, rows, xbc, zxbcdt, dt_col=dt_col, **self._ssm_args())
         pool = SsmPool(conv.reshape(pool.conv_state.shape), ssm.reshape(pool.ssm_state.shape))
-        return self._project_out(y, z, hidden, "decode"), pool
+        return self._project_out(y, zxbcdt, hidden, "decode", z_col=0), pool
 
     def decode_verify_multi(self, pool: SsmPool, slots: jax.Array, hidden: jax.Array,
                             k: int) -> tuple[jax.Array, SsmPool, StepStates]:
@@ -298,16 +303,17 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         if n == 1:
             out, pool, steps = self.decode_verify_multi(*_pad_one(pool, slots, hidden), k)
             return out[:k], pool, jax.tree.map(lambda a: a[:1], steps)
-        z, xbc, dt = self._split_in(self._project_in(hidden, "decode"))
+        zxbcdt = self._project_in(hidden, "decode")                   # [n*k, I + conv_dim + H], read in place
+        I, dt_col = self.config.d_inner, self.config.d_inner + self.config.conv_dim
         w, b = self._conv()
         rows = self.pool_layer * pool.num_slots + slots
         conv, ssm = _flat(pool.conv_state), _flat(pool.ssm_state)
-        xbc, conv_steps, conv = self._kernel("causal_conv1d_update_multi")(conv, rows, xbc.reshape(n, k, -1), w, b)
-        x, B, C = self._split_xbc(xbc)                                            # [n, k, ...]
-        y, ssm_steps, ssm = self._kernel("state_update_multi")(
-            ssm, rows, x, dt.reshape(n, k, -1), B=B, C=C, **self._ssm_args())
+        packed = zxbcdt.reshape(n, k, -1)
+        xbc, conv_steps, conv = self._kernel("causal_conv1d_update_multi")(conv, rows, packed, w, b, x_col=I)
+        y, ssm_steps, ssm = self._kernel("state_update_multi_xbc")(ssm, rows, xbc, packed, dt_col=dt_col,
+                                                                   **self._ssm_args())
         pool = SsmPool(conv.reshape(pool.conv_state.shape), ssm.reshape(pool.ssm_state.shape))
-        out = self._project_out(y.reshape(n * k, *y.shape[2:]), z, hidden, "decode")
+        out = self._project_out(y.reshape(n * k, *y.shape[2:]), zxbcdt, hidden, "decode", z_col=0)
         return out, pool, StepStates(conv=conv_steps, ssm=ssm_steps)
 
     def decode_batched(self, pool: SsmPool, slot, hidden: jax.Array) -> tuple[jax.Array, SsmPool, StepStates]:

@@ -97,6 +97,28 @@ def test_update_multi_keeps_every_step(rng, interpret):
         np.testing.assert_allclose(np.asarray(new, np.float64)[r], st64, rtol=0)
 
 
+@pytest.mark.parametrize("multi", [False, True])
+def test_update_reads_columns_in_place(rng, interpret, multi):
+    """With x_col the update reads its channels out of a wider array (the in_proj output): the same bits as the
+    update on the cut-out columns, and the reference agrees."""
+    R, C, K, col, W = 6, 24, 4, 5, 40
+    rows = jnp.asarray([4, 1], jnp.int32)
+    lead = (2, 3) if multi else (2,)
+    wide = jnp.asarray(rng.standard_normal((*lead, W)), jnp.float32)
+    pool = jnp.asarray(rng.standard_normal((R, C, K - 1)), jnp.float32)
+    w, b = jnp.asarray(rng.standard_normal((C, K)), jnp.float32), jnp.asarray(rng.standard_normal(C), jnp.float32)
+    fn, ref = ((causal_conv1d_update_multi_pallas, causal_conv1d_update_multi_reference) if multi
+               else (causal_conv1d_update_pallas, causal_conv1d_update_reference))
+    got = fn(pool, rows, wide, w, b, x_col=col, interpret=interpret, blocks=SMALL)
+    want = fn(pool, rows, wide[..., col:col + C], w, b, interpret=interpret, blocks=SMALL)
+    assert got[0].shape == (*lead, C)
+    for g, v, r in zip(got, want, ref(pool, rows, wide, w, b, x_col=col)):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(v))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ShapeError, match="x_col"):
+        fn(pool, rows, wide, w, b, x_col=W - C + 1, interpret=interpret)
+
+
 def test_registered_and_bad_shapes(rng, interpret):
     for name in ("causal_conv1d", "causal_conv1d_update", "causal_conv1d_update_multi"):
         assert registry.resolve(name, "interpret").impl == "interpret"

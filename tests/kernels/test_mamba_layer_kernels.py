@@ -14,8 +14,8 @@ from tests.numpy_refs import rel_err
 CFG = ModelConfig.from_hf(dict(vocab_size=64, hidden_size=32, hybrid_override_pattern="M-M", mamba_num_heads=4,
                                mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=16,
                                intermediate_size=48))
-KERNELS = ("rmsnorm", "causal_conv1d", "causal_conv1d_update", "causal_conv1d_update_multi", "ssd_scan", "state_update", "state_update_multi",
-           "gated_rmsnorm")
+KERNELS = ("rmsnorm", "causal_conv1d", "causal_conv1d_update", "causal_conv1d_update_multi", "ssd_scan",
+           "state_update_xbc", "state_update_multi_xbc", "gated_rmsnorm")
 
 
 @pytest.fixture(scope="module")

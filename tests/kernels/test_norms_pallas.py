@@ -41,6 +41,20 @@ def test_gated_rmsnorm(rng, interpret, group_size):
     assert rel_err(out32, want) <= 1e-5
 
 
+def test_gated_rmsnorm_reads_gate_columns_in_place(rng, interpret):
+    """z_col: the gate is read out of a wider array (the in_proj output), same bits as the cut-out columns."""
+    y = jnp.asarray(rng.standard_normal((5, 32)), jnp.float32)
+    wide = jnp.asarray(rng.standard_normal((5, 45)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal(32), jnp.float32)
+    kw = dict(group_size=16, eps=1e-5, interpret=interpret)
+    got = gated_rmsnorm_pallas(y, wide, w, z_col=7, **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(gated_rmsnorm_pallas(y, wide[:, 7:39], w, **kw)))
+    ref = gated_rmsnorm_reference(y, wide, w, group_size=16, eps=1e-5, z_col=7)
+    assert rel_err(got, ref) <= 1e-5
+    with pytest.raises(ShapeError, match="z_col"):
+        gated_rmsnorm_pallas(y, wide, w, z_col=14, **kw)
+
+
 def test_registered_and_bad_shapes(interpret):
     for name in ("rmsnorm", "gated_rmsnorm"):
         assert registry.resolve(name, "interpret").impl == "interpret"

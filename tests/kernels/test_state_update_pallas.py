@@ -10,7 +10,9 @@ import pytest
 from metrale_jax.errors import ShapeError
 from pallas_kernels import registry
 from pallas_kernels.state_update import (UpdateBlocks, state_update_multi_pallas, state_update_multi_reference,
-                                         state_update_pallas, state_update_reference)
+                                         state_update_multi_xbc_pallas, state_update_multi_xbc_reference,
+                                         state_update_pallas, state_update_reference, state_update_xbc_pallas,
+                                         state_update_xbc_reference)
 from tests.numpy_refs import rel_err
 
 R, H, P, G, N = 9, 4, 8, 2, 16
@@ -73,7 +75,7 @@ def test_no_optional_arguments(rng, interpret):
 
 
 def test_registered():
-    for name in ("state_update", "state_update_multi"):
+    for name in ("state_update", "state_update_multi", "state_update_xbc", "state_update_multi_xbc"):
         assert registry.resolve(name, "interpret").impl == "interpret"
         assert registry.resolve(name, "auto", platform="gpu").impl == "pallas"
 
@@ -88,6 +90,52 @@ def test_bad_shapes_raise(rng, interpret):
     _, m, _ = _args(rng, (2, 3))
     with pytest.raises(ShapeError, match="dt"):
         state_update_multi_pallas(state, rows, **{**m, "dt": m["dt"][:, :2]}, interpret=interpret)
+
+
+def _packed(rng, a, lead, dt_col):
+    """a's x, B, C packed as the conv output lays them out, and dt inside a wider array at dt_col."""
+    flat = lambda v: v.reshape(*lead, -1)
+    xbc = jnp.concatenate([flat(a["x"]), flat(a["B"]), flat(a["C"])], axis=-1)
+    pad = lambda n: jnp.asarray(rng.standard_normal((*lead, n)), a["dt"].dtype)
+    return xbc, jnp.concatenate([pad(dt_col), a["dt"], pad(3)], axis=-1)
+
+
+@pytest.mark.parametrize("multi", [False, True])
+def test_packed_operands_read_in_place(rng, interpret, multi):
+    """The xbc forms read x, B, C from the packed conv output and dt from its columns: the same bits as the
+    unpacked kernel, and the reference cuts the same operands."""
+    rows = jnp.asarray([4, 0, 6], jnp.int32)
+    lead = (3, 2) if multi else (3,)
+    state, a, kw = _args(rng, lead)
+    xbc, wide = _packed(rng, a, lead, dt_col=5)
+    plain, packed = ((state_update_multi_pallas, state_update_multi_xbc_pallas) if multi
+                     else (state_update_pallas, state_update_xbc_pallas))
+    ref_fn = state_update_multi_xbc_reference if multi else state_update_xbc_reference
+    got = packed(state, rows, xbc, wide, a["A"], dt_col=5, **kw, interpret=interpret)
+    want = plain(state, rows, **a, **kw, interpret=interpret)
+    ref = ref_fn(state, rows, xbc, wide, a["A"], dt_col=5, **kw)
+    for g, w, r in zip(got, want, ref):
+        assert g.shape == w.shape and np.all(np.isfinite(np.asarray(g)))
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        assert rel_err(g, r) <= 1e-4
+    _untouched(got[-1], state, rows)
+    if not multi:                                                 # dt on its own ([Bt, H], no dt_col)
+        y, _ = state_update_xbc_pallas(state, rows, xbc, a["dt"], a["A"], **kw, interpret=interpret)
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(want[0]))
+
+
+def test_packed_bad_shapes_raise(rng, interpret):
+    rows = jnp.asarray([1, 2], jnp.int32)
+    state, a, kw = _args(rng, (2,))
+    xbc, wide = _packed(rng, a, (2,), dt_col=5)
+    with pytest.raises(ShapeError, match="xbc"):
+        state_update_xbc_pallas(state, rows, xbc[:, :-1], a["dt"], a["A"], interpret=interpret)
+    with pytest.raises(ShapeError, match="dt_col"):
+        state_update_xbc_pallas(state, rows, xbc, wide, a["A"], dt_col=wide.shape[1] - H + 1, interpret=interpret)
+    with pytest.raises(ShapeError, match="dt"):
+        state_update_xbc_pallas(state, rows, xbc, wide, a["A"], interpret=interpret)     # wide dt, no dt_col
+    with pytest.raises(ShapeError, match="rows"):
+        state_update_xbc_pallas(state, rows[:1], xbc, a["dt"], a["A"], interpret=interpret)
 
 
 @pytest.mark.gpu
