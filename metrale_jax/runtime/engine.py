@@ -132,6 +132,7 @@ class Engine:
         self.tp = getattr(model, "tp", None)
         # host inputs go in replicated over the mesh (their sharding is part of an executable's key)
         self._replicated = None if self.tp is None else self.tp.sharding(P())
+        self._greedy: dict[int, tuple] = {}     # B -> the greedy sampler's unread parameters on the device
         self._logits_sharding = None if self.tp is None else self.tp.sharding(sharding.logits_spec(model, 2))
         # the weights as one flat list: a Module's own pytree flatten costs milliseconds per step at 50 blocks
         self._params, self._treedef = jax.tree_util.tree_flatten(model)
@@ -397,10 +398,17 @@ class Engine:
 
     def _sample(self, logits, reqs: list[Request], B: int) -> np.ndarray:
         sampling = any(r.temperature > 0 for r in reqs)
-        params = self._row_params(reqs, B)
-        out = self.exe.run("sample", functools.partial(sample_tokens, sampling=sampling), logits,
-                           *self._devs(*params), static=sampling)
+        params = self._devs(*self._row_params(reqs, B)) if sampling else self._greedy_params(B)
+        out = self.exe.run("sample", functools.partial(sample_tokens, sampling=sampling), logits, *params,
+                           static=sampling)
         return np.asarray(out)[:len(reqs)]
+
+    def _greedy_params(self, B: int) -> tuple:
+        """The greedy executable's (unread) sampling parameters for B rows, put on the device once per B:
+        a greedy step transfers only its slots and tokens."""
+        if B not in self._greedy:
+            self._greedy[B] = self._devs(*self._row_params([], B))
+        return self._greedy[B]
 
     @staticmethod
     def _row_params(reqs: list[Request], n: int):

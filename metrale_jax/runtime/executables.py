@@ -71,12 +71,17 @@ class Executables:
         self.eager_runs: collections.Counter[str] = collections.Counter()
         self._cache: dict[tuple, jax.stages.Compiled] = {}
         self._by_slot: dict[int, set[tuple]] = collections.defaultdict(set)
-        self._frozen: dict[int, tuple[object, tuple]] = {}      # id -> (the object, its signature)
+        self._frozen: dict[int, tuple[object, int]] = {}        # id -> (the object, its signature's id)
+        self._signature_ids: dict[tuple, int] = {}
 
-    def _frozen_signature(self, arg) -> tuple:
+    def _frozen_signature(self, arg) -> int:
+        """A small id standing for the argument's signature (equal signatures, equal ids): the cache key stays
+        cheap to hash, though a model's signature has hundreds of leaves (tuples do not cache their hash, and
+        the key is hashed once per call and once per slot it serves)."""
         hit = self._frozen.get(id(arg))
         if hit is None or hit[0] is not arg:
-            hit = self._frozen[id(arg)] = (arg, _signature((arg,)))
+            sig = _signature((arg,))
+            hit = self._frozen[id(arg)] = (arg, self._signature_ids.setdefault(sig, len(self._signature_ids)))
         return hit[1]
 
     def run(self, entry: str, fn: Callable, *args, donate_argnums: tuple[int, ...] = (),

@@ -67,6 +67,26 @@ def test_static_options_are_part_of_the_key(rng):
     assert ex.compiles["scaled"] == 2 and ex.hits["scaled"] == 1 and ex.total_compiles == 2
 
 
+def test_frozen_arguments_share_executables_by_signature(rng):
+    """A frozen argument (the weights) keys by its signature: an equal list hits, another shape compiles; the key
+    holds a small id for it, so hashing the key per call and per slot does not walk hundreds of leaves."""
+    def scaled(ws, x):
+        return sum(w.sum() for w in ws) * x
+
+    ex = Executables()
+    ws = [jnp.asarray(rng.standard_normal(4), jnp.float32) for _ in range(300)]
+    x = jnp.asarray(rng.standard_normal(3), jnp.float32)
+    y = ex.run("s", scaled, ws, x, frozen_argnums=(0,), slots=range(32))
+    twin = [w + 1 for w in ws]                                    # another list, same signature
+    y2 = ex.run("s", scaled, twin, x, frozen_argnums=(0,), slots=range(32))
+    np.testing.assert_allclose(np.asarray(y2), np.asarray(y) + 1200 * np.asarray(x), rtol=1e-4)
+    assert ex.compiles["s"] == 1 and ex.hits["s"] == 1
+    ex.run("s", scaled, ws[:7], x, frozen_argnums=(0,))
+    assert ex.compiles["s"] == 2
+    keys = list(ex._cache)
+    assert all(isinstance(k[-1][0][0], int) for k in keys) and len({k[-1][0][0] for k in keys}) == 2
+
+
 def test_pick_bucket():
     from metrale_jax.runtime import pick_bucket
 
