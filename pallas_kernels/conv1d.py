@@ -16,9 +16,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from metrale_jax.errors import ShapeError
 from pallas_kernels import registry
-from pallas_kernels.triton_util import check_floating, check_shape, compiler_params, next_pow2
+from pallas_kernels.triton_util import check_columns, check_floating, check_shape, columns, compiler_params, next_pow2
 from pallas_kernels.varlen import as_cu_seqlens, token_positions
 
 
@@ -90,17 +89,13 @@ def _update_step(window: jax.Array, x: jax.Array, weight: jax.Array, bias: jax.A
     return _activate(acc, activation), nxt
 
 
-def _columns(x: jax.Array, x_col: int | None, C: int) -> jax.Array:
-    return x if x_col is None else x[..., x_col:x_col + C]
-
-
 def causal_conv1d_update_reference(pool: jax.Array, rows: jax.Array, x: jax.Array, weight: jax.Array,
                                    bias: jax.Array | None = None, *, activation: str | None = "silu",
                                    x_col: int | None = None) -> tuple[jax.Array, jax.Array]:
     """One decode step per batch row, slot-indexed.  pool [R, C, K-1] (conv states, oldest first), rows [B],
     x [B, C] -> (y [B, C] in x.dtype, pool with the named rows advanced; no other row touched).
     With x_col, x [B, W] holds the conv input in its columns [x_col, x_col + C) (the Mamba-2 in_proj output)."""
-    x = _columns(x, x_col, weight.shape[0])
+    x = columns(x, x_col, weight.shape[0])
     y, nxt = _update_step(pool[rows], x, weight, bias, activation)
     return y.astype(x.dtype), pool.at[rows].set(nxt)
 
@@ -110,7 +105,7 @@ def causal_conv1d_update_multi_reference(pool: jax.Array, rows: jax.Array, x: ja
                                          x_col: int | None = None):
     """k consecutive tokens per batch row (speculative verify).  x [B, k, C] -> (y [B, k, C],
     step_states [B, k, C, K-1] (the conv state after each token), pool with the rows at their last token)."""
-    x = _columns(x, x_col, weight.shape[0])
+    x = columns(x, x_col, weight.shape[0])
 
     def body(window, xk):
         yk, window = _update_step(window, xk, weight, bias, activation)
@@ -250,14 +245,10 @@ def _conv_update_kernel(rows_ref, x_ref, w_ref, b_ref, pool_in_ref, y_ref, pool_
 def _check_update(kernel, pool, rows, x, weight, bias, lead, x_col):
     check_shape(kernel, "x", x, (*lead, None))
     check_floating(kernel, "x", x)
-    if x_col is None:
-        C = x.shape[-1]
-        check_shape(kernel, "weight", weight, (C, None))
-    else:
-        check_shape(kernel, "weight", weight, (None, None))
-        C = weight.shape[0]
-        if not 0 <= x_col <= x.shape[-1] - C:
-            raise ShapeError(f"{kernel}: x has {x.shape[-1]} columns; x_col {x_col} + {C} channels does not fit")
+    check_shape(kernel, "weight", weight, (None, None))
+    C = x.shape[-1] if x_col is None else weight.shape[0]
+    check_columns(kernel, "x", x, lead, x_col, C)
+    check_shape(kernel, "weight", weight, (C, None))
     check_shape(kernel, "pool", pool, (None, C, weight.shape[1] - 1))
     check_shape(kernel, "rows", rows, (x.shape[0],))
     if bias is not None:

@@ -12,9 +12,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from metrale_jax.errors import ShapeError
 from pallas_kernels import registry
-from pallas_kernels.triton_util import check_floating, check_shape, compiler_params, next_pow2
+from pallas_kernels.triton_util import check_columns, check_floating, check_shape, columns, compiler_params, next_pow2
 
 
 def rmsnorm_reference(x: jax.Array, weight: jax.Array, *, eps: float, out_dtype=None) -> jax.Array:
@@ -32,7 +31,7 @@ def gated_rmsnorm_reference(y: jax.Array, z: jax.Array, weight: jax.Array, *, gr
     width = y.shape[-1]
     if width % group_size:
         raise ValueError(f"gated_rmsnorm: group_size {group_size} does not divide the width {width}")
-    z = z if z_col is None else z[..., z_col:z_col + width]
+    z = columns(z, z_col, width)
     h = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))
     hg = h.reshape(*h.shape[:-1], width // group_size, group_size)
     var = jnp.mean(hg * hg, axis=-1, keepdims=True)
@@ -101,12 +100,7 @@ def gated_rmsnorm_pallas(y: jax.Array, z: jax.Array, weight: jax.Array, *, group
     if width % group_size:
         raise ValueError(f"gated_rmsnorm: group_size {group_size} does not divide the width {width}")
     check_floating("gated_rmsnorm", "y", y)
-    if z_col is None:
-        check_shape("gated_rmsnorm", "z", z, y.shape)
-    else:
-        check_shape("gated_rmsnorm", "z", z, (*y.shape[:-1], None))
-        if not 0 <= z_col <= z.shape[-1] - width:
-            raise ShapeError(f"gated_rmsnorm: z has {z.shape[-1]} columns; z_col {z_col} + {width} does not fit")
+    check_columns("gated_rmsnorm", "z", z, y.shape[:-1], z_col, width)
     check_shape("gated_rmsnorm", "weight", weight, (width,))
     return _norm(y, z, weight, group_size=group_size, eps=float(eps), out_dtype=jnp.dtype(out_dtype or y.dtype),
                  gated=True, interpret=interpret, z_col=z_col or 0)

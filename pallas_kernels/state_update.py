@@ -20,7 +20,8 @@ from jax.experimental.pallas import triton as plgpu
 from metrale_jax.errors import ShapeError
 from pallas_kernels import registry
 from pallas_kernels.ssd import process_dt
-from pallas_kernels.triton_util import check_floating, check_shape, compiler_params, next_pow2, softplus
+from pallas_kernels.triton_util import (check_columns, check_floating, check_shape, columns, compiler_params,
+                                       next_pow2, softplus)
 
 
 def _step(h, x, dt, A, B, C, D):
@@ -76,7 +77,7 @@ def unpack_xbc(xbc: jax.Array, dt: jax.Array, dt_col: int | None, H: int, P: int
     x = xbc[..., :HP].reshape(*lead, H, P)
     B = xbc[..., HP:HP + GN].reshape(*lead, GN // N, N)
     C = xbc[..., HP + GN:].reshape(*lead, GN // N, N)
-    return x, (dt if dt_col is None else dt[..., dt_col:dt_col + H]), B, C
+    return x, columns(dt, dt_col, H), B, C
 
 
 def state_update_xbc_reference(state: jax.Array, rows: jax.Array, xbc: jax.Array, dt: jax.Array, A: jax.Array, *,
@@ -189,7 +190,7 @@ def _check_update(state, rows, x, dt, A, B, C, D, dt_bias, lead):
 
 def _check_packed(state, rows, xbc, dt, A, D, dt_bias, dt_col, lead):
     """The packed operands: xbc [*lead, H*P + 2*G*N] with G dividing H, dt [*lead, H] or holding H columns
-    at dt_col; then the rest as `_check_update` on the shapes they unpack to. Returns G."""
+    at dt_col; then the rest as `_check_update` on the shapes they unpack to."""
     name = "state_update_xbc"
     check_shape(name, "state", state, (None, None, None, None))
     _, H, P, N = state.shape
@@ -198,15 +199,9 @@ def _check_packed(state, rows, xbc, dt, A, D, dt_bias, dt_col, lead):
     if GN2 <= 0 or GN2 % (2 * N) or H % (GN2 // (2 * N)):
         raise ShapeError(f"{name}: xbc expected {H}*{P} x columns then B and C of G*{N} each (G dividing {H}), "
                          f"got {xbc.shape[-1]} columns")
-    if dt_col is None:
-        check_shape(name, "dt", dt, (*lead, H))
-    else:
-        check_shape(name, "dt", dt, (*lead, None))
-        if not 0 <= dt_col <= dt.shape[-1] - H:
-            raise ShapeError(f"{name}: dt has {dt.shape[-1]} columns; dt_col {dt_col} + {H} heads does not fit")
+    check_columns(name, "dt", dt, lead, dt_col, H)
     x, dt, B, C = jax.eval_shape(functools.partial(unpack_xbc, dt_col=dt_col, H=H, P=P, N=N), xbc, dt)
     _check_update(state, rows, x, dt, A, B, C, D, dt_bias, lead)
-    return GN2 // (2 * N)
 
 
 @functools.partial(jax.jit, static_argnames=("G", "cols", "dt_softplus", "dt_limit", "interpret", "blocks",
@@ -242,9 +237,11 @@ def _flat_operands(x, B, C, lead):
             B.shape[-2], (0, 0, 0, 0))
 
 
-def _packed_operands(state, xbc, dt_col, G):
+def _packed_operands(state, xbc, dt_col):
+    """The packed operands as the kernel reads them: xbc three times, at the x, B and C column offsets."""
     _, H, P, N = state.shape
-    return xbc, xbc, xbc, G, (0, H * P, H * P + G * N, dt_col or 0)
+    GN = (xbc.shape[-1] - H * P) // 2
+    return xbc, xbc, xbc, GN // N, (0, H * P, H * P + GN, dt_col or 0)
 
 
 def _limit(dt_limit):
@@ -283,8 +280,8 @@ def state_update_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Array, d
                             interpret: bool = False, blocks: UpdateBlocks | None = None):
     """The one-token update reading x, B, C (and dt at dt_col) in place; same call and results as
     `state_update_xbc_reference`."""
-    G = _check_packed(state, rows, xbc, dt, A, D, dt_bias, dt_col, (xbc.shape[0],))
-    x, B, C, G, cols = _packed_operands(state, xbc, dt_col, G)
+    _check_packed(state, rows, xbc, dt, A, D, dt_bias, dt_col, (xbc.shape[0],))
+    x, B, C, G, cols = _packed_operands(state, xbc, dt_col)
     return _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, G=G, cols=cols, dt_softplus=dt_softplus,
                           dt_limit=_limit(dt_limit), interpret=interpret, blocks=blocks, multi=False)
 
@@ -296,8 +293,8 @@ def state_update_multi_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Ar
                                   blocks: UpdateBlocks | None = None):
     """The K-token update reading its operands in place; same call and results as
     `state_update_multi_xbc_reference`."""
-    G = _check_packed(state, rows, xbc, dt, A, D, dt_bias, dt_col, xbc.shape[:2])
-    x, B, C, G, cols = _packed_operands(state, xbc, dt_col, G)
+    _check_packed(state, rows, xbc, dt, A, D, dt_bias, dt_col, xbc.shape[:2])
+    x, B, C, G, cols = _packed_operands(state, xbc, dt_col)
     y, state, steps = _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, G=G, cols=cols,
                                      dt_softplus=dt_softplus, dt_limit=_limit(dt_limit), interpret=interpret,
                                      blocks=blocks, multi=True)

@@ -23,6 +23,21 @@ def check_shape(kernel: str, name: str, value, shape: tuple) -> None:
         raise ShapeError(f"{kernel}: {name} expected shape {want}, got {list(got)}")
 
 
+def columns(x, col: int | None, n: int):
+    """Columns [col, col + n) of x's last axis (x itself when col is None): what a kernel given `col` reads in
+    place, for the references."""
+    return x if col is None else x[..., col:col + n]
+
+
+def check_columns(kernel: str, name: str, value, lead: tuple, col: int | None, n: int) -> None:
+    """value [*lead, n]; or, given col, [*lead, W] with its columns [col, col + n) inside W."""
+    if col is None:
+        return check_shape(kernel, name, value, (*lead, n))
+    check_shape(kernel, name, value, (*lead, None))
+    if not 0 <= col <= value.shape[-1] - n:
+        raise ShapeError(f"{kernel}: {name} has {value.shape[-1]} columns; {name}_col {col} + {n} does not fit")
+
+
 def check_floating(kernel: str, name: str, value) -> None:
     if not jnp.issubdtype(value.dtype, jnp.floating):
         raise ShapeError(f"{kernel}: {name} expected a floating dtype, got {value.dtype}")
