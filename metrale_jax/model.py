@@ -44,10 +44,9 @@ from metrale_jax.layers.mlp import NemotronMLPLayer
 from metrale_jax.layers.moe import NemotronMoELayer
 from metrale_jax.layers.mtp import MtpCache, NemotronMTP
 from metrale_jax.layers.projection import Projection
+from metrale_jax.layers.stack import DecodeRows, PrefillRows, run_blocks
 from metrale_jax.runtime.executables import bucket
 from metrale_jax.state.cache import ModelCache
-from metrale_jax.state.kv_pool import KvPool
-from metrale_jax.state.ssm_pool import SsmPool
 from metrale_jax.tokenizer import load_tokenizer
 from metrale_jax.weights.checkpoint import (
     EXPERTS_PATTERN, MAX_SHARD_BYTES, QUANTIZED_SUFFIXES, checkpoint_quantization, checkpoint_tensors,
@@ -401,42 +400,11 @@ def _logits(model: NemotronH, x: jax.Array, phase: str = "prefill") -> jax.Array
     return model.lm_head(x, phase=phase, out_dtype=jnp.float32)
 
 
-def pack_rows(lengths: jax.Array, T: int):
-    """Index maps between right-padded rows [B, T] and the packed (varlen) order the Mamba layers take.
-    Returns (valid [B, T], cu_seqlens [B+1], src [B*T]: packed row -> flat padded row,
-    dst [B, T]: padded row -> packed row)."""
-    B = lengths.shape[0]
-    t = jnp.arange(T, dtype=jnp.int32)
-    valid = t[None, :] < lengths[:, None]
-    cu = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(lengths).astype(jnp.int32)])
-    p = jnp.arange(B * T, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(cu, p, side="right").astype(jnp.int32) - 1, 0, B - 1)
-    src = jnp.where(p < cu[B], seq * T + p - cu[seq], 0)
-    dst = jnp.clip(cu[:B, None] + t[None, :], 0, B * T - 1)
-    return valid, cu, src, dst
-
-
-def _stack_prefill(model: NemotronH, ssm: SsmPool, kv: KvPool, slots, ids, lengths, starts):
-    """Run every block over right-padded rows ids [B, T].  starts None: new sequences; else [B] positions.
-    Returns (final-normed hidden [B, T, D], ssm, kv)."""
-    if model.tp is not None:
-        specs = sharding.cache_specs(model.config, model.tp)
-        return sharding.run_sharded(_stack_prefill, model, ssm, kv, slots, ids, lengths, starts,
-                                    out_specs=(P(), specs.ssm, specs.kv))
-    B, T = ids.shape
-    h = model.embeddings[...][ids]                                          # [B, T, D]
-    D = h.shape[-1]
-    valid, cu, src, dst = pack_rows(lengths, T)
-    mamba_starts = 0 if starts is None else starts
-    for layer in model.layers:
-        if isinstance(layer, NemotronMamba2Layer):
-            out, ssm = layer.prefill_varlen(ssm, slots, h.reshape(B * T, D)[src], cu, mamba_starts)
-            h = jnp.where(valid[..., None], out[dst], h)
-        elif isinstance(layer, NemotronAttentionLayer):
-            h, kv = layer.prefill_batched(kv, slots, h, lengths, starts)
-        else:
-            h = layer(h.reshape(B * T, D), phase="prefill").reshape(B, T, D)
-    return _rmsnorm(model, h), ssm, kv
+def prefill_hidden(model: NemotronH, cache, rows: PrefillRows, ids):
+    """Every block over right-padded rows ids [B, T] (the block loop, layers/stack.py). Returns (final-normed
+    hidden [B, T, D], cache, captured per block: the Mamba states at rows.cuts, else None)."""
+    h, cache, captured = run_blocks(model.layers, rows, cache, model.embeddings[...][ids])
+    return _rmsnorm(model, h), cache, captured
 
 
 def forward_step(model: NemotronH, ids):
@@ -450,11 +418,11 @@ def forward_step(model: NemotronH, ids):
 
 
 def _hidden_no_cache(model: NemotronH, ids, lengths):
-    """Final-normed hidden [B, T, D] of new sequences, on throw-away pools."""
+    """Final-normed hidden [B, T, D] of new sequences, on a throw-away cache."""
     B, T = ids.shape
-    ssm = SsmPool.for_config(model.config, B, model.dtype)
-    kv = KvPool.for_config(model.config, B, T, model.dtype)
-    h, _, _ = _stack_prefill(model, ssm, kv, jnp.arange(B, dtype=jnp.int32), ids, lengths, None)
+    cache = ModelCache.for_config(model.config, B, T, model.dtype)
+    rows = PrefillRows.make(jnp.arange(B, dtype=jnp.int32), lengths, T, padding_slot=cache.padding_slot)
+    h, _, _ = prefill_hidden(model, cache, rows, ids)
     return h
 
 
@@ -467,13 +435,14 @@ def prefill_step(model: NemotronH, cache: ModelCache, slots, ids, lengths, *, al
     TRACE_COUNTS["prefill"] += 1
     B, T = ids.shape
     starts = cache.seq_lens[slots] if continue_ else None
-    h, ssm, kv = _stack_prefill(model, cache.ssm, cache.kv, slots, ids, lengths, starts)
+    rows = PrefillRows.make(slots, lengths, T, starts, padding_slot=cache.padding_slot)
+    h, new, _ = prefill_hidden(model, cache, rows, ids)
     seq_lens = cache.seq_lens.at[slots].set((0 if starts is None else starts) + lengths)
     if all_logits:
         logits = _logits(model, h.reshape(B * T, -1)).reshape(B, T, -1)
     else:
         logits = _logits(model, h[jnp.arange(B), jnp.clip(lengths - 1, 0, T - 1)])
-    return logits, ModelCache(ssm, kv, seq_lens)
+    return logits, dataclasses.replace(new, seq_lens=seq_lens)
 
 
 def decode_step(model: NemotronH, cache: ModelCache, slots, tokens):
@@ -483,18 +452,11 @@ def decode_step(model: NemotronH, cache: ModelCache, slots, tokens):
         return sharding.run_sharded(decode_step, model, cache, slots, tokens, out_specs=out_specs)
     TRACE_COUNTS["decode"] += 1
     pos = cache.seq_lens[slots]
-    ssm, kv = cache.ssm, cache.kv
     h = model.embeddings[...][tokens]                                       # [B, D]
-    for layer in model.layers:
-        if isinstance(layer, NemotronMamba2Layer):
-            h, ssm = layer.decode_multi_seq(ssm, slots, h)
-        elif isinstance(layer, NemotronAttentionLayer):
-            h, kv = layer.decode_multi_seq(kv, slots, h, pos)
-        else:
-            h = layer(h, phase="decode")
+    h, new, _ = run_blocks(model.layers, DecodeRows(slots, pos), cache, h)
     logits = _logits(model, _rmsnorm(model, h), "decode")
     seq_lens = cache.seq_lens.at[slots].set(pos + 1).at[cache.padding_slot].set(0)   # padding never grows
-    return logits, ModelCache(ssm, kv, seq_lens)
+    return logits, dataclasses.replace(new, seq_lens=seq_lens)
 
 
 def score_step(model: NemotronH, ids, lengths):

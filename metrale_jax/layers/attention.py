@@ -60,6 +60,8 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
     """A Nemotron-H attention block (pattern character *)."""
 
     supports_replay_tail_split = True
+    pool_field = "kv"
+    block_kind = "attention"
     # mesh axis o_proj's partial sums are reduced over; set on a tensor-parallel device view (sharding.py)
     tp_axis: str | None = None
 
@@ -206,6 +208,17 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
                 part, pool = self.prefill(pool, slot, hidden[lo:hi], start + lo)
                 parts.append(part)
         return jnp.concatenate(parts, axis=0), pool, None
+
+    # ---- the block loop (layers/stack.py) -------------------------------------------------
+    def prefill_rows(self, pool: KvPool, rows, hidden: jax.Array):
+        """hidden [B, T, D] of PrefillRows -> (hidden, pool, None)."""
+        hidden, pool = self.prefill_batched(pool, rows.slots, hidden, rows.lengths, rows.starts)
+        return hidden, pool, None
+
+    def decode_rows(self, pool: KvPool, rows, hidden: jax.Array):
+        """hidden [n*k, D] of DecodeRows -> (hidden, pool, None)."""
+        hidden, pool = self.decode_verify_multi(pool, rows.slots, hidden, rows.positions, rows.k)
+        return hidden, pool, None
 
     # ---- decode --------------------------------------------------------------------------
     def decode_verify_multi(self, pool: KvPool, slots: jax.Array, hidden: jax.Array, positions: jax.Array,

@@ -50,6 +50,15 @@ class StatelessRows:
     """Entry points of a block whose rows are independent (MLP, MoE): decoding and a replay-tail split are
     the plain call, and there is no state to capture."""
 
+    def prefill_rows(self, pool, rows, hidden: jax.Array):
+        """The block loop's prefill (layers/stack.py): hidden [B, T, D], no pool."""
+        B, T, D = hidden.shape
+        return self(hidden.reshape(B * T, D), phase="prefill").reshape(B, T, D), pool, None
+
+    def decode_rows(self, pool, rows, hidden: jax.Array):
+        """The block loop's decode / verify: hidden [n*k, D], no pool."""
+        return self(hidden, phase="decode"), pool, None
+
     def decode_multi_seq(self, hidden: jax.Array) -> jax.Array:
         """One token for each of N sequences.  hidden [N, D]."""
         return self(hidden, phase="decode")

@@ -23,6 +23,14 @@ class LayerCapabilities:
     uses_local_mla_prefill: bool = False
     fp8_calibration_frozen: bool | None = None
     has_aux_state: bool = False
+    # for the block loop (layers/stack.py): which field of stack.Pools the block keeps its state in, and the
+    # name of its jax.named_scope (kind + layer index)
+    pool_field: str | None = None
+    block_kind: str = "block"
+
+    @property
+    def block_name(self) -> str:
+        return f"{self.block_kind}{self.layer_idx}"
 
 
 @dataclasses.dataclass(frozen=True)

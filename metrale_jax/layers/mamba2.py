@@ -77,6 +77,8 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
     is_ssm_layer = True
     uses_ssm_pool = True
     supports_replay_tail_split = True
+    pool_field = "ssm"
+    block_kind = "mamba"
     # mesh axis out_proj's partial sums are reduced over; set on a tensor-parallel device view (sharding.py)
     tp_axis: str | None = None
 
@@ -262,6 +264,30 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         return SsmPool(pool.conv_state.at[l, slots].set(conv.astype(pool.conv_state.dtype)),
                        pool.ssm_state.at[l, slots].set(ssm.astype(pool.ssm_state.dtype)))
 
+    # ---- the block loop (layers/stack.py) -----------------------------------------------
+    def prefill_rows(self, pool: SsmPool, rows, hidden: jax.Array):
+        """hidden [B, T, D] of PrefillRows, its real rows packed for the varlen prefill. Returns (hidden, pool,
+        captured): with rows.cuts, the state at each row's cut (conv [B, C, K-1], ssm [B, H, P, N]), else None."""
+        B, T, D = hidden.shape
+        x = hidden.reshape(B * T, D)[rows.src]
+        starts = 0 if rows.starts is None else rows.starts
+        if rows.cuts is None:
+            out, pool = self.prefill_varlen(pool, rows.slots, x, rows.cu, starts)
+            captured = None
+        else:
+            out, pool, captured = self.prefill_varlen_split(pool, rows.slots, x, rows.cu, starts, rows.cuts,
+                                                            rows.padding_slot)
+        return jnp.where(rows.valid[..., None], out[rows.dst], hidden), pool, captured
+
+    def decode_rows(self, pool: SsmPool, rows, hidden: jax.Array):
+        """hidden [n*k, D] of DecodeRows -> (hidden, pool, StepStates with rows.verify else None)."""
+        if rows.verify:
+            return self.decode_verify_multi(pool, rows.slots, hidden, rows.k)
+        if rows.k != 1:
+            raise ShapeError(f"rows: a decode step takes one token per sequence, got k={rows.k} (verify=False)")
+        hidden, pool = self.decode_multi_seq(pool, rows.slots, hidden)
+        return hidden, pool, None
+
     # ---- decode ------------------------------------------------------------------------
     def decode(self, pool: SsmPool, slot, hidden: jax.Array) -> tuple[jax.Array, SsmPool]:
         """One token of one sequence.  hidden [D] or [1, D] -> same shape."""
@@ -392,6 +418,39 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         out = self.prefill_phase3(hidden, bufs)
         return (out, pool, chunks) if return_chunk_states else (out, pool)
 
+    def prefill_varlen_split(self, pool: SsmPool, slots: jax.Array, hidden: jax.Array, cu_seqlens: jax.Array,
+                             seq_len_starts, cuts: jax.Array, padding_slot: int):
+        """`prefill_varlen` with each request split at its cut (the replay-tail capture of a batch).
+
+        Request b continues slot slots[b] from seq_len_starts[b] and is cut after cuts[b] of its tokens
+        (0 <= cut <= length): rows from the cut get the bits a prefill starting there gives. The projections
+        run once over all rows; the conv and the scan run twice, heads (each from its slot's state) then tails
+        (each a prefill starting at its cut from the state its head left in the slot); each half's other
+        segments go to the padding slot. Returns (hidden [T, D], pool, LayerSlotState at the cuts: conv
+        [S, C, K-1], ssm [S, H, P, N])."""
+        S = slots.shape[0]
+        l = self.pool_layer
+        starts = _starts(seq_len_starts, S)
+        pad = jnp.full((S,), padding_slot, jnp.int32)
+        zero = jnp.zeros((S,), jnp.int32)
+        cu = _cu(cu_seqlens, hidden.shape[0])
+        cu2 = jnp.concatenate([_interleave(cu[:-1], cu[:-1] + cuts), cu[-1:]])      # segment 2b head, 2b+1 tail
+        head_slots, tail_slots = _interleave(slots, pad), _interleave(pad, slots)
+        head_starts, tail_starts = _interleave(starts, zero), _interleave(zero, starts + cuts)
+        p = jnp.arange(hidden.shape[0], dtype=jnp.int32)
+        tail = (jnp.searchsorted(cu2, p, side="right") - 1) % 2 == 1                # [T]
+        zxbcdt = self.prefill_phase1_proj_batched(hidden)
+        head, pool = self.prefill_phase1_conv1d(pool, head_slots, zxbcdt, cu2, head_starts)
+        conv_cut = pool.conv_state[l, slots]
+        tail_bufs, pool = self.prefill_phase1_conv1d(pool, tail_slots, zxbcdt, cu2, tail_starts)
+        bufs = SsmPrefillBuffers(z=head.z, xbc=jnp.where(tail[:, None], tail_bufs.xbc, head.xbc), dt=head.dt)
+        head_y, pool, _ = self.prefill_gdn_full(pool, head_slots, bufs, cu2, head_starts)
+        ssm_cut = pool.ssm_state[l, slots]
+        tail_y, pool, _ = self.prefill_gdn_full(pool, tail_slots, bufs, cu2, tail_starts)
+        y = jnp.where(tail[:, None, None], tail_y.y, head_y.y)
+        out = self.prefill_phase3(hidden, dataclasses.replace(bufs, y=y))
+        return out, pool, LayerSlotState(conv=conv_cut, ssm=ssm_cut)
+
     def prefill(self, pool: SsmPool, slot, hidden: jax.Array, seq_len_start=0) -> tuple[jax.Array, SsmPool]:
         """T tokens of one sequence at positions seq_len_start.. .  hidden [T, D] -> ([T, D], pool)."""
         self._check_hidden(hidden)
@@ -424,6 +483,11 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
 def _flat(pool_array: jax.Array) -> jax.Array:
     """[layers, slots, ...] -> [layers * slots, ...]: the row-indexed form the decode kernels update in place."""
     return pool_array.reshape(-1, *pool_array.shape[2:])
+
+
+def _interleave(a: jax.Array, b: jax.Array) -> jax.Array:
+    """[a0, b0, a1, b1, ...] of two equal-length vectors."""
+    return jnp.stack([a, b], axis=1).reshape(-1)
 
 
 def _pad_one(pool: SsmPool, slots: jax.Array, hidden: jax.Array):

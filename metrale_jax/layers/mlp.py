@@ -83,6 +83,7 @@ class NemotronMLPLayer(StatelessRows, LayerCapabilities, nnx.Module):
     """A Nemotron-H MLP block (pattern character -)."""
 
     supports_replay_tail_split = True
+    block_kind = "mlp"
     # mesh axis down_proj's partial sums are reduced over; set on a tensor-parallel device view (sharding.py)
     tp_axis: str | None = None
 

@@ -127,6 +127,7 @@ class NemotronMoELayer(StatelessRows, LayerCapabilities, nnx.Module):
     """A Nemotron-H MoE block (pattern character E)."""
 
     supports_replay_tail_split = True
+    block_kind = "moe"
     # mesh axis the expert-parallel partial sums are reduced over; set on a device view (sharding.py)
     tp_axis: str | None = None
 

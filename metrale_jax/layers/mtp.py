@@ -25,6 +25,7 @@ from metrale_jax.layers.blocks import param
 from metrale_jax.layers.mlp import NemotronMLPLayer
 from metrale_jax.layers.moe import NemotronMoELayer
 from metrale_jax.layers.projection import Projection
+from metrale_jax.layers.stack import DecodeRows, PrefillRows, run_blocks
 from metrale_jax.state.kv_pool import KvPool
 from pallas_kernels import registry
 
@@ -127,20 +128,13 @@ class NemotronMTP(nnx.Module):
         starts[b] + t, rows t < lengths[b] real (padded rows write nothing).  Returns (g [B, T, D], kv)."""
         B, T, D = hidden.shape
         x = self._fuse(step, emb.reshape(B * T, D), hidden.reshape(B * T, D), "prefill").reshape(B, T, D)
-        for layer in self._blocks(step):
-            if isinstance(layer, NemotronAttentionLayer):
-                x, kv = layer.prefill_batched(kv, slots, x, lengths, starts)
-            else:
-                x = layer(x.reshape(B * T, D), phase="prefill").reshape(B, T, D)
-        return self._norm(x, self.ends[step].final_layernorm), kv
+        rows = PrefillRows.make(slots, lengths, T, starts, padding_slot=kv.padding_slot)
+        x, cache, _ = run_blocks(self._blocks(step), rows, MtpCache(kv, None), x)
+        return self._norm(x, self.ends[step].final_layernorm), cache.kv
 
     def rows(self, kv: KvPool, slots, emb: jax.Array, hidden: jax.Array, positions, k: int, step: int = 0):
         """k consecutive pairs for each of n sequences (rows sequence-major, emb / hidden [n*k, D]), sequence
         i's first at positions[i] (k = 1: one drafting step).  Returns (g [n*k, D], kv)."""
         x = self._fuse(step, emb, hidden, "decode")
-        for layer in self._blocks(step):
-            if isinstance(layer, NemotronAttentionLayer):
-                x, kv = layer.decode_verify_multi(kv, slots, x, positions, k)
-            else:
-                x = layer(x, phase="decode")
-        return self._norm(x, self.ends[step].final_layernorm), kv
+        x, cache, _ = run_blocks(self._blocks(step), DecodeRows(slots, positions, k), MtpCache(kv, None), x)
+        return self._norm(x, self.ends[step].final_layernorm), cache.kv

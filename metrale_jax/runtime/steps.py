@@ -1,6 +1,6 @@
 """Model-level step functions the runtime compiles: pure functions of (model, cache, inputs).
 
-They call the layers' entry points the way model.py's `_stack_prefill` / `decode_step` do, and add
+They walk the blocks through the one block loop (layers/stack.py), as model.py's steps do, and add
 what serving needs: chunked prefill that always continues from each slot's cached length, with an
 optional replay-tail capture at a cut per row (the SSM state at the cut comes back for the prefix
 cache; the KV rows before the cut stay in the pool), a multi-token verify through every layer with
@@ -30,10 +30,9 @@ from jax.sharding import PartitionSpec as P
 
 from metrale_jax import sharding
 from metrale_jax.errors import ConfigError
-from metrale_jax.layers.attention import NemotronAttentionLayer
-from metrale_jax.layers.mamba2 import NemotronMamba2Layer, SsmPrefillBuffers
 from metrale_jax.layers.mtp import MtpCache
-from metrale_jax.model import _logits, _rmsnorm, _token_logprobs, decode_step, pack_rows  # noqa: F401
+from metrale_jax.layers.stack import DecodeRows, PrefillRows, run_blocks
+from metrale_jax.model import _logits, _rmsnorm, _token_logprobs, decode_step, prefill_hidden  # noqa: F401
 from metrale_jax.runtime.speculative import accept_drafts
 from metrale_jax.state.cache import ModelCache
 from metrale_jax.state.kv_pool import KvPool, KvSlotState
@@ -57,76 +56,18 @@ class PrefillOut:
     captured_hidden: tuple | None = None
 
 
-def _interleave(a: jax.Array, b: jax.Array) -> jax.Array:
-    return jnp.stack([a, b], axis=1).reshape(-1)
-
-
-def mamba_prefill_split(layer: NemotronMamba2Layer, pool: SsmPool, slots, x, cu, starts, cuts, padding_slot: int):
-    """A layer's varlen prefill with each request split at its cut (replay-tail capture).
-
-    x [N, D] packed by cu [B+1]; request b continues slot slots[b] from position starts[b] and is cut after
-    cuts[b] of its tokens (0 <= cut <= length). The projections run once over all rows; the conv and the
-    scan run twice: heads (each from its slot's state) and then tails, each tail a prefill starting at its
-    cut from the state the head left in the slot. Returns (out [N, D], pool, conv at cuts [B, C, K-1],
-    ssm at cuts [B, H, P, N])."""
-    B = slots.shape[0]
-    l = layer.pool_layer
-    pad = jnp.full((B,), padding_slot, jnp.int32)
-    zero = jnp.zeros((B,), jnp.int32)
-    cu2 = jnp.concatenate([_interleave(cu[:-1], cu[:-1] + cuts), cu[-1:]])         # segment 2b head, 2b+1 tail
-    head_slots, tail_slots = _interleave(slots, pad), _interleave(pad, slots)       # the other half: padding
-    head_starts, tail_starts = _interleave(starts, zero), _interleave(zero, starts + cuts)
-    p = jnp.arange(x.shape[0], dtype=jnp.int32)
-    tail = (jnp.searchsorted(cu2, p, side="right") - 1) % 2 == 1                   # [N]
-    zxbcdt = layer.prefill_phase1_proj_batched(x)
-    head, pool = layer.prefill_phase1_conv1d(pool, head_slots, zxbcdt, cu2, head_starts)
-    conv_cut = pool.conv_state[l, slots]
-    tail_bufs, pool = layer.prefill_phase1_conv1d(pool, tail_slots, zxbcdt, cu2, tail_starts)
-    bufs = SsmPrefillBuffers(z=head.z, xbc=jnp.where(tail[:, None], tail_bufs.xbc, head.xbc), dt=head.dt)
-    head_y, pool, _ = layer.prefill_gdn_full(pool, head_slots, bufs, cu2, head_starts)
-    ssm_cut = pool.ssm_state[l, slots]
-    tail_y, pool, _ = layer.prefill_gdn_full(pool, tail_slots, bufs, cu2, tail_starts)
-    y = jnp.where(tail[:, None, None], tail_y.y, head_y.y)
-    out = layer.prefill_phase3(x, dataclasses.replace(bufs, y=y))
-    return out, pool, conv_cut, ssm_cut
-
-
-def _stack(model, ssm: SsmPool, kv: KvPool, slots, ids, lengths, starts, cuts, padding_slot: int):
-    """Every block over right-padded rows ids [B, T] continuing at starts [B].  cuts None: no capture.
-    Returns (final-normed hidden [B, T, D], ssm, kv, [(conv at cuts, ssm at cuts)] per Mamba layer)."""
-    B, T = ids.shape
-    h = model.embeddings[...][ids]                                          # [B, T, D]
-    D = h.shape[-1]
-    valid, cu, src, dst = pack_rows(lengths, T)
-    captured = []
-    for layer in model.layers:
-        if isinstance(layer, NemotronMamba2Layer):
-            x = h.reshape(B * T, D)[src]
-            if cuts is None:
-                out, ssm = layer.prefill_varlen(ssm, slots, x, cu, starts)
-            else:
-                out, ssm, conv_cut, ssm_cut = mamba_prefill_split(layer, ssm, slots, x, cu, starts, cuts,
-                                                                  padding_slot)
-                captured.append((conv_cut, ssm_cut))
-            h = jnp.where(valid[..., None], out[dst], h)
-        elif isinstance(layer, NemotronAttentionLayer):
-            h, kv = layer.prefill_batched(kv, slots, h, lengths, starts)
-        else:
-            h = layer(h.reshape(B * T, D), phase="prefill").reshape(B, T, D)
-    return _rmsnorm(model, h), ssm, kv, captured
-
-
-def _captured_states(ssm: SsmPool, captured, capture_rows) -> tuple[SlotState, ...]:
-    """Per capture row r: the state at its row's cut in every Mamba layer."""
+def _captured_states(cache: ModelCache, captured, capture_rows) -> tuple[SlotState, ...]:
+    """Per capture row r: the state at its row's cut in every Mamba layer (captured: the block loop's
+    LayerSlotStates [B, ...] per Mamba layer)."""
     out = []
     for r in range(capture_rows.shape[0]):
         b = capture_rows[r]
         if captured:
-            conv = jnp.stack([c[b] for c, _ in captured])
-            st = jnp.stack([s[b] for _, s in captured])
+            conv = jnp.stack([c.conv[b] for c in captured])
+            st = jnp.stack([c.ssm[b] for c in captured])
         else:                                            # no Mamba layers: empty states
-            conv = jnp.zeros((0, *ssm.conv_state.shape[2:]), ssm.conv_state.dtype)
-            st = jnp.zeros((0, *ssm.ssm_state.shape[2:]), ssm.ssm_state.dtype)
+            conv = jnp.zeros((0, *cache.ssm.conv_state.shape[2:]), cache.ssm.conv_state.dtype)
+            st = jnp.zeros((0, *cache.ssm.ssm_state.shape[2:]), cache.ssm.ssm_state.dtype)
         out.append(SlotState(conv=conv, ssm=st))
     return tuple(out)
 
@@ -154,10 +95,12 @@ def prefill_step(model, cache: ModelCache, slots, ids, lengths, cuts=None, captu
     B, T = ids.shape
     pad = cache.padding_slot
     starts = cache.seq_lens[slots]
-    h, ssm, kv, captured = _stack(model, cache.ssm, cache.kv, slots, ids, lengths, starts, cuts, pad)
+    rows = PrefillRows.make(slots, lengths, T, starts, padding_slot=pad, cuts=cuts)
+    h, new, captured = prefill_hidden(model, cache, rows, ids)
     seq_lens = cache.seq_lens.at[slots].set(starts + lengths).at[pad].set(0)
     logits = _logits(model, h[jnp.arange(B), jnp.clip(lengths - 1, 0, T - 1)])
-    states = None if cuts is None else _captured_states(ssm, captured, capture_rows)
+    states = None if cuts is None else _captured_states(cache, [c for c in captured if c is not None],
+                                                         capture_rows)
     lp = None
     if targets is not None:
         lp = _token_logprobs(model, h.reshape(B * T, -1), targets.reshape(-1)).reshape(B, T)
@@ -168,7 +111,8 @@ def prefill_step(model, cache: ModelCache, slots, ids, lengths, cuts=None, captu
             at = jnp.clip(cuts[capture_rows] - 1, 0, T - 1)
             cut_hidden = tuple(h[capture_rows[r], at[r]].astype(mtp.hidden.dtype) for r in range(at.shape[0]))
         mtp = mtp_prefill(model, mtp, slots, ids, h, lengths, starts)
-    return PrefillOut(logits=logits, cache=ModelCache(ssm, kv, seq_lens), captured=states, target_logprobs=lp,
+    return PrefillOut(logits=logits, cache=dataclasses.replace(new, seq_lens=seq_lens), captured=states,
+                      target_logprobs=lp,
                       mtp=mtp, captured_hidden=cut_hidden)
 
 
@@ -229,17 +173,9 @@ def verify_step(model, cache: ModelCache, slots, tokens, num_draft, temperature,
     n, k = tokens.shape
     pad = cache.padding_slot
     pos = cache.seq_lens[slots]
-    ssm, kv = cache.ssm, cache.kv
     h = model.embeddings[...][tokens.reshape(-1)]                           # [n*k, D]
-    steps = []
-    for layer in model.layers:
-        if isinstance(layer, NemotronMamba2Layer):
-            h, ssm, st = layer.decode_verify_multi(ssm, slots, h, k)
-            steps.append((layer.pool_layer, st))
-        elif isinstance(layer, NemotronAttentionLayer):
-            h, kv = layer.decode_verify_multi(kv, slots, h, pos, k)
-        else:
-            h = layer(h, phase="decode")
+    h, new, captured = run_blocks(model.layers, DecodeRows(slots, pos, k, verify=True), cache, h)
+    steps = [(layer.pool_layer, st) for layer, st in zip(model.layers, captured) if st is not None]
     hn = _rmsnorm(model, h)                                                 # [n*k, D]
     logits = _logits(model, hn, "decode")                                   # [n*k, V]
     if model.vocab_axis is not None:                 # a device view holds V / tp vocabulary columns
@@ -248,12 +184,12 @@ def verify_step(model, cache: ModelCache, slots, tokens, num_draft, temperature,
     out, accepted = accept_drafts(logits, tokens, num_draft, temperature, top_p, seeds, counters,
                                   sampling=sampling)
     rows = jnp.arange(n)
-    conv, state = ssm.conv_state, ssm.ssm_state
+    conv, state = new.ssm.conv_state, new.ssm.ssm_state
     for l, st in steps:
         conv = conv.at[l, slots].set(st.conv[rows, accepted].astype(conv.dtype))
         state = state.at[l, slots].set(st.ssm[rows, accepted].astype(state.dtype))
     seq_lens = cache.seq_lens.at[slots].set(pos + accepted + 1).at[pad].set(0)
-    new_cache = ModelCache(SsmPool(conv, state), kv, seq_lens)
+    new_cache = ModelCache(SsmPool(conv, state), new.kv, seq_lens)
     if mtp is None:
         return out, accepted, new_cache
     hk = hn.reshape(n, k, -1)
