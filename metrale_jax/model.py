@@ -69,7 +69,8 @@ TRACE_COUNTS: collections.Counter = collections.Counter()
 @dataclasses.dataclass(frozen=True)
 class Generation:
     """One prompt's continuation: new token ids (the stop token excluded), their text when the prompt
-    was a string, and why it stopped ('eos' or 'length')."""
+    was a string (ending before a stop string), and why it stopped: 'eos' (an eos id), 'stop' (a stop
+    token or string the caller gave) or 'length'."""
 
     tokens: list[int]
     text: str | None
@@ -227,12 +228,18 @@ class NemotronH(nnx.Module):
     def vocab_size(self) -> int:
         return self.config.vocab_size
 
-    def new_cache(self, max_slots: int, max_len: int) -> ModelCache:
+    def new_cache(self, max_slots: int, max_len: int, *, ssm_state_dtype: str | None = None) -> ModelCache:
         """max_slots sequences (plus the padding slot) of up to max_len tokens each; on a sharded model, created
-        on its shards (SSM pool by head, conv pool by channel in device-major order, KV pool by kv head)."""
+        on its shards (SSM pool by head, conv pool by channel in device-major order, KV pool by kv head).
+        ssm_state_dtype: the Mamba state's dtype ('float32', 'bfloat16', 'float16'; default the config's
+        mamba_ssm_cache_dtype). bfloat16 halves the state's bytes, which dominate large decode batches, at the
+        cost of rounding the state after every step (benchmarks/notes/e2e_decode.md)."""
+        config = self.config
+        if ssm_state_dtype is not None:
+            config = dataclasses.replace(config, mamba_ssm_cache_dtype=str(ssm_state_dtype))
         if self.tp is not None:
-            return sharding.new_cache(self.config, self.tp, max_slots, max_len, self.dtype)
-        return ModelCache.for_config(self.config, max_slots, max_len, self.dtype)
+            return sharding.new_cache(config, self.tp, max_slots, max_len, self.dtype)
+        return ModelCache.for_config(config, max_slots, max_len, self.dtype)
 
     def new_mtp_cache(self, max_slots: int, max_len: int) -> MtpCache:
         """The MTP head's slot-indexed state (keys/values of its attention blocks, the carried hidden state) for

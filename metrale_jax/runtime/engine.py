@@ -1,9 +1,15 @@
 """Engine: continuous batching over a NemotronH's slot pool, with a prefix cache and speculative decoding.
 
 Each `step()` admits queued requests into free slots (a zeroed slot, or a restored prefix snapshot),
-decodes every sequence that has a pending token (one token each, or a speculative verify of the
-pending token plus its drafts), then prefills waiting prompts in chunks under the per-step token
-budget, each chunk continuing from the slot's cached length. Finished requests release their slots.
+decodes every sequence whose prompt is in (one token each, or a speculative verify of the pending token
+plus its drafts), then prefills waiting prompts in chunks under the per-step token budget, each chunk
+continuing from the slot's cached length. Tokens are sampled on the device, and each slot's last token
+stays there (sampling.SlotSampling) as the next decode step's input, so a step is dispatched before the
+previous step's tokens are read back: the host handles step n's tokens (streaming, stop tokens, the
+length limit, releases) while the device runs step n+1. A stop token is therefore seen one step late and
+the token its request drew meanwhile is discarded; the outputs are those of a loop that reads every token
+back before the next step. Speculative steps read back first (drafting needs the last token on the host).
+Finished requests release their slots.
 Every model call is a compiled executable per (entry point, batch bucket, token bucket) with the cache
 donated (runtime/executables.py); inputs are padded with the padding slot to the buckets, so after
 `warmup()` no step compiles. The model's capability flags pick the paths: a decode graph veto runs
@@ -33,7 +39,7 @@ from metrale_jax.model import Generation
 from metrale_jax.runtime import steps
 from metrale_jax.runtime.executables import Executables, bucket, pick_bucket
 from metrale_jax.runtime.prefix_cache import PrefixCache
-from metrale_jax.runtime.sampling import sample_tokens
+from metrale_jax.runtime.sampling import SlotSampling, sample_slots, start_request
 from metrale_jax.runtime.speculative import MtpDrafter, SpeculativeConfig, make_drafter
 from metrale_jax.state.kv_pool import KvSlotState
 from metrale_jax.state.slots import SlotAllocator
@@ -50,14 +56,17 @@ class Request:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
-    stop: frozenset = frozenset()
+    stop_ids: frozenset = frozenset()    # the caller's stop tokens (finish_reason 'stop'; eos ids: 'eos')
+    stop_strings: tuple = ()             # finish_reason 'stop' once the text holds one
     on_token: Callable[[int, int], None] | None = None
     score: bool = False
     slot: int = -1
     done: int = 0                       # prompt tokens in the cache
+    drawn: int = 0                      # tokens sampled on the device (read back or not)
     tokens: list[int] = dataclasses.field(default_factory=list)
-    pending: int | None = None          # the last emitted token, not yet fed to the model
+    pending: int | None = None          # the last emitted token read back, not yet fed to the model
     finish_reason: str | None = None
+    text_end: int | None = None          # with a stop string: where it starts in the decoded text
     logprobs: list[float] = dataclasses.field(default_factory=list)
     drafter: object = None
     prefix_hit: int = 0                 # prompt tokens restored from the prefix cache
@@ -119,6 +128,8 @@ class Engine:
     mesh: serve the model tensor / expert parallel over this mesh (sharding.make_mesh). Default: the model's
     own mesh when it was built with one (from_pretrained / from_config(..., mesh=...)), else one device. An
     unsharded model given a mesh is split over it through the host (engine.model is the split copy).
+    ssm_state_dtype: the Mamba state's dtype in the slot pool (default the config's mamba_ssm_cache_dtype,
+    float32); see NemotronH.new_cache.
     """
 
     def __init__(self, model, *, max_slots: int = 8, max_len: int = 2048, prefill_token_budget: int | None = None,
@@ -127,15 +138,16 @@ class Engine:
                  min_token_bucket: int = 16, prefix_cache_bytes: int = 0, prefix_block: int | None = None,
                  capture_rows: int = 1, speculative: SpeculativeConfig | None = None, drafter=None, eos_ids=None,
                  executables: Executables | None = None, decode_executables: Executables | None = None,
-                 compiler_options=None, mesh=None):
+                 compiler_options=None, mesh=None, ssm_state_dtype: str | None = None):
         self.model = model = _on_mesh(model, mesh)
         self.tp = getattr(model, "tp", None)
         # host inputs go in replicated over the mesh (their sharding is part of an executable's key)
         self._replicated = None if self.tp is None else self.tp.sharding(P())
-        self._greedy: dict[int, tuple] = {}     # B -> the greedy sampler's unread parameters on the device
+        self._on_device: collections.OrderedDict = collections.OrderedDict()   # small host arrays put lately
         self._logits_sharding = None if self.tp is None else self.tp.sharding(sharding.logits_spec(model, 2))
         # the weights as one flat list: a Module's own pytree flatten costs milliseconds per step at 50 blocks
         self._params, self._treedef = jax.tree_util.tree_flatten(model)
+        self._model_keys: dict[int, int] = {}           # id(executables) -> the treedef's interned id there
         self.caps = caps = model.capabilities
         levers = model.levers
         budget = levers.prefill_token_budget if prefill_token_budget is None else int(prefill_token_budget)
@@ -145,7 +157,9 @@ class Engine:
             raise ConfigError("max_slots", f"need max_slots >= 1 and max_len >= 1, got {max_slots}, {max_len}")
         self.budget = budget
         self.max_len = int(max_len)
-        self.cache = model.new_cache(max_slots, max_len)
+        self.cache = model.new_cache(max_slots, max_len, ssm_state_dtype=ssm_state_dtype)
+        self.sampling = jax.device_put(SlotSampling.create(self.cache.num_slots), self._replicated)
+        self._inflight: collections.deque = collections.deque()   # (device arrays, handler) not read back yet
         self.allocator = SlotAllocator(self.cache.num_slots)
         self.pad = self.cache.padding_slot
 
@@ -219,6 +233,20 @@ class Engine:
         """Several host arrays onto the device(s) in one batched transfer."""
         return jax.device_put(tuple(np.asarray(a) for a in arrays), self._replicated)
 
+    def _dev_cached(self, x) -> jax.Array:
+        """`_dev` for the small arrays steps repeat (a batch's slots, its live rows): the device copy of the
+        same values is reused, so a steady decode step transfers nothing."""
+        x = np.asarray(x)
+        key = (x.dtype.str, x.shape, x.tobytes())
+        hit = self._on_device.get(key)
+        if hit is None:
+            hit = self._on_device[key] = jax.device_put(x, self._replicated)
+            if len(self._on_device) > 256:
+                self._on_device.popitem(last=False)
+        else:
+            self._on_device.move_to_end(key)
+        return hit
+
     def _state_op(self, entry: str, fn: Callable, *args, **kw):
         """A slot helper of runtime/steps.py (no model) through the executables; on a mesh, run on every
         device's share of the state (sharding.run_sharded_state) so that the cache and snapshots stay split."""
@@ -229,7 +257,10 @@ class Engine:
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, prompt, max_new_tokens: int = 16, *, temperature: float = 0.0, top_p: float = 1.0,
                seed: int = 0, stop=(), on_token: Callable[[int, int], None] | None = None) -> int:
-        """Queue a generation request (token ids); returns its id. on_token(id, token) streams tokens."""
+        """Queue a generation request (token ids); returns its id. on_token(id, token) streams tokens.
+        stop: token ids and strings (strings need the model's tokenizer) that end the request with
+        finish_reason 'stop': a stop token is not kept; with a stop string the tokens through the one that
+        completed it are kept and Generation.text ends before it. The model's eos ids end it with 'eos'."""
         tokens = self._check_prompt(prompt, "prompt")
         if max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
             raise ConfigError("submit", f"need max_new_tokens >= 0, temperature >= 0, 0 < top_p <= 1; got "
@@ -239,7 +270,27 @@ class Engine:
                              f"max_len {self.max_len}")
         return self._enqueue(Request(rid=0, prompt=tokens, max_new_tokens=int(max_new_tokens),
                                      temperature=float(temperature), top_p=float(top_p), seed=int(seed) % 2**31,
-                                     stop=frozenset(int(s) for s in stop) | self.eos_ids, on_token=on_token))
+                                     **self._stops(stop), on_token=on_token))
+
+    def _stops(self, stop) -> dict:
+        """A request's stop ids and stop strings from `stop` (a list mixing both)."""
+        if isinstance(stop, (str, bytes, int, np.integer)):
+            stop = [stop]
+        ids, strings = set(), []
+        V = self.model.config.vocab_size
+        for s in stop:
+            if isinstance(s, str):
+                if not s:
+                    raise ConfigError("stop", "an empty stop string would end every request at once")
+                if self.model.tokenizer is None:
+                    raise ConfigError("stop", f"stop string {s!r} needs a tokenizer; this model has none "
+                                              "(pass stop token ids)")
+                strings.append(s)
+            elif isinstance(s, (int, np.integer)) and not isinstance(s, bool) and 0 <= s < V:
+                ids.add(int(s))
+            else:
+                raise ConfigError("stop", f"expected token ids in [0, {V}) or non-empty strings, got {s!r}")
+        return dict(stop_ids=frozenset(ids), stop_strings=tuple(strings))
 
     def submit_score(self, ids) -> int:
         """Queue a scoring request: log p(ids[t+1] | ids[:t+1]) for every t."""
@@ -275,7 +326,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.queue or self.running)
+        return bool(self.queue or self.running or self._inflight)
 
     def call(self, entry: str, fn: Callable, *args, decode: bool = False, **kw):
         """fn(model, *args) through the engine's executables (decode=True: the decode registry, eager under a
@@ -286,22 +337,41 @@ class Engine:
             return fn(jax.tree_util.tree_unflatten(treedef, params), *rest)
 
         exe = self.decode_exe if decode else self.exe
-        return exe.run(entry, with_model, self._params, *args, frozen_argnums=(0,), **kw)
+        key = self._model_keys.get(id(exe))
+        if key is None:      # the model's static data (levers, config) is in its treedef, not in its leaves
+            key = self._model_keys[id(exe)] = exe.intern(self._treedef)
+        if not self.caps.stale_on_new_sequence:
+            kw.pop("slots", None)                      # which slots an executable served matters only then
+        return exe.run(entry, with_model, self._params, *args, frozen_argnums=(0,),
+                       **{**kw, "static": (key, kw.get("static"))})
 
     # ---- the loop ------------------------------------------------------------------------------
     def step(self) -> list[int]:
-        """One engine iteration; returns the ids of the requests that finished in it."""
+        """One engine iteration; returns the ids of the requests that finished in it (seen in it: a request
+        is found finished when its tokens are read back, one step after they were drawn)."""
         self._finished: list[int] = []
         self._admit()
+        if self.speculative:
+            self._read_back(len(self._inflight))       # drafting needs every last token on the host
+        earlier = len(self._inflight)
         live = list(self.running.values())
-        decoding = [r for r in live if r.pending is not None]
+        decoding = [r for r in live if r.done == len(r.prompt) and r.drawn < r.max_new_tokens]
         prefilling = [r for r in live if r.done < len(r.prompt)]
         if decoding:
             (self._speculate if self.speculative else self._decode)(decoding)
         if prefilling:
             self._prefill(prefilling)
+        self._read_back(earlier)                       # the previous step's tokens, while this one runs
+        if not decoding and not prefilling:
+            self._read_back(len(self._inflight))       # nothing dispatched: take the last tokens now
         self.counters["steps"] += 1
         return self._finished
+
+    def _read_back(self, n: int) -> None:
+        """Read back the n oldest dispatched results (blocking on each) and hand them to their handlers."""
+        for _ in range(n):
+            arrays, handle = self._inflight.popleft()
+            handle(*(np.asarray(a) for a in arrays))
 
     def run(self, progress: bool | None = False) -> None:
         """Step until the queue and the pool are empty (progress: a tqdm bar over requests)."""
@@ -327,6 +397,9 @@ class Engine:
                     self.counters["dropped_executables"] += self.decode_exe.drop_slot(slot)
             self.cache = self._state_op("zero_slot", steps.zero_slot, self.cache, self._dev(slot),
                                         donate_argnums=(0,))
+            self.sampling = self.exe.run("start_request", start_request, self.sampling,
+                                         *self._devs(np.int32(slot), np.float32(r.temperature),
+                                                     np.float32(r.top_p), np.int32(r.seed)), donate_argnums=(0,))
             r.slot = slot
             self.running[slot] = r
             if self.prefix_cache is not None and not r.score:
@@ -368,22 +441,41 @@ class Engine:
 
     # ---- emitting and finishing ------------------------------------------------------------------
     def _emit(self, r: Request, tokens) -> None:
-        """Append sampled tokens to r (up to a stop token or max_new_tokens), stream them, finish r."""
+        """Append tokens read back for r (up to a stop token or max_new_tokens), stream them, finish r. A
+        request that finished already drew them after its end: they are discarded."""
+        if r.finish_reason is not None:
+            return
         for t in tokens:
             t = int(t)
             if r.t_first is None:
                 r.t_first = time.perf_counter()
-            if t in r.stop:
-                return self._finish(r, "eos")
+            if t in self.eos_ids or t in r.stop_ids:
+                return self._finish(r, "eos" if t in self.eos_ids else "stop")
             r.tokens.append(t)
             self.counters["generated_tokens"] += 1
             if r.drafter is not None:
                 r.drafter.append(t)
             if r.on_token is not None:
                 r.on_token(r.rid, t)
+            if r.stop_strings and self._stop_string_ends(r):
+                return self._finish(r, "stop")
             if len(r.tokens) >= r.max_new_tokens:
                 return self._finish(r, "length")
         r.pending = r.tokens[-1]
+
+    def _stop_string_ends(self, r: Request) -> bool:
+        """Whether r's last token completed one of its stop strings; if so r.text_end marks where the first
+        one starts. Only the last few tokens are decoded per check: a token holds at least one byte, a
+        character at most four."""
+        decode = self.model.tokenizer.decode
+        window = 4 * max(len(s) for s in r.stop_strings) + 4
+        if not any(s in decode(r.tokens[-window:]) for s in r.stop_strings):
+            return False
+        text = decode(r.tokens)
+        starts = [i for i in (text.find(s) for s in r.stop_strings) if i >= 0]
+        if starts:
+            r.text_end = min(starts)
+        return bool(starts)
 
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason
@@ -396,41 +488,27 @@ class Engine:
         if self._progress is not None:
             self._progress.update(1)
 
-    def _sample(self, logits, reqs: list[Request], B: int) -> np.ndarray:
-        sampling = any(r.temperature > 0 for r in reqs)
-        params = self._devs(*self._row_params(reqs, B)) if sampling else self._greedy_params(B)
-        out = self.exe.run("sample", functools.partial(sample_tokens, sampling=sampling), logits, *params,
-                           static=sampling)
-        return np.asarray(out)[:len(reqs)]
-
-    def _greedy_params(self, B: int) -> tuple:
-        """The greedy executable's (unread) sampling parameters for B rows, put on the device once per B:
-        a greedy step transfers only its slots and tokens."""
-        if B not in self._greedy:
-            self._greedy[B] = self._devs(*self._row_params([], B))
-        return self._greedy[B]
-
-    @staticmethod
-    def _row_params(reqs: list[Request], n: int):
-        """Per-row sampling parameters padded to n rows: temperature, top_p, seed, tokens emitted so far."""
-        pad = n - len(reqs)
-        return (np.array([r.temperature for r in reqs] + [0.0] * pad, np.float32),
-                np.array([r.top_p for r in reqs] + [1.0] * pad, np.float32),
-                np.array([r.seed for r in reqs] + [0] * pad, np.int32),
-                np.array([len(r.tokens) for r in reqs] + [0] * pad, np.int32))
+    def _sample(self, logits, group: list[Request], slots, draw) -> None:
+        """Draw the next token of each row whose `draw` is set (on the device, into self.sampling); the
+        tokens are read back a step later and emitted to their requests."""
+        sampling = any(r.temperature > 0 for r, d in zip(group, draw) if d)
+        tokens, self.sampling = self.exe.run(
+            "sample", functools.partial(sample_slots, sampling=sampling), logits, self.sampling, slots,
+            self._dev_cached(np.asarray(draw, bool)), donate_argnums=(1,), static=sampling)
+        rows = [(b, r) for b, (r, d) in enumerate(zip(group, draw)) if d]
+        for _, r in rows:
+            r.drawn += 1
+        self._inflight.append(((tokens,), lambda toks: [self._emit(r, [toks[b]]) for b, r in rows]))
 
     # ---- decode --------------------------------------------------------------------------------
     def _decode(self, reqs: list[Request]) -> None:
         for group in _groups(reqs, self.decode_buckets[-1]):
             B = pick_bucket(len(group), self.decode_buckets, "decode batch")
-            slots = [r.slot for r in group] + [self.pad] * (B - len(group))
-            tokens = [r.pending for r in group] + [0] * (B - len(group))
-            logits, self.cache = self.call("decode", steps.decode_step, self.cache,
-                                           *self._devs(np.array(slots, np.int32), np.array(tokens, np.int32)),
-                                           decode=True, donate_argnums=(1,), slots=slots[:len(group)])
+            slots = self._dev_cached(np.array([r.slot for r in group] + [self.pad] * (B - len(group)), np.int32))
+            logits, self.cache = self.call("decode", steps.decode_pending_step, self.cache, self.sampling.pending,
+                                           slots, decode=True, donate_argnums=(1,), slots=[r.slot for r in group])
             self.counters["decode_rows"] += len(group)
-            for r, t in zip(group, self._sample(logits, group, B)):
-                self._emit(r, [t])
+            self._sample(logits, group, slots, [True] * len(group) + [False] * (B - len(group)))
 
     def _speculate(self, reqs: list[Request]) -> None:
         nd_max = self.speculative.num_draft
@@ -456,25 +534,29 @@ class Engine:
                 tokens[i, 1 + len(d):] = tokens[i, len(d)]          # filler rows: never accepted
                 num_draft[i] = len(d)
             sampling = any(r.temperature > 0 for r in group)
-            inputs = self._devs(np.array(slots, np.int32), tokens, num_draft, *self._row_params(group, n))
+            live = np.arange(n) < len(group)
+            inputs = self._devs(np.array(slots, np.int32), tokens, num_draft, live)
             out, accepted = self._verify(sampling, *inputs, slots=slots[:len(group)])
             out, accepted = np.asarray(out), np.asarray(accepted)
             self.counters["verify_rows"] += len(group)
             self.counters["drafted_tokens"] += int(num_draft.sum())
             self.counters["accepted_tokens"] += int(accepted[:len(group)].sum())
             for i, r in enumerate(group):
+                r.drawn += int(accepted[i]) + 1
                 self._emit(r, out[i, :accepted[i] + 1])
 
     def _verify(self, sampling: bool, *inputs, slots=()):
-        """steps.verify_step on self.cache (and self.mtp with MTP drafting, both donated); returns (out, accepted)
-        and keeps the new state."""
-        fn = functools.partial(steps.verify_step, sampling=sampling)
+        """steps.verify_sampled on self.cache and self.sampling (and self.mtp with MTP drafting, all donated);
+        returns (out, accepted) and keeps the new state."""
+        fn = functools.partial(steps.verify_sampled, sampling_rows=sampling)
         if self.mtp is None:
-            out, accepted, self.cache = self.call("verify", fn, self.cache, *inputs, decode=True, donate_argnums=(1,),
-                                                  slots=slots, static=sampling)
+            out, accepted, self.cache, self.sampling = self.call(
+                "verify", fn, self.cache, self.sampling, *inputs, decode=True, donate_argnums=(1, 2), slots=slots,
+                static=sampling)
         else:
-            out, accepted, self.cache, self.mtp = self.call("verify", fn, self.cache, *inputs, self.mtp, decode=True,
-                                                            donate_argnums=(1, 9), slots=slots, static=sampling)
+            out, accepted, self.cache, self.sampling, self.mtp = self.call(
+                "verify", fn, self.cache, self.sampling, *inputs, self.mtp, decode=True, donate_argnums=(1, 2, 7),
+                slots=slots, static=sampling)
         return out, accepted
 
     def _mtp_drafts(self, group: list[Request], slots: list[int], limits: dict[int, int]) -> dict[int, list[int]]:
@@ -525,7 +607,7 @@ class Engine:
         for b, (r, n) in enumerate(rows):
             ids[b, :n] = r.prompt[r.done:r.done + n]
             lengths[b], slots[b] = n, r.slot
-        args = [self.cache, self._dev(slots), self._dev(ids), self._dev(lengths), None, None, None]
+        args = [self.cache, self._dev_cached(slots), self._dev(ids), self._dev(lengths), None, None, None]
         entry = "prefill"
         in_pass = bool(captures) and self.replay_tail
         if in_pass:
@@ -551,24 +633,27 @@ class Engine:
                 hidden = out.captured_hidden[c] if in_pass else self._mtp_hidden(r.slot)
                 mtp = dict(mtp_hidden=hidden, mtp_block=functools.partial(self._mtp_block, r.slot))
             self.prefix_cache.insert(r.prompt[:m], state, functools.partial(self._kv_block, r.slot), **mtp)
-        lp = None if out.target_logprobs is None else np.asarray(out.target_logprobs)
-        firsts = []
+        draw, scored = np.zeros(B, bool), []
         for b, (r, n) in enumerate(rows):
             if r.score:
-                keep = min(n, len(r.prompt) - 1 - r.done)
-                r.logprobs.extend(lp[b, :max(keep, 0)].tolist())
+                scored.append((b, r, min(n, len(r.prompt) - 1 - r.done), r.done + n == len(r.prompt)))
             r.done += n
-            if r.done == len(r.prompt):
-                if r.score:
-                    self._finish(r, "score")
-                elif r.max_new_tokens == 0:
+            if r.done == len(r.prompt) and not r.score:
+                if r.max_new_tokens == 0:
                     self._finish(r, "length")
                 else:
-                    firsts.append((b, r))
-        if firsts:
-            toks = self._sample(out.logits, [r for r, _ in rows], B)
-            for b, r in firsts:
-                self._emit(r, [toks[b]])
+                    draw[b] = True                     # the prompt is in: its first token
+        if scored:
+            self._inflight.append(((out.target_logprobs,), lambda lp: self._scored(lp, scored)))
+        if draw.any():
+            self._sample(out.logits, [r for r, _ in rows], args[1], draw)
+
+    def _scored(self, lp: np.ndarray, scored: list) -> None:
+        """A prefill chunk's log-probs read back: each scoring row keeps those of its real next tokens."""
+        for b, r, keep, last in scored:
+            r.logprobs.extend(lp[b, :max(keep, 0)].tolist())
+            if last:
+                self._finish(r, "score")
 
     def _prefill_call(self, entry: str, *args, slots=()):
         """steps.prefill_step on self.cache (and self.mtp with MTP drafting, both donated); keeps the new state."""
@@ -605,25 +690,29 @@ class Engine:
                 for entry, cuts, rows, targets in variants:
                     self._prefill_call(entry, self.cache, slots, ids, lengths, cuts, rows, targets)
         V = self.model.config.vocab_size
-        for B in sorted(set(self.prefill_buckets) | set(self.decode_buckets) | set(self.verify_buckets)):
+        for B in sorted(set(self.prefill_buckets) | set(self.decode_buckets)):
             logits = jax.device_put(np.zeros((B, V), np.float32), self._logits_sharding)
             for s in ([False, True] if sampling else [False]):
-                self.exe.run("sample", functools.partial(sample_tokens, sampling=s), logits,
-                             self._dev(np.zeros(B), np.float32), self._dev(np.ones(B), np.float32),
-                             self._dev(np.zeros(B)), self._dev(np.zeros(B)), static=s)
+                _, self.sampling = self.exe.run(
+                    "sample", functools.partial(sample_slots, sampling=s), logits, self.sampling,
+                    self._dev_cached(np.full(B, pad, np.int32)), self._dev_cached(np.zeros(B, bool)),
+                    donate_argnums=(1,), static=s)
+        self.sampling = self.exe.run("start_request", start_request, self.sampling,
+                                     *self._devs(np.int32(pad), np.float32(0), np.float32(1), np.int32(0)),
+                                     donate_argnums=(0,))
         if self.decode_exe.graphs:
             for B in self.decode_buckets:
-                _, self.cache = self.call("decode", steps.decode_step, self.cache, self._dev(np.full(B, pad)),
-                                          self._dev(np.zeros(B)), decode=True, donate_argnums=(1,))
+                _, self.cache = self.call("decode", steps.decode_pending_step, self.cache, self.sampling.pending,
+                                          self._dev_cached(np.full(B, pad, np.int32)), decode=True,
+                                          donate_argnums=(1,))
             if self.speculative is not None:
                 k = self.speculative.num_draft + 1
                 for n in self.verify_buckets:
                     if self.mtp is not None:
                         self._mtp_drafts([], [pad] * n, {})
                     for s in ([False, True] if sampling else [False]):
-                        z = self._dev(np.zeros(n))
-                        self._verify(s, self._dev(np.full(n, pad)), self._dev(np.zeros((n, k))), z,
-                                     self._dev(np.zeros(n), np.float32), self._dev(np.ones(n), np.float32), z, z)
+                        self._verify(s, *self._devs(np.full(n, pad, np.int32), np.zeros((n, k), np.int32),
+                                                    np.zeros(n, np.int32), np.zeros(n, bool)))
         self.cache = self._state_op("zero_slot", steps.zero_slot, self.cache, self._dev(pad), donate_argnums=(0,))
         if self.prefix_cache is not None:
             state = self._state_op("slot_ssm_state", steps.slot_ssm_state, self.cache, self._dev(pad))
@@ -662,7 +751,7 @@ class Engine:
                                     top_p=top_p, seed=(seed * 1_000_003 + i) % 2**31, stop=stop, on_token=cb))
         self._run_until(rids, progress)
         reqs = [self.pop(rid) for rid in rids]
-        return [Generation(tokens=list(r.tokens), text=tok.decode(r.tokens) if as_text else None,
+        return [Generation(tokens=list(r.tokens), text=tok.decode(r.tokens)[:r.text_end] if as_text else None,
                            finish_reason=r.finish_reason) for r in reqs]
 
     def score(self, ids, lengths=None, *, progress: bool | None = False) -> np.ndarray:

@@ -49,7 +49,7 @@ def _placement(x) -> Hashable:
 
 def _signature(args: Sequence) -> tuple:
     leaves, tree = jax.tree_util.tree_flatten(args)
-    return tree, tuple((tuple(x.shape), str(x.dtype), _placement(x)) if hasattr(x, "shape")
+    return tree, tuple((tuple(x.shape), x.dtype, _placement(x)) if hasattr(x, "shape")
                        else ("python", type(x).__name__) for x in leaves)
 
 
@@ -83,6 +83,11 @@ class Executables:
             sig = _signature((arg,))
             hit = self._frozen[id(arg)] = (arg, self._signature_ids.setdefault(sig, len(self._signature_ids)))
         return hit[1]
+
+    def intern(self, obj: Hashable) -> int:
+        """A small id standing for a hashable object (equal objects, equal ids), e.g. a model's treedef, whose
+        static data (levers, config) the frozen leaves' signature does not show; pass it in `static`."""
+        return self._signature_ids.setdefault(("interned", obj), len(self._signature_ids))
 
     def run(self, entry: str, fn: Callable, *args, donate_argnums: tuple[int, ...] = (),
             slots: Iterable[int] = (), static: Hashable = None, frozen_argnums: tuple[int, ...] = ()):

@@ -33,6 +33,7 @@ from metrale_jax.errors import ConfigError
 from metrale_jax.layers.mtp import MtpCache
 from metrale_jax.layers.stack import DecodeRows, PrefillRows, run_blocks
 from metrale_jax.model import _logits, _rmsnorm, _token_logprobs, decode_step, prefill_hidden  # noqa: F401
+from metrale_jax.runtime.sampling import SlotSampling, record_tokens
 from metrale_jax.runtime.speculative import accept_drafts
 from metrale_jax.state.cache import ModelCache
 from metrale_jax.state.kv_pool import KvPool, KvSlotState
@@ -198,6 +199,25 @@ def verify_step(model, cache: ModelCache, slots, tokens, num_draft, temperature,
                             jnp.maximum(pos - 1, 0), k)
     carried = mtp.hidden.at[slots].set(hk[rows, accepted].astype(mtp.hidden.dtype))
     return out, accepted, new_cache, MtpCache(mkv, carried)
+
+
+def decode_pending_step(model, cache: ModelCache, pending, slots):
+    """`decode_step` on each slot's last sampled token (pending [S], sampling.SlotSampling.pending): the
+    engine's decode input never leaves the device. Returns (logits [B, V], cache)."""
+    return decode_step(model, cache, slots, pending[slots])
+
+
+def verify_sampled(model, cache: ModelCache, sampling: SlotSampling, slots, tokens, num_draft, live,
+                   mtp: MtpCache | None = None, *, sampling_rows: bool):
+    """`verify_step` with each slot's sampling parameters and stream taken from `sampling`, which records what
+    the live rows (live [n]) emitted: accepted + 1 tokens, the last one pending. Returns (out, accepted, cache,
+    sampling[, mtp])."""
+    res = verify_step(model, cache, slots, tokens, num_draft, sampling.temperature[slots], sampling.top_p[slots],
+                      sampling.seed[slots], sampling.counter[slots], mtp, sampling=sampling_rows)
+    out, accepted = res[0], res[1]
+    last = out[jnp.arange(out.shape[0]), accepted]
+    sampling = record_tokens(sampling, slots, last, jnp.where(live, accepted + 1, 0))
+    return (out, accepted, res[2], sampling, *res[3:])
 
 
 # ---- slot helpers -----------------------------------------------------------------------------

@@ -1,0 +1,156 @@
+"""End-to-end decode: what a user of Engine.generate gets, against the device step and the bytes floor.
+
+One row per (weights bf16 / fp8-block / nvfp4, Mamba state float32 / bfloat16, batch 1 / 8 / 32 / 64 / 256), on
+Nemotron-H-8B shapes with random weights (64-token prompts, 64 new tokens, greedy):
+- engine_tok_s: Engine.step() while every sequence decodes (host bookkeeping, sampling, read-back included);
+- device_tok_s: the engine's own decode and sample executables chained on the device (tokens never leave it);
+- floor_tok_s: batch / (bytes a step must read and write / the copy bandwidth measured in this run). Bytes:
+  every weight a decode step reads (prefill-only copies left out; of the embedding table one row per sequence),
+  each sequence's Mamba state read and written, its keys/values read (the positions it holds) and written;
+- kernels_per_step: GPU kernels per chained step, from a profiler trace (GPU only).
+
+    PYTHONPATH=. python benchmarks/bench_e2e_decode.py [--weights bf16,fp8-block,nvfp4] [--states float32,bfloat16]
+        [--batches 1,8,32,64,256] [--out benchmarks/results/e2e_decode.json]
+    CPU dry run: JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_e2e_decode.py --tiny --out /tmp/e2e.json
+The JSON holds the rows of this run only (`rows`), and the date, device and copy bandwidth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import functools
+import json
+import os
+import platform
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.bench_runtime import (CONFIG_8B, TINY, block, copy_bandwidth, decode_profile, decode_weight_bytes,
+                                      median_time, random_model)
+from metrale_jax.config import ModelConfig
+from metrale_jax.runtime import Engine, Executables, steps
+from metrale_jax.runtime.sampling import sample_slots
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+T0 = time.time()
+
+
+def log(*a):
+    print(f"[{time.time() - T0:7.1f}s]", *a, flush=True)
+
+
+def step_bytes(model, cache, batch: int, seq_len: int) -> int:
+    """Bytes one decode step of `batch` sequences holding seq_len tokens must move: the weights it reads (one
+    embedding row per sequence), each sequence's Mamba state read + written, keys/values read + one row written."""
+    emb = model.embeddings[...]
+    weights = decode_weight_bytes(model) - emb.nbytes + batch * emb.shape[1] * emb.dtype.itemsize
+    ssm = cache.ssm
+    state = 2 * (ssm.conv_state[:, 0].nbytes + ssm.ssm_state[:, 0].nbytes) if ssm.num_layers else 0
+    kv_row = 2 * cache.kv.k[:, 0, 0].nbytes if cache.kv.num_layers else 0
+    return weights + batch * (state + kv_row * (seq_len + 1))
+
+
+def engine_rate(eng: Engine, batch: int, prompt: int, new: int, rng) -> float:
+    """Decode tokens/s through Engine.step() once every prompt is in and its first token drawn."""
+    V = eng.model.config.vocab_size
+    for _ in range(batch):
+        eng.submit(rng.integers(0, V, prompt).tolist(), new)
+    while eng.queue or any(r.done < len(r.prompt) for r in eng.running.values()):
+        eng.step()
+    t, n0 = time.perf_counter(), eng.counters["decode_rows"]
+    while eng.has_work:
+        eng.step()
+    return (eng.counters["decode_rows"] - n0) / (time.perf_counter() - t)
+
+
+def chained_steps(eng: Engine, batch: int, chain: int):
+    """A function that runs `chain` decode + sample steps of the engine's executables over slots 0..batch-1,
+    each step's tokens feeding the next on the device."""
+    slots = jax.device_put(np.arange(batch, dtype=np.int32))
+    draw = jax.device_put(np.ones(batch, bool))
+    greedy = functools.partial(sample_slots, sampling=False)
+
+    def run():
+        for _ in range(chain):
+            logits, eng.cache = eng.call("decode", steps.decode_pending_step, eng.cache, eng.sampling.pending, slots,
+                                         decode=True, donate_argnums=(1,))
+            tokens, eng.sampling = eng.exe.run("sample", greedy, logits, eng.sampling, slots, draw,
+                                               donate_argnums=(1,), static=False)
+        return tokens
+
+    return run
+
+
+def bench_rows(model, weights: str, state: str, batches, sz, bw, exe, rows: list) -> None:
+    prompt, new, chain = sz["prompt"], sz["new"], sz["chain"]
+    bmax = max(batches)
+    pre = min(32, bmax)                                  # prefill rows per step: one prefill executable
+    eng = Engine(model, max_slots=bmax, max_len=prompt + new + 2 * chain + 2, batch_buckets=batches,
+                 prefill_batch_buckets=(pre,), token_buckets=(prompt,), prefill_token_budget=prompt * pre,
+                 executables=exe, eos_ids=[], ssm_state_dtype=state)
+    log(f"{weights} / {state}: warm-up compiles {eng.warmup()}")
+    rng = np.random.default_rng(0)
+    for B in batches:
+        engine_tok_s = engine_rate(eng, B, prompt, new, rng)
+        run = chained_steps(eng, B, chain)
+        block(run())                                     # the slots' lengths now run past the prompts
+        dev_s = median_time(run, reps=3) / chain
+        floor_s = step_bytes(model, eng.cache, B, prompt + new + chain) / bw
+        prof = decode_profile(chained_steps(eng, B, 2), 2, dev_s) if sz["profile"] else {"error": "off"}
+        row = {"weights": weights, "state_dtype": state, "batch": B, "device_tok_s": B / dev_s,
+               "engine_tok_s": engine_tok_s, "floor_tok_s": B / floor_s,
+               "kernels_per_step": prof.get("kernels_per_step"),
+               "engine_vs_device": engine_tok_s * dev_s / B, "device_vs_floor": floor_s / dev_s,
+               "step_bytes": int(floor_s * bw), "idle_us_per_step": prof.get("idle_us_per_step"),
+               "by_class_us": {k: round(v["us_per_step"], 1) for k, v in prof.get("by_class", {}).items()}}
+        rows.append(row)
+        log(f"{weights} / {state} B={B}: engine {engine_tok_s:,.0f} tok/s ({row['engine_vs_device']:.0%} of the "
+            f"device step), device {B / dev_s:,.0f} ({row['device_vs_floor']:.0%} of the floor "
+            f"{B / floor_s:,.0f}), {row['kernels_per_step']} kernels")
+
+
+SIZES = {"full": dict(prompt=64, new=64, chain=16, profile=True),
+         "tiny": dict(prompt=16, new=8, chain=4, profile=False)}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "e2e_decode.json"))
+    ap.add_argument("--tiny", action="store_true", help="tiny config and sizes (a CPU dry run)")
+    ap.add_argument("--weights", default="bf16,fp8-block,nvfp4")
+    ap.add_argument("--states", default="float32,bfloat16")
+    ap.add_argument("--batches", default=None, help="default 1,8,32,64,256 (tiny: 1,4,8)")
+    args = ap.parse_args()
+    sz = SIZES["tiny" if args.tiny else "full"]
+    config = ModelConfig.from_hf(TINY if args.tiny else CONFIG_8B)
+    batches = tuple(int(b) for b in (args.batches or ("1,4,8" if args.tiny else "1,8,32,64,256")).split(","))
+    bw = copy_bandwidth()
+    log(f"copy {bw / 1e9:,.0f} GB/s")
+    out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": str(jax.devices()[0]),
+           "jax": jax.__version__, "python": platform.python_version(), "copy_bytes_per_s": bw,
+           "config": "tiny" if args.tiny else "nemotron_h_8b", "sizes": sz, "rows": [], "errors": {}}
+    for weights in args.weights.split(","):
+        exe = Executables()
+        try:
+            log(f"building the {weights} model")
+            model = random_model(config, jnp.bfloat16, weights=weights)
+            for state in args.states.split(","):
+                bench_rows(model, weights, state, batches, sz, bw, exe, out["rows"])
+        except Exception as e:                           # keep the other rows
+            out["errors"][weights] = f"{type(e).__name__}: {e}"[:500]
+            traceback.print_exc()
+        model = None
+    out["wall_s"] = time.time() - T0
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as fh:
+        json.dump(out, fh, indent=1, default=str)
+    log(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
