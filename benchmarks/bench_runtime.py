@@ -1,10 +1,7 @@
 """Serving runtime throughput: the Engine (metrale_jax/runtime) on Nemotron-H-8B shapes with random BF16 weights.
 
-Sections (each against a floor or baseline measured in the same run):
-- decode: tokens/s at batch 1, 32, 256. "device" = the compiled decode step chained on the device (greedy
-  tokens fed back without a host round trip); "engine" = Engine.step() with every sequence decoding (host
-  bookkeeping, sampling and the token fetch included). Floor: (weight bytes + per-sequence state bytes
-  read and written + keys/values read) / the copy bandwidth measured here.
+Sections (each against a floor or baseline measured in the same run; decode throughput has its own benchmark,
+bench_e2e_decode.py, which uses this file's model builder, baselines and profile):
 - prefill: tokens/s of one T-token prompt through the compiled prefill step, against the bytes floor and
   the FLOPs floor (2 x matmul params x T + attention, at the bf16 matmul rate measured here).
 - ttft: time to first token for a prompt whose first P tokens are in the prefix cache (a hit: restore the
@@ -17,8 +14,8 @@ Sections (each against a floor or baseline measured in the same run):
   on the same prompts, drafting with the model's trained MTP head instead of n-gram lookup.
 Times: wall clock around block_until_ready; median of repeats; compiles happen in warm-up, never timed.
 
-    PYTHONPATH=. python benchmarks/bench_runtime.py [--out DIR] [--sections decode,prefill,ttft,spec,spec_builtin]
-        [--deadline SECONDS] [--weights bf16|fp8-block|nvfp4]
+    PYTHONPATH=. python benchmarks/bench_runtime.py [--out DIR] [--sections prefill,ttft,spec,spec_builtin]
+        [--deadline SECONDS] [--weights bf16|fp8-block|nvfp4]   (sections: prefill,ttft,spec,spec_builtin)
     CPU dry run (tiny config with every block kind, small sizes):
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_runtime.py --tiny --out /tmp/rt
 writes DIR/runtime_<date>.json (DIR default benchmarks/results).
@@ -28,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import os
 import platform
@@ -49,7 +45,6 @@ from metrale_jax.layers.projection import PREFILL_ONLY_ARMS, Projection
 from metrale_jax.model import NemotronH
 from metrale_jax.runtime import Engine, Executables, SpeculativeConfig, steps
 from metrale_jax.runtime.prefix_cache import tree_nbytes
-from metrale_jax.runtime.sampling import sample_tokens
 from metrale_jax.weights import quant_formats, quantize
 from metrale_jax.weights.containers import Fp8Weight, Nvfp4Weight, StackedExperts
 from pallas_kernels import registry
@@ -60,11 +55,10 @@ TINY = dict(vocab_size=256, hidden_size=64, hybrid_override_pattern="M*E-M-", ma
             ssm_state_size=16, n_groups=2, chunk_size=16, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
             intermediate_size=96, n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
             moe_shared_expert_intermediate_size=32, n_group=4, topk_group=2)
-SIZES = {  # decode batches / prompt / new tokens; prefill T = ttft prefix, + tail; spec batches / new tokens
-    "full": dict(batches=(1, 32, 256), profile_batches=(1, 32), prompt=64, new=64, prefix=2048, tail=64, spec_batches=(1, 8), spec_new=256,
-                 nominal_bw=4.8e12, nominal_flops=989e12),
-    "tiny": dict(batches=(1, 4, 8), profile_batches=(1,), prompt=16, new=8, prefix=64, tail=16, spec_batches=(1, 4), spec_new=24,
-                 nominal_bw=None, nominal_flops=None),
+SIZES = {  # spec prompt; prefill T = ttft prefix, + tail; spec batches / new tokens
+    "full": dict(prompt=64, prefix=2048, tail=64, spec_batches=(1, 8), spec_new=256, nominal_bw=4.8e12,
+                 nominal_flops=989e12),
+    "tiny": dict(prompt=16, prefix=64, tail=16, spec_batches=(1, 4), spec_new=24, nominal_bw=None, nominal_flops=None),
 }
 T0 = time.time()
 
@@ -156,65 +150,6 @@ def state_bytes_per_seq(cache, seq_len: int) -> dict:
 
 
 # ---- sections ---------------------------------------------------------------------------------------
-def bench_decode(model, sz, exe, bw, out):
-    """Prefill B prompts, then time the decode steps: through Engine.step and chained on the device."""
-    batches, prompt, new = sz["batches"], sz["prompt"], sz["new"]
-    Bmax, chain = max(batches), 16
-    pre = min(32, Bmax)                                    # prefill rows per step (one prefill executable)
-    eng = Engine(model, max_slots=Bmax, max_len=prompt + new + 3 * chain + 1, batch_buckets=batches,
-                 prefill_batch_buckets=(pre,), token_buckets=(prompt,), prefill_token_budget=prompt * pre,
-                 executables=exe, eos_ids=[])
-    log(f"decode: warm-up compiles {eng.warmup()}")
-    wbytes = decode_weight_bytes(model)
-    rng = np.random.default_rng(0)
-    V = model.config.vocab_size
-    greedy = functools.partial(sample_tokens, sampling=False)
-    res = {}
-    for B in batches:
-        for _ in range(B):
-            eng.submit(rng.integers(0, V, prompt).tolist(), new)
-        while eng.queue or any(r.pending is None for r in eng.running.values()):
-            eng.step()                                     # every prompt prefilled and its first token out
-        t, n0 = time.perf_counter(), eng.counters["decode_rows"]
-        while eng.has_work:
-            eng.step()
-        engine_s = time.perf_counter() - t
-        rows = eng.counters["decode_rows"] - n0
-        engine_step = engine_s / max(rows / B, 1)
-        # the compiled step chained on the device over the same (now released) slots
-        slots = jax.device_put(np.arange(B, dtype=np.int32))
-        tok = jax.device_put(rng.integers(0, V, B).astype(np.int32))
-        z, zi = jax.device_put(np.zeros(B, np.float32)), jax.device_put(np.zeros(B, np.int32))
-
-        def chained():
-            nonlocal tok
-            for _ in range(chain):
-                logits, eng.cache = eng.call("decode", steps.decode_step, eng.cache, slots, tok, decode=True,
-                                             donate_argnums=(1,))
-                tok = exe.run("sample", greedy, logits, z, z, zi, zi, static=False)
-            return tok
-
-        block(chained())                                   # max_len has room for three chains
-        dev_s = median_time(chained, reps=1) / chain
-        profile = decode_profile(chained, chain, dev_s) if B in sz["profile_batches"] else None
-        per = state_bytes_per_seq(eng.cache, prompt + new)
-        floor_s = (wbytes + B * sum(per.values())) / bw
-        kv_pool_read = per["kv_write"] * eng.cache.max_len          # decode attends over the slot's whole row
-        res[B] = {"device_step_s": dev_s, "device_tokens_per_s": B / dev_s, "engine_step_s": engine_step,
-                  "engine_tokens_per_s": rows / engine_s, "floor_step_s": floor_s,
-                  "device_vs_floor": floor_s / dev_s, "engine_vs_floor": floor_s / engine_step,
-                  "state_bytes_per_seq": per, "kv_bytes_read_per_seq_actual": kv_pool_read}
-        log(f"decode B={B}: device {B / dev_s:,.0f} tok/s ({floor_s / dev_s:.0%} of the bytes floor), "
-            f"engine {rows / engine_s:,.0f} tok/s ({floor_s / engine_step:.0%})")
-        if profile is not None:
-            res[B]["profile"] = profile
-            log(f"decode B={B} profile: " + (profile.get("error") or ", ".join(
-                f"{k} {v['us_per_step']:.0f} us" for k, v in profile["by_class"].items())
-                + f"; {profile['kernels_per_step']:.0f} kernels, idle {profile['idle_us_per_step']:.0f} us per step"))
-    out["decode"] = {"weight_bytes": wbytes, "prompt": prompt, "new_tokens": new, "max_len": eng.cache.max_len,
-                     "by_batch": res}
-
-
 KERNEL_CLASSES = (  # (class, substrings of a kernel name), first match wins
     # Mosaic kernels reach the trace as `anonymous_mosaic_gpu_kernel`; at decode they are the projection GEMVs
     ("projections (Pallas)", ("gemv", "w8a16", "w4a16", "w4a4", "fp8_gemm", "quantize_rows", "mosaic_gpu")),
@@ -390,7 +325,7 @@ def main():
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--tiny", action="store_true", help="tiny config and sizes (a CPU dry run)")
     ap.add_argument("--config", default=CONFIG_8B, help="HF config.json (default: Nemotron-H-8B shapes)")
-    ap.add_argument("--sections", default="decode,prefill,ttft,spec,spec_builtin")
+    ap.add_argument("--sections", default="prefill,ttft,spec,spec_builtin")
     ap.add_argument("--deadline", type=float, default=float("inf"), help="skip sections that start after this")
     ap.add_argument("--weights", default="bf16", choices=("bf16", "fp8-block", "nvfp4"),
                     help="linear weights: BF16, block-scaled FP8 (the FP8 arms) or NVFP4 (the W4A16 arms)")
@@ -417,8 +352,7 @@ def main():
                         "nominal_flops_per_s": sz["nominal_flops"]}
     log(f"copy {bw / 1e9:,.0f} GB/s, matmul {flops / 1e12:,.1f} TFLOP/s")
     exe = Executables()
-    sections = {"decode": lambda: bench_decode(model, sz, exe, bw, out),
-                "prefill": lambda: bench_prefill(model, sz, exe, bw, flops, out),
+    sections = {"prefill": lambda: bench_prefill(model, sz, exe, bw, flops, out),
                 "ttft": lambda: bench_ttft(model, sz, exe, out),
                 "spec": lambda: bench_spec(model, sz, exe, out),
                 "spec_builtin": lambda: bench_spec_builtin(sz, out)}

@@ -3,8 +3,8 @@
 # random BF16 weights; optionally the runtime tests on the GPU first. Logs and the JSON go to $OUT (the device
 # tool's folder) or ./gpu_out.
 #   tools/gpu_bench_runtime.sh [BENCH_DEADLINE_S] [TEST_TIMEOUT_S (0 = no tests)] [extra bench args...]
-# e.g. tools/gpu_bench_runtime.sh 480 0 --sections decode,ttft
-# Expect roughly 25 compiles of the 52-block model (decode 8, prefill + ttft 9, spec 8); sections that start
+# e.g. tools/gpu_bench_runtime.sh 480 0 --sections prefill,ttft
+# Expect roughly 17 compiles of the 52-block model (prefill + ttft 9, spec 8); sections that start
 # after the deadline are skipped and recorded as such in the JSON.
 set -o pipefail
 OUT=${OUT:-gpu_out}

@@ -18,6 +18,8 @@ timeout 120 python3 tools/w4a4_decode.py --out "$W/w4a4" > "$W/w4a4/log.txt" 2>&
 timeout 240 python3 benchmarks/bench_prefill.py --nvfp4 --no-triton --out "$W/prefill" --tag "${TAG:-nvfp4}" \
     --deadline "${PREFILL_DEADLINE:-110}" ${PREFILL_ARGS:-} > "$W/prefill/log.txt" 2>&1; grep " us x" "$W/prefill/log.txt" | cut -c1-160
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout 240 python3 benchmarks/bench_runtime.py --out "$W/runtime" \
-    --weights nvfp4 --sections "${RUNTIME_SECTIONS:-decode,prefill}" --deadline 170 > "$W/runtime/log.txt" 2>&1
-grep "decode B=\|prefill T=\|Error" "$W/runtime/log.txt" | head
+    --weights nvfp4 --sections "${RUNTIME_SECTIONS:-prefill}" --deadline 170 > "$W/runtime/log.txt" 2>&1
+XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout 240 python3 benchmarks/bench_e2e_decode.py --weights nvfp4 \
+    --states float32 --batches 1,32,256 --out "$W/runtime/e2e_decode.json" >> "$W/runtime/log.txt" 2>&1
+grep "B=\|prefill T=\|Error" "$W/runtime/log.txt" | head
 tar czf "$OUT/nvfp4.tgz" -C "$W" .

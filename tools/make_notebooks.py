@@ -608,8 +608,9 @@ KERNELS = [
     ### Tensor-parallel scaling and the whole model
 
     `bench_tp.py`: the Nemotron-H-8B shapes with random BF16 weights on 1 and 2 GPUs (one all-reduce per block).
-    `bench_runtime.py`: one GPU, decode throughput against batch (the compiled step alone, and the engine's whole
-    step with host work) and time to first token with a prefix-cache hit or miss.
+    `bench_e2e_decode.py`: one GPU, decode throughput against batch: what `Engine.generate` delivers, the compiled
+    decode step chained on the device, and the bytes floor (float32 Mamba state here; `e2e_decode.json` also holds
+    the bfloat16-state rows).
     """),
     code("""
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4))
@@ -635,22 +636,21 @@ KERNELS = [
     ax1.set_title(f"tensor parallel, {t.get('device')} ({t.get('dtype')})")
     ax1.legend()
 
-    r_name, r = latest({k: v for k, v in runtime.items() if v.get("decode")})     # the newest run with decode
-    by_batch = r.get("decode", {}).get("by_batch", {})
-    batches = sorted(by_batch, key=int)
-    for key, label in (("device_tokens_per_s", "compiled decode step"), ("engine_tokens_per_s", "engine step")):
-        ax2.plot([int(b) for b in batches], [by_batch[b][key] for b in batches], "o-", label=label)
+    e2e_path = os.path.join(RESULTS, "e2e_decode.json")
+    e2e = json.load(open(e2e_path)) if os.path.exists(e2e_path) else {"rows": []}
+    rows = [row for row in e2e["rows"] if row["state_dtype"] == "float32"]
+    for i, w in enumerate(dict.fromkeys(row["weights"] for row in rows)):
+        mine = sorted((row for row in rows if row["weights"] == w), key=lambda row: row["batch"])
+        b = [row["batch"] for row in mine]
+        ax2.plot(b, [row["engine_tok_s"] for row in mine], "o-", color=f"C{i}", label=f"{w}: Engine")
+        ax2.plot(b, [row["device_tok_s"] for row in mine], "x--", color=f"C{i}", label=f"{w}: device step")
+        ax2.plot(b, [row["floor_tok_s"] for row in mine], ":", color=f"C{i}", label=f"{w}: bytes floor")
     ax2.set_xscale("log", base=2)
     ax2.set_yscale("log")
     ax2.set_xlabel("batch")
     ax2.set_ylabel("tokens/s (log)")
-    ttft = r.get("ttft", {})
-    title = f"decode throughput, 1 GPU, {r.get('weights', 'bf16')} weights ({r_name})"
-    if ttft:
-        title += f"\\nTTFT {ttft['prefix_tokens']}-token prefix: hit {ttft['hit_s'] * 1e3:.1f} ms, " \\
-                 f"miss {ttft['miss_s'] * 1e3:.1f} ms"
-    ax2.set_title(title, fontsize=10)
-    ax2.legend()
+    ax2.set_title(f"decode, 1 GPU, float32 Mamba state ({str(e2e.get('date', 'no run'))[:10]})", fontsize=10)
+    ax2.legend(fontsize=7)
     fig.tight_layout()
     plt.show()
     print("tensor-parallel speedups:", t.get("ratios"))

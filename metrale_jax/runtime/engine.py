@@ -367,6 +367,13 @@ class Engine:
         self.counters["steps"] += 1
         return self._finished
 
+    def _later(self, arrays: tuple, handle: Callable) -> None:
+        """Hand `arrays` (results of work just dispatched) to handle(*host arrays) when they are read back; their
+        copy to the host is queued now, behind the work that makes them and ahead of the next step's."""
+        for a in arrays:
+            a.copy_to_host_async()
+        self._inflight.append((arrays, handle))
+
     def _read_back(self, n: int) -> None:
         """Read back the n oldest dispatched results (blocking on each) and hand them to their handlers."""
         for _ in range(n):
@@ -498,7 +505,7 @@ class Engine:
         rows = [(b, r) for b, (r, d) in enumerate(zip(group, draw)) if d]
         for _, r in rows:
             r.drawn += 1
-        self._inflight.append(((tokens,), lambda toks: [self._emit(r, [toks[b]]) for b, r in rows]))
+        self._later((tokens,), lambda toks: [self._emit(r, [toks[b]]) for b, r in rows])
 
     # ---- decode --------------------------------------------------------------------------------
     def _decode(self, reqs: list[Request]) -> None:
@@ -644,7 +651,7 @@ class Engine:
                 else:
                     draw[b] = True                     # the prompt is in: its first token
         if scored:
-            self._inflight.append(((out.target_logprobs,), lambda lp: self._scored(lp, scored)))
+            self._later((out.target_logprobs,), lambda lp: self._scored(lp, scored))
         if draw.any():
             self._sample(out.logits, [r for r, _ in rows], args[1], draw)
 
