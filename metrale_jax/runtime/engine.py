@@ -27,6 +27,7 @@ import collections
 import dataclasses
 import functools
 import time
+import typing
 from collections.abc import Callable, Sequence
 
 import jax
@@ -75,6 +76,28 @@ class Request:
     t_done: float | None = None
 
 
+@dataclasses.dataclass
+class _Chunk:
+    """One prefill chunk's plan: rows (request, tokens of it in this chunk), captures (row, request, cut point),
+    whether a row scores, and whether the snapshots are taken in the pass (replay tail) or after it."""
+
+    rows: list
+    captures: list
+    scoring: bool
+    in_pass: bool
+
+
+class _ChunkInputs(typing.NamedTuple):
+    """steps.prefill_step's inputs after the cache, on the device."""
+
+    slots: jax.Array
+    ids: jax.Array
+    lengths: jax.Array
+    cuts: jax.Array | None = None
+    capture_rows: jax.Array | None = None
+    targets: jax.Array | None = None
+
+
 def _groups(items: list, size: int):
     return [items[i:i + size] for i in range(0, len(items), size)]
 
@@ -85,6 +108,23 @@ def _powers(lo: int, hi: int) -> tuple[int, ...]:
         out.append(b)
         b *= 2
     return tuple(out) + (hi,)
+
+
+def _buckets(name: str, given, default) -> tuple[int, ...]:
+    b = tuple(sorted({int(x) for x in (default if given is None else given)}))
+    if not b or b[0] < 1:
+        raise ConfigError(name, f"expected positive sizes, got {given}")
+    return b
+
+
+def _sizes(levers, max_slots: int, max_len: int, prefill_token_budget: int | None) -> tuple[int, int]:
+    """(prefill token budget, max_len) checked: the budget defaults to the model's levers."""
+    budget = levers.prefill_token_budget if prefill_token_budget is None else int(prefill_token_budget)
+    if budget < 1:
+        raise ConfigError("prefill_token_budget", f"must be >= 1, got {budget}")
+    if max_slots < 1 or max_len < 1:
+        raise ConfigError("max_slots", f"need max_slots >= 1 and max_len >= 1, got {max_slots}, {max_len}")
+    return budget, int(max_len)
 
 
 def _on_mesh(model, mesh):
@@ -140,6 +180,7 @@ class Engine:
                  executables: Executables | None = None, decode_executables: Executables | None = None,
                  compiler_options=None, mesh=None, ssm_state_dtype: str | None = None):
         self.model = model = _on_mesh(model, mesh)
+        self.caps = model.capabilities                 # the layers' flags; the engine acts on them where noted
         self.tp = getattr(model, "tp", None)
         # host inputs go in replicated over the mesh (their sharding is part of an executable's key)
         self._replicated = None if self.tp is None else self.tp.sharding(P())
@@ -148,68 +189,20 @@ class Engine:
         # the weights as one flat list: a Module's own pytree flatten costs milliseconds per step at 50 blocks
         self._params, self._treedef = jax.tree_util.tree_flatten(model)
         self._model_keys: dict[int, int] = {}           # id(executables) -> the treedef's interned id there
-        self.caps = caps = model.capabilities
-        levers = model.levers
-        budget = levers.prefill_token_budget if prefill_token_budget is None else int(prefill_token_budget)
-        if budget < 1:
-            raise ConfigError("prefill_token_budget", f"must be >= 1, got {budget}")
-        if max_slots < 1 or max_len < 1:
-            raise ConfigError("max_slots", f"need max_slots >= 1 and max_len >= 1, got {max_slots}, {max_len}")
-        self.budget = budget
-        self.max_len = int(max_len)
+        self.budget, self.max_len = _sizes(model.levers, max_slots, max_len, prefill_token_budget)
         self.cache = model.new_cache(max_slots, max_len, ssm_state_dtype=ssm_state_dtype)
         self.sampling = jax.device_put(SlotSampling.create(self.cache.num_slots), self._replicated)
         self._inflight: collections.deque = collections.deque()   # (device arrays, handler) not read back yet
         self.allocator = SlotAllocator(self.cache.num_slots)
         self.pad = self.cache.padding_slot
-
-        self.batch_buckets = self._buckets("batch_buckets", batch_buckets, _powers(1, bucket(max_slots)))
-        top = bucket(min(budget, max_len))
-        self.token_buckets = self._buckets("token_buckets", token_buckets, _powers(min(min_token_bucket, top), top))
-        self.prefill_buckets = self._buckets("prefill_batch_buckets", prefill_batch_buckets, self.batch_buckets)
-        self.decode_buckets = (1,) if caps.multi_seq_per_sequence else self.batch_buckets
-        self.verify_buckets = (1,) if caps.verify_per_sequence else self.batch_buckets
-
-        graphs = levers.graphs
-        self.exe = executables or Executables(graphs=graphs, compiler_options=compiler_options)
-        if caps.decode_graph_veto or not graphs:
-            self.decode_exe = Executables(graphs=False)
-        else:
-            self.decode_exe = decode_executables or self.exe
-
-        self.prefix_cache = None
-        self.replay_tail = caps.replay_tail_capture
+        self._init_buckets(max_slots, batch_buckets, token_buckets, prefill_batch_buckets, min_token_bucket)
+        self._init_executables(executables, decode_executables, compiler_options)
+        self.replay_tail = self.caps.replay_tail_capture    # every layer: in-pass capture, else two passes
         self.capture_rows = int(capture_rows)
-        if prefix_cache_bytes:
-            chunk = levers.ssm_chunk_size(model.config)
-            block = chunk if prefix_block is None else int(prefix_block)
-            if block < 1 or block % chunk:
-                raise ConfigError("prefix_block", f"must be a positive multiple of the SSD chunk size {chunk}, "
-                                                  f"got {block}")
-            if caps.has_aux_state:
-                raise ConfigError("prefix_cache_bytes", "a layer carries aux state (has_aux_state), which "
-                                                        "snapshots do not hold yet; turn the prefix cache off")
-            if any(getattr(l, "uses_local_mla_prefill", False) for l in model.layers):
-                raise ConfigError("prefix_cache_bytes", "a layer's prefill attends only to its own tokens "
-                                                        "(uses_local_mla_prefill); a prefix skip would hide "
-                                                        "the prefix from it")
-            if self.capture_rows < 1:
-                raise ConfigError("capture_rows", f"must be >= 1, got {capture_rows}")
-            self.prefix_cache = PrefixCache(block, prefix_cache_bytes)
-
+        self.prefix_cache = self._make_prefix_cache(prefix_cache_bytes, prefix_block)
         self.speculative = speculative
-        self.drafter = None
-        if speculative is not None:
-            if caps.rollback_unsupported:
-                raise ConfigError("speculative", "a layer declines rollback (decode_rollback_unsupported); "
-                                                 "speculative decoding commits an earlier state")
-            self.drafter = make_drafter(model, speculative) if drafter is None else drafter
-        elif drafter is not None:
-            raise ConfigError("drafter", "a drafter needs speculative=SpeculativeConfig(...) (num_draft)")
-        self.mtp = None                                # the MTP head's state, with MTP drafting
-        if isinstance(self.drafter, MtpDrafter):
-            self.mtp = model.new_mtp_cache(max_slots, max_len)
-
+        self.drafter = self._make_drafter(speculative, drafter)
+        self.mtp = model.new_mtp_cache(max_slots, max_len) if isinstance(self.drafter, MtpDrafter) else None
         self.eos_ids = frozenset(model.eos_ids() if eos_ids is None else (int(e) for e in eos_ids))
         self.queue: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}          # slot -> request, in admission order
@@ -219,11 +212,56 @@ class Engine:
         self._finished: list[int] = []
         self.counters = collections.Counter()
 
-    def _buckets(self, name: str, given, default) -> tuple[int, ...]:
-        b = tuple(sorted({int(x) for x in (default if given is None else given)}))
-        if not b or b[0] < 1:
-            raise ConfigError(name, f"expected positive sizes, got {given}")
-        return b
+    def _init_buckets(self, max_slots: int, batch_buckets, token_buckets, prefill_batch_buckets,
+                      min_token_bucket: int) -> None:
+        """The padded shapes steps compile for; a layer without batched decode / verify gets batches of one."""
+        self.batch_buckets = _buckets("batch_buckets", batch_buckets, _powers(1, bucket(max_slots)))
+        top = bucket(min(self.budget, self.max_len))
+        self.token_buckets = _buckets("token_buckets", token_buckets, _powers(min(min_token_bucket, top), top))
+        self.prefill_buckets = _buckets("prefill_batch_buckets", prefill_batch_buckets, self.batch_buckets)
+        self.decode_buckets = (1,) if self.caps.multi_seq_per_sequence else self.batch_buckets
+        self.verify_buckets = (1,) if self.caps.verify_per_sequence else self.batch_buckets
+
+    def _init_executables(self, executables, decode_executables, compiler_options) -> None:
+        """The registries: decode / verify run eagerly when a layer vetoes graphs (or levers turn them off)."""
+        graphs = self.model.levers.graphs
+        self.exe = executables or Executables(graphs=graphs, compiler_options=compiler_options)
+        if self.caps.decode_graph_veto or not graphs:
+            self.decode_exe = Executables(graphs=False)
+        else:
+            self.decode_exe = decode_executables or self.exe
+
+    def _make_prefix_cache(self, nbytes: int, block: int | None) -> PrefixCache | None:
+        """A prefix cache of `nbytes` snapshotting every `block` tokens (default the SSD chunk), or None; refused
+        when a layer's state or prefill would make a snapshot wrong."""
+        if not nbytes:
+            return None
+        chunk = self.model.levers.ssm_chunk_size(self.model.config)
+        block = chunk if block is None else int(block)
+        if block < 1 or block % chunk:
+            raise ConfigError("prefix_block", f"must be a positive multiple of the SSD chunk size {chunk}, got {block}")
+        if self.caps.has_aux_state:
+            raise ConfigError("prefix_cache_bytes", "a layer carries aux state (has_aux_state), which snapshots do "
+                                                    "not hold yet; turn the prefix cache off")
+        if any(getattr(l, "uses_local_mla_prefill", False) for l in self.model.layers):
+            raise ConfigError("prefix_cache_bytes", "a layer's prefill attends only to its own tokens "
+                                                    "(uses_local_mla_prefill); a prefix skip would hide the prefix "
+                                                    "from it")
+        if self.capture_rows < 1:
+            raise ConfigError("capture_rows", f"must be >= 1, got {self.capture_rows}")
+        return PrefixCache(block, nbytes)
+
+    def _make_drafter(self, speculative: SpeculativeConfig | None, drafter):
+        """The drafter speculative decoding uses (the config's, or the one given), or None without speculation;
+        refused when a layer declines rollback."""
+        if speculative is None:
+            if drafter is not None:
+                raise ConfigError("drafter", "a drafter needs speculative=SpeculativeConfig(...) (num_draft)")
+            return None
+        if self.caps.rollback_unsupported:
+            raise ConfigError("speculative", "a layer declines rollback (decode_rollback_unsupported); "
+                                             "speculative decoding commits an earlier state")
+        return make_drafter(self.model, speculative) if drafter is None else drafter
 
     def _dev(self, x, dtype=np.int32):
         """A host array onto the device (replicated over the model's mesh)."""
@@ -589,9 +627,19 @@ class Engine:
         return m
 
     def _prefill(self, reqs: list[Request]) -> None:
-        budget, rows = self.budget, []
+        """One prefill chunk for the waiting prompts (in order, under the token budget): planned, dispatched,
+        then its snapshots inserted and the first tokens of the prompts it completes drawn."""
+        chunk = self._plan_chunk(reqs)
+        entry, inputs = self._chunk_inputs(chunk)
+        out = self._prefill_call(entry, inputs, slots=[r.slot for r, _ in chunk.rows])
+        self.counters["prefill_tokens"] += sum(n for _, n in chunk.rows)
+        self._insert_snapshots(chunk, out)
+        self._after_chunk(chunk, out, inputs.slots)
+
+    def _plan_chunk(self, reqs: list[Request]) -> _Chunk:
+        """Which prompts go into this chunk and how many tokens of each; where a snapshot is cut."""
+        budget, rows, captures = self.budget, [], []
         max_rows, max_tokens = self.prefill_buckets[-1], self.token_buckets[-1]
-        captures = []                                  # (row, request, cut point)
         for r in reqs:
             if budget <= 0 or len(rows) == max_rows:
                 break
@@ -606,42 +654,50 @@ class Engine:
         scoring = any(r.score for r, _ in rows)
         if scoring and self.replay_tail:
             captures = []                              # one variant fewer: no in-pass capture beside scoring
-        B = pick_bucket(len(rows), self.prefill_buckets, "prefill batch")
-        T = pick_bucket(max(n for _, n in rows), self.token_buckets, "prefill chunk")
-        ids = np.zeros((B, T), np.int32)
-        lengths = np.zeros(B, np.int32)
+        return _Chunk(rows, captures, scoring, in_pass=bool(captures) and self.replay_tail)
+
+    def _chunk_inputs(self, chunk: _Chunk) -> tuple[str, _ChunkInputs]:
+        """The chunk's padded device inputs and the executable's entry name (capture and scoring variants)."""
+        B = pick_bucket(len(chunk.rows), self.prefill_buckets, "prefill batch")
+        T = pick_bucket(max(n for _, n in chunk.rows), self.token_buckets, "prefill chunk")
+        ids, lengths = np.zeros((B, T), np.int32), np.zeros(B, np.int32)
         slots = np.full(B, self.pad, np.int32)
-        for b, (r, n) in enumerate(rows):
+        for b, (r, n) in enumerate(chunk.rows):
             ids[b, :n] = r.prompt[r.done:r.done + n]
             lengths[b], slots[b] = n, r.slot
-        args = [self.cache, self._dev_cached(slots), self._dev(ids), self._dev(lengths), None, None, None]
+        inputs = _ChunkInputs(self._dev_cached(slots), self._dev(ids), self._dev(lengths))
         entry = "prefill"
-        in_pass = bool(captures) and self.replay_tail
-        if in_pass:
-            cuts = lengths.copy()
-            capture_rows = np.zeros(self.capture_rows, np.int32)
-            for c, (b, r, m) in enumerate(captures):
-                cuts[b], capture_rows[c] = m - r.done, b
-            args[4:6] = self._dev(cuts), self._dev(capture_rows)
+        if chunk.in_pass:
+            cuts, rows = lengths.copy(), np.zeros(self.capture_rows, np.int32)
+            for c, (b, r, m) in enumerate(chunk.captures):
+                cuts[b], rows[c] = m - r.done, b
+            inputs = inputs._replace(cuts=self._dev(cuts), capture_rows=self._dev(rows))
             entry = "prefill_capture"
-        if scoring:
+        if chunk.scoring:
             targets = np.zeros((B, T), np.int32)
-            for b, (r, n) in enumerate(rows):
+            for b, (r, n) in enumerate(chunk.rows):
                 nxt = r.prompt[r.done + 1:r.done + n + 1]
                 targets[b, :len(nxt)] = nxt
-            args[6] = self._dev(targets)
+            inputs = inputs._replace(targets=self._dev(targets))
             entry += "_score"
-        out = self._prefill_call(entry, *args, slots=slots[:len(rows)])
-        self.counters["prefill_tokens"] += int(lengths.sum())
-        for c, (b, r, m) in enumerate(captures):
-            state = out.captured[c] if in_pass else self._slot_state(r.slot)
+        return entry, inputs
+
+    def _insert_snapshots(self, chunk: _Chunk, out: steps.PrefillOut) -> None:
+        """Each capture's state at its cut into the prefix cache (from the pass, or read from the slot after a
+        two-pass chunk that ended at the cut)."""
+        for c, (b, r, m) in enumerate(chunk.captures):
+            state = out.captured[c] if chunk.in_pass else self._slot_state(r.slot)
             mtp = {}
             if self.mtp is not None:                   # the hidden state at position m-1, the MTP blocks before it
-                hidden = out.captured_hidden[c] if in_pass else self._mtp_hidden(r.slot)
+                hidden = out.captured_hidden[c] if chunk.in_pass else self._mtp_hidden(r.slot)
                 mtp = dict(mtp_hidden=hidden, mtp_block=functools.partial(self._mtp_block, r.slot))
             self.prefix_cache.insert(r.prompt[:m], state, functools.partial(self._kv_block, r.slot), **mtp)
-        draw, scored = np.zeros(B, bool), []
-        for b, (r, n) in enumerate(rows):
+
+    def _after_chunk(self, chunk: _Chunk, out: steps.PrefillOut, slots) -> None:
+        """Advance each prompt; scoring rows get their log-probs (read back later), a completed prompt its first
+        token (drawn on the device), a request for no new tokens its end."""
+        draw, scored = np.zeros(slots.shape[0], bool), []
+        for b, (r, n) in enumerate(chunk.rows):
             if r.score:
                 scored.append((b, r, min(n, len(r.prompt) - 1 - r.done), r.done + n == len(r.prompt)))
             r.done += n
@@ -649,11 +705,11 @@ class Engine:
                 if r.max_new_tokens == 0:
                     self._finish(r, "length")
                 else:
-                    draw[b] = True                     # the prompt is in: its first token
+                    draw[b] = True
         if scored:
             self._later((out.target_logprobs,), lambda lp: self._scored(lp, scored))
         if draw.any():
-            self._sample(out.logits, [r for r, _ in rows], args[1], draw)
+            self._sample(out.logits, [r for r, _ in chunk.rows], slots, draw)
 
     def _scored(self, lp: np.ndarray, scored: list) -> None:
         """A prefill chunk's log-probs read back: each scoring row keeps those of its real next tokens."""
@@ -662,12 +718,13 @@ class Engine:
             if last:
                 self._finish(r, "score")
 
-    def _prefill_call(self, entry: str, *args, slots=()):
+    def _prefill_call(self, entry: str, inputs: _ChunkInputs, slots=()) -> steps.PrefillOut:
         """steps.prefill_step on self.cache (and self.mtp with MTP drafting, both donated); keeps the new state."""
         if self.mtp is None:
-            out = self.call(entry, steps.prefill_step, *args, donate_argnums=(1,), slots=slots)
+            out = self.call(entry, steps.prefill_step, self.cache, *inputs, donate_argnums=(1,), slots=slots)
         else:
-            out = self.call(entry, steps.prefill_step, *args, self.mtp, donate_argnums=(1, 8), slots=slots)
+            out = self.call(entry, steps.prefill_step, self.cache, *inputs, self.mtp, donate_argnums=(1, 8),
+                            slots=slots)
             self.mtp = out.mtp
         self.cache = out.cache
         return out
@@ -695,7 +752,7 @@ class Engine:
                 if score:
                     variants.append(("prefill_score", None, None, self._dev(np.zeros((B, T)))))
                 for entry, cuts, rows, targets in variants:
-                    self._prefill_call(entry, self.cache, slots, ids, lengths, cuts, rows, targets)
+                    self._prefill_call(entry, _ChunkInputs(slots, ids, lengths, cuts, rows, targets))
         V = self.model.config.vocab_size
         for B in sorted(set(self.prefill_buckets) | set(self.decode_buckets)):
             logits = jax.device_put(np.zeros((B, V), np.float32), self._logits_sharding)
