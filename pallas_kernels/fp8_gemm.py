@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from metrale_jax.errors import ShapeError
-from metrale_jax.weights.quant_formats import FP8_BLOCK, fp8_dequantized, fp8_groups
+from pallas_kernels.errors import ShapeError
+from pallas_kernels.formats import FP8_BLOCK, fp8_dequantized, fp8_groups
 from pallas_kernels import registry
 from pallas_kernels.triton_util import compiler_params, dot
 from pallas_kernels.w8a16 import (QuantBlocks, check_activations, check_array, fit_blocks, grid_ids, matmul_f32,

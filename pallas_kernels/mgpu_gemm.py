@@ -34,8 +34,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from metrale_jax.errors import ShapeError
-from metrale_jax.weights.quant_formats import E4M3_MAX, FP8_BLOCK, Fp8Activations, fp8_groups
+from pallas_kernels.errors import ShapeError
+from pallas_kernels.formats import E4M3_MAX, FP8_BLOCK, Fp8Activations, fp8_groups
 from pallas_kernels import registry
 from pallas_kernels.fp8_gemm import _check_fp8_rows, fp8_gemm_t_reference
 from pallas_kernels.w8a16 import _check_w8a16, w8a16_pipelined_reference

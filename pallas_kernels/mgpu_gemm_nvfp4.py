@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from metrale_jax.errors import ShapeError
+from pallas_kernels.errors import ShapeError
 from pallas_kernels import registry
 from pallas_kernels.mgpu_gemm import _num_sms
 from pallas_kernels.mgpu_gemv import E2M1_A_SHIFT, _nibble_f32, _tf, e2m1x4_to_bf16_asm

@@ -53,8 +53,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from metrale_jax.errors import ShapeError
-from metrale_jax.weights.quant_formats import FP8_BLOCK
+from pallas_kernels.errors import ShapeError
+from pallas_kernels.formats import FP8_BLOCK
 from pallas_kernels import registry
 from pallas_kernels.w4a16 import check_nvfp4_args, w4a16_reference
 from pallas_kernels.w8a16 import H200_SMS, _check_w8a16, w8a16_reference

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from metrale_jax.weights.quant_formats import (E4M3_MAX, FP8_BLOCK, Fp8Activations, quantize_rows_fp8,
+from pallas_kernels.formats import (E4M3_MAX, FP8_BLOCK, Fp8Activations, quantize_rows_fp8,
                                               quantize_rows_fp8_blocks)
 from pallas_kernels import registry
 from pallas_kernels.norms import gated_rmsnorm_reference, rmsnorm_reference

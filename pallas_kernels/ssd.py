@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from metrale_jax.errors import ShapeError
+from pallas_kernels.errors import ShapeError
 from pallas_kernels import registry
 from pallas_kernels.triton_util import (check_floating, check_shape, compiler_params, dot, dot_dtype, next_pow2,
                                         softplus)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from metrale_jax.errors import ShapeError
+from pallas_kernels.errors import ShapeError
 from pallas_kernels import registry
 from pallas_kernels.ssd import process_dt
 from pallas_kernels.triton_util import (check_columns, check_floating, check_shape, columns, compiler_params,

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from metrale_jax.errors import ShapeError
-from metrale_jax.weights.quant_formats import NVFP4_GROUP, dequantize_nvfp4
+from pallas_kernels.errors import ShapeError
+from pallas_kernels.formats import NVFP4_GROUP, dequantize_nvfp4
 from pallas_kernels import registry
 from pallas_kernels.triton_util import compiler_params, dot, dot_dtype
 from pallas_kernels.w8a16 import (GEMV_SWAP, QuantBlocks, check_activations, check_array, finish_split, fit_blocks,

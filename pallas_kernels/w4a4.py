@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from metrale_jax.weights.quant_formats import nvfp4_activation_global, nvfp4_fake_quant
+from pallas_kernels.formats import nvfp4_activation_global, nvfp4_fake_quant
 from pallas_kernels import mgpu_gemm_nvfp4, mgpu_gemv, registry
 from pallas_kernels.w4a16 import (check_nvfp4_args, w4a16_gemm_pallas, w4a16_gemv_pallas, w4a16_reference)
 

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from metrale_jax.errors import ShapeError
-from metrale_jax.weights.quant_formats import FP8_BLOCK, block_grid, expand_block_scale, fp8_dequantized
+from pallas_kernels.errors import ShapeError
+from pallas_kernels.formats import FP8_BLOCK, block_grid, expand_block_scale, fp8_dequantized
 from pallas_kernels import registry
 from pallas_kernels.triton_util import compiler_params, dot, dot_dtype, next_pow2
 

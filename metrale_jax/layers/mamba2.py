@@ -24,7 +24,7 @@ from metrale_jax.layers.projection import Projection
 from metrale_jax.state.ssm_pool import SsmPool
 from metrale_jax.weights.containers import DenseWeight, as_dense
 from metrale_jax.weights.quant_formats import FP8_BLOCK
-from pallas_kernels import registry
+from pallas_kernels import norm_fp8, registry
 
 
 @jax.tree_util.register_dataclass
@@ -177,7 +177,6 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         and the norm can hand them over quantized: the arm's own quantization (rows / 128-column blocks) or, for
         the gated norm, what norm_fp8.GATED_QUANT says (one scale per row per norm group); None: the norm runs
         in bf16 and the arm quantizes."""
-        from pallas_kernels import norm_fp8      # not at import: pallas_kernels imports this package (errors)
         kind = proj.input_quant(phase, tokens)
         if kind is None or self.tp_axis is not None or not registry.resolved(norm, self.kernels):
             return None
