@@ -9,8 +9,8 @@ Both also take activations quantized by their producer (Fp8Activations) per row 
 columns (the gated norm's per-group output). Where a side's scale changes along K (per-128 weight blocks,
 per-group activations) the one float32 accumulator is rescaled before the step's wgmma into that step's
 units (times the previous step's scale over this one's); the last step's scales go into the epilogue.
-Activations are quantized by one-pass Triton kernels (ACT_QUANT = "fused", the default since the H200 run of
-session 3) or by XLA.
+Activations are quantized by one-pass Triton kernels where they take the shape (`act_quant="fused"`, the
+default) or by XLA (`act_quant="xla"`); both give the same bits.
 
 Kernel layout: one CTA per SM, looping over output tiles (persistent, snake order for L2 reuse); a memory
 warpgroup streams [rows, 128] E4M3 tiles of x and w through a multi-stage TMA pipeline (128-byte swizzle),
@@ -323,13 +323,12 @@ def _scale_args(xs, width: int, ws, *, per_block: bool, tiles: MgpuTiles, K: int
     return args + (xs_last, ws_last)
 
 
-# ---- activation quantization in one pass (Pallas Triton; optional, see ACT_QUANT) ------------------------
+# ---- activation quantization in one pass (Pallas Triton; act_quant="fused") ------------------------------
 # XLA quantizes x in ~2 passes (row amax, then divide + convert): 40 us in_proj / 70 us out_proj at M = 4096
 # (call 2 of benchmarks/notes/quant_prefill.md), 8-28% of the arm. These kernels read x once and write the
 # E4M3 copy and its scales once, with the same formulas as quant_formats.quantize_rows_fp8[_blocks]
 # (same bits). H200, session 3: 21 / 35 us (in_proj / out_proj, rows) against XLA's 37 / 68 us
 # (benchmarks/results/act_quant_2026-11-30_s3.json).
-ACT_QUANT = "fused"        # "xla" | "fused"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,11 +413,11 @@ def _pad_rows(a, rows: int):
     return a if a.shape[0] == rows else jnp.pad(a, ((0, rows - a.shape[0]),) + ((0, 0),) * (a.ndim - 1))
 
 
-def _quantized_x(x, group: int | None, M: int, K: int, interpret: bool, act_quant: str | None,
+def _quantized_x(x, group: int | None, M: int, K: int, interpret: bool, act_quant: str,
                  qb: ActQuantBlocks | None):
     """(E4M3 [M, K], f32 scales [M, K/width], width): x as its producer quantized it, or quantized here per
     row (group None) or per row per 128 columns, by the fused kernels where they take the shape."""
-    if not isinstance(x, Fp8Activations) and (act_quant or ACT_QUANT) == "fused" and fused_quant_ok(M, K, qb):
+    if not isinstance(x, Fp8Activations) and act_quant == "fused" and fused_quant_ok(M, K, qb):
         if group is None:
             xq, xs = quantize_rows_fused(x, interpret=interpret, qb=qb)
             xs, width = xs[:, None], K
@@ -431,7 +430,9 @@ def _quantized_x(x, group: int | None, M: int, K: int, interpret: bool, act_quan
 
 
 def _mosaic_arm(name: str, x, w, scale, *, per_block: bool, out_dtype, interpret: bool, tiles: MgpuTiles | None,
-                act_quant: str | None, qb: ActQuantBlocks | None):
+                act_quant: str, qb: ActQuantBlocks | None):
+    if act_quant not in ("fused", "xla"):
+        raise ShapeError(f"{name}: act_quant must be 'fused' or 'xla', got {act_quant!r}")
     M, K = x.shape
     N = w.shape[0]
     xq, xs, width = _quantized_x(x, FP8_BLOCK if per_block else None, M, K, interpret, act_quant, qb)
@@ -447,17 +448,17 @@ def _mosaic_arm(name: str, x, w, scale, *, per_block: bool, out_dtype, interpret
 
 
 def fp8_gemm_t_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False, tiles: MgpuTiles | None = None,
-                      act_quant: str | None = None, qb: ActQuantBlocks | None = None):
+                      act_quant: str = "fused", qb: ActQuantBlocks | None = None):
     """Mosaic arm of fp8_gemm_t: same call and result as `fp8_gemm_t_reference` (x [M, K] or Fp8Activations,
-    w E4M3 [N, K], scale f32 [N]). act_quant: "xla" or "fused" quantization of a bf16 x (default ACT_QUANT; qb
-    its blocks)."""
+    w E4M3 [N, K], scale f32 [N]). act_quant: "fused" (one-pass kernels where they take the shape, else XLA) or
+    "xla" quantization of a bf16 x, the same bits; qb: the fused kernels' blocks."""
     _check_fp8_rows(x, w, scale)
     return _mosaic_arm("fp8_gemm_t", x, w, scale, per_block=False, out_dtype=out_dtype, interpret=interpret,
                        tiles=tiles, act_quant=act_quant, qb=qb)
 
 
 def w8a16_gemm_pipelined_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False,
-                                tiles: MgpuTiles | None = None, act_quant: str | None = None,
+                                tiles: MgpuTiles | None = None, act_quant: str = "fused",
                                 qb: ActQuantBlocks | None = None):
     """Mosaic arm of w8a16_gemm_pipelined: same call and result as `w8a16_pipelined_reference` (x [M, K] or
     Fp8Activations, w E4M3 [N, K], scale f32 [ceil(N/128), ceil(K/128)], nonzero: the accumulator is rescaled by

@@ -47,12 +47,6 @@ class NormFp8Blocks:
 # H200 sweep, session 4 (benchmarks/results/prefill_2026-11-30_s4c4_norm_fp8.*): RMSNorm of in_proj (width 4096)
 # 26.3 us with 4096 elements / 4 warps per program (the bf16 RMSNorm: 25.5 us; 8192 / 8 reshaped: 34.1).
 NORM_FP8_BLOCKS = NormFp8Blocks(rows_elems=4096, warps=4, loop=True)
-# What the layer's gated norm in front of out_proj emits when the out_proj arm quantizes its activations:
-# "group": E4M3 with one scale per row per norm group (the per-group kernel, the bf16 norm's parallel grid; the
-# arm rescales its accumulator per group); "arm": the arm's own quantization (rows / 128-column blocks; the
-# whole-row kernel, 98-132 us at width 8192 on the H200 against 61 us for the bf16 gated norm, session 4: slower
-# end to end than the bf16 norm + the arm's quantizer); None: the bf16 norm, the arm quantizes.
-GATED_QUANT: str | None = "group"
 
 
 def _quantize(y, group: int | None) -> Fp8Activations:
