@@ -32,7 +32,7 @@ import numpy as np
 
 from benchmarks import timing
 from metrale_jax.weights import quant_formats as qf
-from pallas_kernels import fp8_gemm, mgpu_gemv, w4a4, w4a16, w8a16
+from pallas_kernels import fp8_gemm, mgpu_gemv_w4, mgpu_gemv_w8, w4a4, w4a16, w8a16
 from pallas_kernels.mgpu_gemv import GemvConfig
 from pallas_kernels.w4a16 import W4Blocks
 from pallas_kernels.w8a16 import QuantBlocks
@@ -405,8 +405,8 @@ def run_checks(result, shape, N, K, W, xs, check_time, save):
 
 
 # ---- Mosaic GPU decode GEMVs ---------------------------------------------------------------------------------
-MOSAIC_ARMS = {"w8a16_gemv": ("fp8", mgpu_gemv.w8a16_gemv_mosaic, w8a16.w8a16_reference),
-               "w4a16_gemv": ("nvfp4", mgpu_gemv.w4a16_gemv_mosaic, w4a16.w4a16_reference)}
+MOSAIC_ARMS = {"w8a16_gemv": ("fp8", mgpu_gemv_w8.w8a16_gemv_mosaic, w8a16.w8a16_reference),
+               "w4a16_gemv": ("nvfp4", mgpu_gemv_w4.w4a16_gemv_mosaic, w4a16.w4a16_reference)}
 
 
 # Launch-shape grid of both Mosaic GEMVs (CTAs per SM, split-K; benchmarks/notes/gemv.md).
@@ -423,7 +423,7 @@ def mosaic_configs(N, K, sweep: bool) -> list[tuple[str, GemvConfig]]:
     --mosaic-set grid the launch-shape grid instead."""
     if MOSAIC_SET == "grid" and not sweep:
         return next(v for k, v in GEMV_GRID.items() if SHAPES[k] == (N, K))
-    d8, d4 = mgpu_gemv.w8a16_gemv_blocks(N, K), mgpu_gemv.w4a16_gemv_blocks(N, K)
+    d8, d4 = mgpu_gemv_w8.w8a16_gemv_blocks(N, K), mgpu_gemv_w4.w4a16_gemv_blocks(N, K)
     out = [("w8a16_gemv", d8), ("w4a16_gemv", d4)]
     if sweep:
         alt8 = [GemvConfig(64, 6), GemvConfig(64, 3), GemvConfig(128, 4)]

@@ -44,7 +44,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.errors import ShapeError
 from pallas_kernels import registry
 from pallas_kernels.mgpu_gemm import _num_sms
-from pallas_kernels.mgpu_gemv import E2M1_A_SHIFT, _nibble_f32, _tf, e2m1x4_to_bf16_asm
+from pallas_kernels.mgpu_gemv import _tf
+from pallas_kernels.mgpu_gemv_w4 import E2M1_A_SHIFT, _nibble_f32, e2m1x4_to_bf16_asm
 from pallas_kernels.w4a16 import (check_nvfp4_args, w4a16_gemm_pallas, w4a16_gemm_t_m128_pallas,
                                   w4a16_gemm_t_pallas, w4a16_reference, w4a16_t_reference)
 

@@ -22,6 +22,7 @@ import numpy as np
 from benchmarks import timing
 from benchmarks.bench_prefill import SHAPES, fp8_blocks, nvfp4_weights, rel_err, xla_bf16
 from pallas_kernels import mgpu_gemv as mg
+from pallas_kernels import mgpu_gemv_w4, mgpu_gemv_w8
 from pallas_kernels import w4a16, w8a16
 
 
@@ -34,8 +35,8 @@ def nvfp4_rows(key, N, K):
 SUFFIXES = {"x16": {"small_m": False}, "k1": {"k_blocks": 1}, "k2": {"k_blocks": 2}, "k4": {"k_blocks": 4},
             "tx": {"reduce": "xla"}, "tc": {"reduce": "cluster"},
             **{f"t{n}": {"tail_split": n} for n in (0, 2, 4, 8, 16)}}   # launch-spec suffixes
-KERNELS = {"w8": (mg.w8a16_gemv_mosaic, mg.w8a16_gemv_blocks, w8a16.w8a16_reference),
-           "w4": (mg.w4a16_gemv_mosaic, mg.w4a16_gemv_blocks, w4a16.w4a16_reference)}
+KERNELS = {"w8": (mgpu_gemv_w8.w8a16_gemv_mosaic, mgpu_gemv_w8.w8a16_gemv_blocks, w8a16.w8a16_reference),
+           "w4": (mgpu_gemv_w4.w4a16_gemv_mosaic, mgpu_gemv_w4.w4a16_gemv_blocks, w4a16.w4a16_reference)}
 
 
 def main():

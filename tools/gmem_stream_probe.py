@@ -4,8 +4,8 @@ The decode GEMVs stream their weight tiles through a TMA pipeline, whose stream 
 for the 8B in_proj E4M3 weights (76 MB; benchmarks/notes/gemv.md): the floor of that design. This probe reads the
 same bytes with vector loads straight into registers (one warpgroup per CTA, `rows` weight rows, `step` bytes of K
 per load, the loop unrolled `unroll` times so several loads are in flight, K split over `split` CTAs for more of
-them per SM) and folds them into a running XOR so nothing is dead; every config's result is checked against jnp first. Beside
-it, in the same interleaved rounds: XLA's BF16 GEMV (M = 1), the Mosaic W8A16 GEMV (M = 1, the arm to beat) and an
+them per SM) and folds them into a running XOR so nothing is dead; every config's result is checked against jnp
+first. Beside it, in the same interleaved rounds: XLA's BF16 GEMV (M = 1), the Mosaic W8A16 GEMV (M = 1, the arm to beat) and an
 XLA uint32 reduction of the same bytes. Wall times of queued calls carry ~10 us of per-call overhead at these sizes,
 so each arm is also timed from a profiler trace (gpu_us).
 
@@ -27,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks import timing
-from pallas_kernels import mgpu_gemv
+from pallas_kernels import mgpu_gemv_w4, mgpu_gemv_w8
 
 SHAPES = {"in_proj_w8": (18560, 4096), "in_proj_w4": (18560, 2048), "out_proj_w8": (4096, 8192)}
 
@@ -82,13 +82,13 @@ def main():
             wb = [jax.random.normal(k, (N, K), jnp.bfloat16) for k in jax.random.split(jax.random.PRNGKey(2), 2)]
             arms["xla_bf16_gemv_m1"] = (lambda x, w: x @ w.T, [(xs[i], wb[i % 2]) for i in range(4)])
             sc = jnp.ones((N // 128, K // 128), jnp.float32)
-            arms["w8a16_gemv_mosaic_m1"] = (lambda x, w: mgpu_gemv.w8a16_gemv_mosaic(x, w, sc),
+            arms["w8a16_gemv_mosaic_m1"] = (lambda x, w: mgpu_gemv_w8.w8a16_gemv_mosaic(x, w, sc),
                                             [(xs[i], lax.bitcast_convert_type(ws[i], jnp.float8_e4m3fn))
                                              for i in range(4)])
         else:
             xs = [jax.random.normal(k, (1, 2 * K), jnp.bfloat16) for k in jax.random.split(jax.random.PRNGKey(1), 4)]
             s4 = jnp.ones((N, 2 * K // 16), jnp.float8_e4m3fn)
-            arms["w4a16_gemv_mosaic_m1"] = (lambda x, p: mgpu_gemv.w4a16_gemv_mosaic(x, p, s4, jnp.float32(1.0)),
+            arms["w4a16_gemv_mosaic_m1"] = (lambda x, p: mgpu_gemv_w4.w4a16_gemv_mosaic(x, p, s4, jnp.float32(1.0)),
                                             [(xs[i], ws[i]) for i in range(4)])
         checks = {}
         for rows, step, unroll, split in configs:

@@ -20,15 +20,15 @@ if [ -n "${MGPU:-}" ]; then
         tests/kernels/test_quant_kernels.py; } 2>&1 | tee "$OUT/pytest_quant.txt"
   MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 timeout 60 python3 -c "
 import jax, jax.numpy as jnp, numpy as np
-from pallas_kernels import mgpu_gemv as mg
+from pallas_kernels import mgpu_gemv_w4 as mg4, mgpu_gemv_w8 as mg8
 N, K = 18560, 4096
 x = jnp.ones((1, K), jnp.bfloat16)
 w = jnp.ones((N, K), jnp.float8_e4m3fn); s = jnp.ones((N // 128, K // 128), jnp.float32)
-print('=== w8a16_gemv mosaic', mg.w8a16_gemv_blocks(N, K), flush=True)
-jax.block_until_ready(mg.w8a16_gemv_mosaic(x, w, s))
+print('=== w8a16_gemv mosaic', mg8.w8a16_gemv_blocks(N, K), flush=True)
+jax.block_until_ready(mg8.w8a16_gemv_mosaic(x, w, s))
 p = jnp.ones((N, K // 2), jnp.uint8); s4 = jnp.ones((N, K // 16), jnp.float8_e4m3fn)
-print('=== w4a16_gemv mosaic', mg.w4a16_gemv_blocks(N, K), flush=True)
-jax.block_until_ready(mg.w4a16_gemv_mosaic(x, p, s4, jnp.float32(1)))
+print('=== w4a16_gemv mosaic', mg4.w4a16_gemv_blocks(N, K), flush=True)
+jax.block_until_ready(mg4.w4a16_gemv_mosaic(x, p, s4, jnp.float32(1)))
 " > "$OUT/sass.txt" 2>&1
   grep -i "registers\|spill\|smem\|stack" "$OUT/sass.txt" | head -20
 else

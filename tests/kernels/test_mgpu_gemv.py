@@ -1,4 +1,4 @@
-"""Mosaic GPU arms of w8a16_gemv / w4a16_gemv (pallas_kernels/mgpu_gemv.py) against their dequantize-then-matmul
+"""Mosaic GPU arms of w8a16_gemv / w4a16_gemv (pallas_kernels/mgpu_gemv*.py) against their dequantize-then-matmul
 references: GPU interpret mode on the CPU at tiny shapes (outputs start as NaN there), compiled on a GPU at the
 8B shapes. Rows must be batch-invariant: a row's result is bit-identical whatever M."""
 
@@ -12,6 +12,8 @@ import pytest
 from metrale_jax.errors import ShapeError
 from metrale_jax.weights import quant_formats as qf
 from pallas_kernels import mgpu_gemv as mg
+from pallas_kernels import mgpu_gemv_w4 as w4m
+from pallas_kernels import mgpu_gemv_w8 as w8m
 from pallas_kernels import registry, w4a16, w8a16
 from pallas_kernels.mgpu_gemv import GemvConfig
 from tests.kernels.ptx_emulator import bf16_pairs, element_map, run_ptx
@@ -66,11 +68,11 @@ W8_CASES = [(3, 192, 384, GemvConfig(64, 2)),
 def test_w8a16_mosaic_matches_reference(rng, interpret, M, N, K, config):
     x, (q, s) = _x(rng, M, K), _fp8(rng, N, K)
     ref = w8a16.w8a16_reference(x, q, s, out_dtype=F32)
-    y = mg.w8a16_gemv_mosaic(x, q, s, out_dtype=F32, interpret=interpret, config=config)
+    y = w8m.w8a16_gemv_mosaic(x, q, s, out_dtype=F32, interpret=interpret, config=config)
     _finite(y)
     assert y.shape == (M, N) and y.dtype == F32
     assert rel_err(y, ref) < 1e-5
-    yb = mg.w8a16_gemv_mosaic(x, q, s, interpret=interpret, config=config)      # bf16 out (direct when no split)
+    yb = w8m.w8a16_gemv_mosaic(x, q, s, interpret=interpret, config=config)      # bf16 out (direct when no split)
     _finite(yb)
     assert yb.dtype == jnp.bfloat16 and rel_err(yb, ref) < 4e-3
 
@@ -88,10 +90,10 @@ W4_CASES = [(3, 192, 1024, GemvConfig(128, 2)),
 def test_w4a16_mosaic_matches_reference(rng, interpret, M, N, K, config):
     x, (p, s, g) = _x(rng, M, K), _nvfp4(rng, N, K)
     ref = w4a16.w4a16_reference(x, p, s, g, out_dtype=F32)
-    y = mg.w4a16_gemv_mosaic(x, p, s, g, out_dtype=F32, interpret=interpret, config=config)
+    y = w4m.w4a16_gemv_mosaic(x, p, s, g, out_dtype=F32, interpret=interpret, config=config)
     _finite(y)
     assert y.shape == (M, N) and rel_err(y, ref) < 1e-5
-    yb = mg.w4a16_gemv_mosaic(x, p, s, g, interpret=interpret, config=config)
+    yb = w4m.w4a16_gemv_mosaic(x, p, s, g, interpret=interpret, config=config)
     _finite(yb)
     assert yb.dtype == jnp.bfloat16 and rel_err(yb, ref) < 4e-3
 
@@ -106,7 +108,7 @@ def test_every_e2m1_code_and_scale_decodes(rng, interpret):
     g = jnp.float32(0.75)
     cols = rng.choice(K, 16, replace=False)
     x = jnp.zeros((16, K), jnp.bfloat16).at[np.arange(16), cols].set(1.0)
-    y = mg.w4a16_gemv_mosaic(x, packed, scale, g, out_dtype=F32, interpret=interpret, config=GemvConfig(64, 2))
+    y = w4m.w4a16_gemv_mosaic(x, packed, scale, g, out_dtype=F32, interpret=interpret, config=GemvConfig(64, 2))
     want = np.asarray(qf.dequantize_nvfp4(packed, scale, g))[:, cols].T
     np.testing.assert_array_equal(np.asarray(y), want)
 
@@ -122,8 +124,8 @@ def test_rows_are_batch_invariant(rng, interpret, kernel, config):
     N, K = 128, 512
     x16 = _x(rng, 16, K)
 
-    gemv, blocks = (mg.w8a16_gemv_mosaic, mg.w8a16_gemv_blocks) if kernel == "w8a16" else (
-        mg.w4a16_gemv_mosaic, mg.w4a16_gemv_blocks)
+    gemv, blocks = (w8m.w8a16_gemv_mosaic, w8m.w8a16_gemv_blocks) if kernel == "w8a16" else (
+        w4m.w4a16_gemv_mosaic, w4m.w4a16_gemv_blocks)
     args = _fp8(rng, N, K) if kernel == "w8a16" else _nvfp4(rng, N, K)
     config = config or blocks(N, K)
     run = lambda x, **kw: np.asarray(gemv(x, *args, out_dtype=F32, interpret=interpret,
@@ -150,7 +152,7 @@ def test_no_races_in_the_pipeline(rng):
     if jax.default_backend() == "gpu":
         pytest.skip("interpret-mode check")
     x, (q, s) = _x(rng, 2, 512), _fp8(rng, 64, 512)
-    y = mg.w8a16_gemv_mosaic(x, q, s, out_dtype=F32, interpret=plgpu.InterpretGPUParams(detect_races=True),
+    y = w8m.w8a16_gemv_mosaic(x, q, s, out_dtype=F32, interpret=plgpu.InterpretGPUParams(detect_races=True),
                              config=GemvConfig(64, 2))
     assert rel_err(y, w8a16.w8a16_reference(x, q, s, out_dtype=F32)) < 1e-5
     assert not get_races().races_found
@@ -159,58 +161,58 @@ def test_no_races_in_the_pipeline(rng):
 def test_bad_inputs_raise_typed_errors(rng):
     x, (q, s) = _x(rng, 2, 256), _fp8(rng, 128, 256)
     with pytest.raises(ShapeError, match="K % 128"):
-        mg.w8a16_gemv_mosaic(_x(rng, 2, 320), *_fp8(rng, 128, 320))
+        w8m.w8a16_gemv_mosaic(_x(rng, 2, 320), *_fp8(rng, 128, 320))
     with pytest.raises(ShapeError, match="N % 64"):
-        mg.w8a16_gemv_mosaic(x, *_fp8(rng, 200, 256))
+        w8m.w8a16_gemv_mosaic(x, *_fp8(rng, 200, 256))
     with pytest.raises(ShapeError, match="x expected bfloat16"):
-        mg.w8a16_gemv_mosaic(x.astype(F32), q, s)
+        w8m.w8a16_gemv_mosaic(x.astype(F32), q, s)
     with pytest.raises(ShapeError, match="scale expected"):
-        mg.w8a16_gemv_mosaic(x, q, s[:, :1])
+        w8m.w8a16_gemv_mosaic(x, q, s[:, :1])
     with pytest.raises(ShapeError, match="block_n"):
-        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(block_n=32))
+        w8m.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(block_n=32))
     with pytest.raises(ShapeError, match="split_k=3"):
-        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(split_k=3), interpret=True)
+        w8m.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(split_k=3), interpret=True)
     with pytest.raises(ShapeError, match="stages >= 1 .w4: >= 2"):
-        mg.w4a16_gemv_mosaic(_x(rng, 2, 512), *_nvfp4(rng, 64, 512), config=GemvConfig(64, 1))
+        w4m.w4a16_gemv_mosaic(_x(rng, 2, 512), *_nvfp4(rng, 64, 512), config=GemvConfig(64, 1))
     with pytest.raises(ShapeError, match="config.m_tiles expects 0 .auto. to 16"):
-        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(m_tiles=17))
+        w8m.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(m_tiles=17))
     with pytest.raises(ShapeError, match="config.m_tiles=16 needs 327680 bytes of shared memory with 4 stages"):
-        mg.w8a16_gemv_mosaic(_x(rng, 2, 512), *_fp8(rng, 64, 512), config=GemvConfig(64, 4, m_tiles=16),
+        w8m.w8a16_gemv_mosaic(_x(rng, 2, 512), *_fp8(rng, 64, 512), config=GemvConfig(64, 4, m_tiles=16),
                              interpret=True)
     with pytest.raises(ShapeError, match="config.k_blocks expects 1 to 4"):
-        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(k_blocks=5))
+        w8m.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(k_blocks=5))
     with pytest.raises(ShapeError, match="K=384 is not a multiple of the 256-wide pipeline step .k_blocks=2."):
-        mg.w8a16_gemv_mosaic(_x(rng, 2, 384), *_fp8(rng, 64, 384), config=GemvConfig(64, 2, k_blocks=2))
+        w8m.w8a16_gemv_mosaic(_x(rng, 2, 384), *_fp8(rng, 64, 384), config=GemvConfig(64, 2, k_blocks=2))
     with pytest.raises(ShapeError, match="w4: 2; Mosaic finds no bank-conflict-free scale load"):
-        mg.w4a16_gemv_mosaic(_x(rng, 2, 1024), *_nvfp4(rng, 64, 1024), config=GemvConfig(64, 2, k_blocks=4))
+        w4m.w4a16_gemv_mosaic(_x(rng, 2, 1024), *_nvfp4(rng, 64, 1024), config=GemvConfig(64, 2, k_blocks=4))
     with pytest.raises(ShapeError, match="config.tail_split expects 0 .off. to 16, and only for w8"):
-        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(64, 2, tail_split=17))
+        w8m.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(64, 2, tail_split=17))
     with pytest.raises(ShapeError, match="config.tail_split expects"):
-        mg.w4a16_gemv_mosaic(_x(rng, 2, 512), *_nvfp4(rng, 64, 512), config=GemvConfig(tail_split=1))
+        w4m.w4a16_gemv_mosaic(_x(rng, 2, 512), *_nvfp4(rng, 64, 512), config=GemvConfig(tail_split=1))
     with pytest.raises(ShapeError, match=r"reduce='cluster' needs at most 8 split CTAs and \(split - 1\) x 64 x 128"):
-        mg.w4a16_gemv_mosaic(_x(rng, 256, 2048), *_nvfp4(rng, 64, 2048),
+        w4m.w4a16_gemv_mosaic(_x(rng, 256, 2048), *_nvfp4(rng, 64, 2048),
                              config=GemvConfig(64, 2, 8, m_tiles=8, reduce="cluster"))
     with pytest.raises(ShapeError, match="config.reduce expects 'xla' or 'cluster' .a portable cluster: split_k and "
                                          "tail_split <= 8"):
-        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(split_k=1, tail_split=16, reduce="cluster"))
+        w8m.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(split_k=1, tail_split=16, reduce="cluster"))
     with pytest.raises(ShapeError, match="config.reduce expects"):
-        mg.w4a16_gemv_mosaic(_x(rng, 2, 512), *_nvfp4(rng, 64, 512), config=GemvConfig(split_k=16, reduce="cluster"))
+        w4m.w4a16_gemv_mosaic(_x(rng, 2, 512), *_nvfp4(rng, 64, 512), config=GemvConfig(split_k=16, reduce="cluster"))
     with pytest.raises(ShapeError, match="w8: the tail pieces of an unsplit launch, split_k=1"):
-        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(split_k=2, reduce="cluster"))
+        w8m.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(split_k=2, reduce="cluster"))
     with pytest.raises(ShapeError, match="config.reduce expects"):
-        mg.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(tail_split=2, reduce="atomic"))
+        w8m.w8a16_gemv_mosaic(x, q, s, config=GemvConfig(tail_split=2, reduce="atomic"))
     with pytest.raises(ShapeError, match="tail_split=2 does not divide the 3 K steps of 128"):
-        mg.w8a16_gemv_mosaic(_x(rng, 2, 384), *_fp8(rng, 64 * 133, 384), config=GemvConfig(64, 2, 1, tail_split=2),
+        w8m.w8a16_gemv_mosaic(_x(rng, 2, 384), *_fp8(rng, 64 * 133, 384), config=GemvConfig(64, 2, 1, tail_split=2),
                              interpret=True)
     p, s4, g = _nvfp4(rng, 64, 768)
     with pytest.raises(ShapeError, match="K % 512"):
-        mg.w4a16_gemv_mosaic(_x(rng, 2, 768), p, s4, g)
+        w4m.w4a16_gemv_mosaic(_x(rng, 2, 768), p, s4, g)
     with pytest.raises(ShapeError, match="scale expected"):
-        mg.w4a16_gemv_mosaic(_x(rng, 2, 768), p, s4.astype(F32), g)
+        w4m.w4a16_gemv_mosaic(_x(rng, 2, 768), p, s4.astype(F32), g)
 
 
 def test_registry_serves_the_mosaic_arm():
-    for name, fn in (("w8a16_gemv", mg.w8a16_gemv_mosaic), ("w4a16_gemv", mg.w4a16_gemv_mosaic)):
+    for name, fn in (("w8a16_gemv", w8m.w8a16_gemv_mosaic), ("w4a16_gemv", w4m.w4a16_gemv_mosaic)):
         res = registry.resolve(name, "mosaic", platform="gpu")
         assert res.impl == "mosaic" and res.fn.func is fn
         assert registry.resolve(name, "triton", platform="gpu").impl == "pallas"
@@ -233,10 +235,10 @@ def test_supports_matches_the_typed_errors():
 def test_w8_defaults_and_k_blocks_resolution():
     """in_proj-like shapes (>= 2 row blocks per SM) run unsplit with two K blocks per step, others split K; auto
     multi-tile launches (M > 16) fall back to one block per step, explicit m_tiles keep what was asked."""
-    cfg = mg.w8a16_gemv_blocks(18560, 4096)
+    cfg = w8m.w8a16_gemv_blocks(18560, 4096)
     assert (cfg.split_k, cfg.k_blocks) == (1, 2)
-    assert (mg.w8a16_gemv_blocks(4096, 8192).split_k, mg.w8a16_gemv_blocks(4096, 8192).k_blocks) == (8, 1)
-    assert mg.w8a16_gemv_blocks(18560, 3840).reduce == "xla"           # no tail pieces: nothing for a cluster to add
+    assert (w8m.w8a16_gemv_blocks(4096, 8192).split_k, w8m.w8a16_gemv_blocks(4096, 8192).k_blocks) == (8, 1)
+    assert w8m.w8a16_gemv_blocks(18560, 3840).reduce == "xla"           # no tail pieces: nothing for a cluster to add
     assert [mg.resolve_k_blocks(cfg, m).k_blocks for m in (1, 16, 17, 256)] == [2, 2, 1, 1]
     assert mg.resolve_k_blocks(dataclasses.replace(cfg, m_tiles=2), 64).k_blocks == 2
 
@@ -244,19 +246,19 @@ def test_w8_defaults_and_k_blocks_resolution():
 def test_w4_defaults_add_split_halves_in_clusters_up_to_m64():
     """w4 in_proj (split 2): the halves meet in 2-CTA clusters at M <= 64 and in XLA's sum above (the same bits
     either way; benchmarks/notes/gemv.md); out_proj's split 4 in XLA."""
-    assert [mg.w4a16_gemv_blocks(18560, 4096, m).reduce for m in (1, 16, 64, 65, 256)] == ["cluster"] * 3 + ["xla"] * 2
-    assert mg.w4a16_gemv_blocks(18560, 4096).split_k == 2
-    assert {mg.w4a16_gemv_blocks(4096, 8192, m).reduce for m in (1, 256)} == {"xla"}
+    assert [w4m.w4a16_gemv_blocks(18560, 4096, m).reduce for m in (1, 16, 64, 65, 256)] == ["cluster"] * 3 + ["xla"] * 2
+    assert w4m.w4a16_gemv_blocks(18560, 4096).split_k == 2
+    assert {w4m.w4a16_gemv_blocks(4096, 8192, m).reduce for m in (1, 256)} == {"xla"}
 
 
 def test_tail_split_blocks_and_default():
     """in_proj's 290 row blocks: 264 (two per SM) whole, the last 26 in two K pieces; shapes without a tail (a whole
     number of blocks per SM, or fewer blocks than SMs) are unchanged."""
-    assert mg.w8a16_gemv_blocks(18560, 4096).tail_split == 2
-    assert mg.w8a16_gemv_blocks(18560, 3840).tail_split == 0          # 15 two-block steps: no whole halves
-    assert mg.tail_blocks(290, 2) == (264, 26)
-    assert mg.tail_blocks(290, 0) == (290, 0) and mg.tail_blocks(264, 2) == (264, 0)
-    assert mg.tail_blocks(64, 8) == (64, 0)
+    assert w8m.w8a16_gemv_blocks(18560, 4096).tail_split == 2
+    assert w8m.w8a16_gemv_blocks(18560, 3840).tail_split == 0          # 15 two-block steps: no whole halves
+    assert w8m.tail_blocks(290, 2) == (264, 26)
+    assert w8m.tail_blocks(290, 0) == (290, 0) and w8m.tail_blocks(264, 2) == (264, 0)
+    assert w8m.tail_blocks(64, 8) == (64, 0)
 
 
 def test_tail_split_matches_reference(rng, interpret, monkeypatch):
@@ -264,20 +266,20 @@ def test_tail_split_matches_reference(rng, interpret, monkeypatch):
     runs as two K pieces whose float32 partials are added in order (XLA in interpret mode, a CTA cluster compiled);
     the whole blocks keep the unsplit launch's bits and every row (outputs start as NaN in interpret mode) matches
     the reference."""
-    sms = mg.H200_SMS if not interpret else 4
-    monkeypatch.setattr(mg, "H200_SMS", sms)
-    assert mg.tail_blocks(sms + 1, 2) == (sms, 1)                 # the launch below has its one tail block
+    sms = w8m.H200_SMS if not interpret else 4
+    monkeypatch.setattr(w8m, "H200_SMS", sms)
+    assert w8m.tail_blocks(sms + 1, 2) == (sms, 1)                 # the launch below has its one tail block
     M, N, K = 3, 64 * (sms + 1), 256
     x, (q, s) = _x(rng, M, K), _fp8(rng, N, K)
     ref = w8a16.w8a16_reference(x, q, s, out_dtype=F32)
     base = GemvConfig(64, 2, 1)
-    y = np.asarray(mg.w8a16_gemv_mosaic(x, q, s, out_dtype=F32, interpret=interpret,
+    y = np.asarray(w8m.w8a16_gemv_mosaic(x, q, s, out_dtype=F32, interpret=interpret,
                                         config=dataclasses.replace(base, tail_split=2)))
     _finite(y)
-    y0 = np.asarray(mg.w8a16_gemv_mosaic(x, q, s, out_dtype=F32, interpret=interpret, config=base))
+    y0 = np.asarray(w8m.w8a16_gemv_mosaic(x, q, s, out_dtype=F32, interpret=interpret, config=base))
     np.testing.assert_array_equal(y[:, :sms * 64], y0[:, :sms * 64])
     assert rel_err(y[:, sms * 64:], ref[:, sms * 64:]) < 1e-5 and rel_err(y, ref) < 1e-5
-    yb = mg.w8a16_gemv_mosaic(x, q, s, interpret=interpret, config=dataclasses.replace(base, tail_split=2))
+    yb = w8m.w8a16_gemv_mosaic(x, q, s, interpret=interpret, config=dataclasses.replace(base, tail_split=2))
     _finite(yb)
     assert yb.dtype == jnp.bfloat16 and rel_err(yb, ref) < 4e-3
 
@@ -295,13 +297,13 @@ def test_split_k_partials_sum_in_a_fixed_order():
 def test_e2m1_ptx_is_exact_for_every_code_and_scale():
     """Every packed byte (two E2M1 codes) times every finite E4M3 scale: value * scale * 2^-8, exactly."""
     scales = np.arange(256, dtype=np.uint32)
-    (sc,) = run_ptx(mg._E4M3_TO_BF16X2_SCALE, 1, scales)
+    (sc,) = run_ptx(w4m._E4M3_TO_BF16X2_SCALE, 1, scales)
     sv = scales.astype(np.uint8).view(jnp.float8_e4m3fn).astype(np.float64)
     fin = ~np.isnan(sv)
     np.testing.assert_array_equal(bf16_pairs(sc)[fin], np.stack([sv, sv], -1)[fin] * 2.0 ** 118)
     b = np.arange(256, dtype=np.uint32)
     words = b | (np.roll(b, 1) << 8) | (np.roll(b, 2) << 16) | (np.roll(b, 3) << 24)
-    outs = run_ptx(mg._E2M1X8_TO_BF16, 4, words[:, None], sc[None, fin])    # [256 words, finite scales]
+    outs = run_ptx(w4m._E2M1X8_TO_BF16, 4, words[:, None], sc[None, fin])    # [256 words, finite scales]
     e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6])
     for k, o in enumerate(outs):
         byte = np.roll(b, k)[:, None]
@@ -315,8 +317,8 @@ def test_e2m1_register_map_matches_the_permutation():
     from jax.experimental.mosaic.gpu import fragmented_array as fa
     src = element_map(fa.WGMMA_LAYOUT_UPCAST_4X, (64, 128))
     dst4 = element_map(fa.WGMMA_LAYOUT, (64, 256))
-    scl = element_map(mg.W4_SCALE_LAYOUT.to_mgpu(), (64, 16))
-    perm = mg.perm64(np.arange(256)[None])[0]
+    scl = element_map(w4m.W4_SCALE_LAYOUT.to_mgpu(), (64, 16))
+    perm = w4m.perm64(np.arange(256)[None])[0]
     for c, h, i, u in np.ndindex(4, 2, 8, 2):                                    # w4: vector (c, h), byte i, nibble u
         prow, pbyte = np.divmod(src[:, 0, c, 0, 0, h, 0, 0, 0, 0, i], 128)
         srow, sgroup = np.divmod(scl[:, 0, 0, 0, 0, h, 0, 0, c, 0, 0, 0, 0], 16)
@@ -327,7 +329,7 @@ def test_e2m1_register_map_matches_the_permutation():
 
 def test_perm64_is_a_permutation():
     k = np.arange(256)[None]
-    assert np.array_equal(np.sort(mg.perm64(k)), k) and not np.array_equal(mg.perm64(k), k)
+    assert np.array_equal(np.sort(w4m.perm64(k)), k) and not np.array_equal(w4m.perm64(k), k)
 
 
 # ---- compiled on the GPU at the 8B shapes ------------------------------------------------------------------------
@@ -346,13 +348,13 @@ W4_GPU_CONFIGS = [None, GemvConfig(64, 4)]
 def test_w8a16_mosaic_8b_shapes_on_gpu(rng, N, K, cfg):
     (q, s) = _fp8(rng, N, K)
     x16 = _x(rng, 16, K)
-    y16 = mg.w8a16_gemv_mosaic(x16, q, s, out_dtype=F32, config=cfg)
+    y16 = w8m.w8a16_gemv_mosaic(x16, q, s, out_dtype=F32, config=cfg)
     assert rel_err(y16, w8a16.w8a16_reference(x16, q, s, out_dtype=F32)) < 1e-5
     for m in (1, 4):
-        np.testing.assert_array_equal(np.asarray(mg.w8a16_gemv_mosaic(x16[:m], q, s, out_dtype=F32, config=cfg)),
+        np.testing.assert_array_equal(np.asarray(w8m.w8a16_gemv_mosaic(x16[:m], q, s, out_dtype=F32, config=cfg)),
                                       np.asarray(y16[:m]))
-    yb = mg.w8a16_gemv_mosaic(x16, q, s, config=cfg)
-    np.testing.assert_array_equal(np.asarray(mg.w8a16_gemv_mosaic(x16[3:4], q, s, config=cfg)), np.asarray(yb[3:4]))
+    yb = w8m.w8a16_gemv_mosaic(x16, q, s, config=cfg)
+    np.testing.assert_array_equal(np.asarray(w8m.w8a16_gemv_mosaic(x16[3:4], q, s, config=cfg)), np.asarray(yb[3:4]))
     assert rel_err(yb, y16) < 4e-3
 
 
@@ -363,9 +365,9 @@ def test_k_blocks_keep_the_bits_on_gpu(rng, N, K, kernel):
     """Two or four K blocks per pipeline step change when wgmmas are awaited, not what a row computes: the same
     bits as one block per step at the same split (what lets resolve_k_blocks choose k_blocks from M)."""
     if kernel == "w8a16":
-        args, fn, base = _fp8(rng, N, K), mg.w8a16_gemv_mosaic, GemvConfig(64, 2, 2)
+        args, fn, base = _fp8(rng, N, K), w8m.w8a16_gemv_mosaic, GemvConfig(64, 2, 2)
     else:
-        args, fn, base = _nvfp4(rng, N, K), mg.w4a16_gemv_mosaic, GemvConfig(64, 3, 2)
+        args, fn, base = _nvfp4(rng, N, K), w4m.w4a16_gemv_mosaic, GemvConfig(64, 3, 2)
     for m in (1, 16):
         x = _x(rng, m, K)
         y1 = np.asarray(fn(x, *args, out_dtype=F32, config=base))
@@ -383,7 +385,7 @@ def test_gpu_widening_is_exact_for_every_e4m3_code():
     s = jnp.asarray([[0.75, 1.5]], F32)
     x = jnp.eye(16, 256, dtype=jnp.bfloat16)
     for cfg in (GemvConfig(64, 1), GemvConfig(128, 2)):
-        y = mg.w8a16_gemv_mosaic(x, w, s, out_dtype=F32, config=cfg)
+        y = w8m.w8a16_gemv_mosaic(x, w, s, out_dtype=F32, config=cfg)
         np.testing.assert_array_equal(np.asarray(y), np.asarray(w.astype(F32)[:, :16].T * 0.75))
 
 
@@ -394,9 +396,9 @@ def test_mosaic_gemv_large_batch_on_gpu(rng, N, K, kernel):
     """Decode at batch 256 (several x tiles per CTA, one m64 x n(16 m_tiles) wgmma against one widened weight
     tile): rows bit-identical to the same rows at M = 1, 16 (n16) and 40 (n48), and right against the reference."""
     if kernel == "w8a16":
-        args, fn, ref = _fp8(rng, N, K), mg.w8a16_gemv_mosaic, w8a16.w8a16_reference
+        args, fn, ref = _fp8(rng, N, K), w8m.w8a16_gemv_mosaic, w8a16.w8a16_reference
     else:
-        args, fn, ref = _nvfp4(rng, N, K), mg.w4a16_gemv_mosaic, w4a16.w4a16_reference
+        args, fn, ref = _nvfp4(rng, N, K), w4m.w4a16_gemv_mosaic, w4a16.w4a16_reference
     x = _x(rng, 256, K)
     y = fn(x, *args, out_dtype=F32)
     assert rel_err(y, ref(x, *args, out_dtype=F32)) < 1e-5
@@ -413,13 +415,13 @@ def test_tail_cluster_reduction_on_gpu(rng, tail):
     partials, right against the reference, at one and at several x tiles per CTA."""
     N, K = SHAPES_8B[0]
     q, s = _fp8(rng, N, K)
-    base = dataclasses.replace(mg.w8a16_gemv_blocks(N, K), tail_split=tail)
+    base = dataclasses.replace(w8m.w8a16_gemv_blocks(N, K), tail_split=tail)
     for m in (1, 40):
         x = _x(rng, m, K)
         ref = w8a16.w8a16_reference(x, q, s, out_dtype=F32)
         for od in (F32, jnp.bfloat16):
-            yc = np.asarray(mg.w8a16_gemv_mosaic(x, q, s, out_dtype=od, config=base).astype(F32))
-            yx = np.asarray(mg.w8a16_gemv_mosaic(x, q, s, out_dtype=od, config=dataclasses.replace(
+            yc = np.asarray(w8m.w8a16_gemv_mosaic(x, q, s, out_dtype=od, config=base).astype(F32))
+            yx = np.asarray(w8m.w8a16_gemv_mosaic(x, q, s, out_dtype=od, config=dataclasses.replace(
                 base, reduce="xla")).astype(F32))
             np.testing.assert_array_equal(yc, yx)
             assert rel_err(yc[:, 264 * 64:], ref[:, 264 * 64:]) < (1e-5 if od == F32 else 4e-3)
@@ -430,7 +432,7 @@ def test_split_k_cluster_reduction_on_gpu(rng):
     """w4 split-K partials added in the kernel (reduce='cluster', the in_proj default up to M = 64; here at
     out_proj's split 4) give the bits of XLA's sum."""
     N, K = SHAPES_8B[1]
-    args, fn, base, ref = _nvfp4(rng, N, K), mg.w4a16_gemv_mosaic, mg.w4a16_gemv_blocks(N, K), w4a16.w4a16_reference
+    args, fn, base, ref = _nvfp4(rng, N, K), w4m.w4a16_gemv_mosaic, w4m.w4a16_gemv_blocks(N, K), w4a16.w4a16_reference
     for m in (1, 40):
         x = _x(rng, m, K)
         for od in (F32, jnp.bfloat16):
@@ -444,13 +446,13 @@ def test_split_k_cluster_reduction_on_gpu(rng):
 @pytest.mark.parametrize("cfg", W4_GPU_CONFIGS, ids=str)
 @pytest.mark.parametrize("N,K", SHAPES_8B)
 def test_w4a16_mosaic_8b_shapes_on_gpu(rng, N, K, cfg):
-    cfg = cfg or mg.w4a16_gemv_blocks(N, K)
+    cfg = cfg or w4m.w4a16_gemv_blocks(N, K)
     p, s, g = _nvfp4(rng, N, K)
     x16 = _x(rng, 16, K)
-    y16 = mg.w4a16_gemv_mosaic(x16, p, s, g, out_dtype=F32, config=cfg)
+    y16 = w4m.w4a16_gemv_mosaic(x16, p, s, g, out_dtype=F32, config=cfg)
     assert rel_err(y16, w4a16.w4a16_reference(x16, p, s, g, out_dtype=F32)) < 1e-5
     for m in (1, 4):
-        np.testing.assert_array_equal(np.asarray(mg.w4a16_gemv_mosaic(x16[:m], p, s, g, out_dtype=F32, config=cfg)),
+        np.testing.assert_array_equal(np.asarray(w4m.w4a16_gemv_mosaic(x16[:m], p, s, g, out_dtype=F32, config=cfg)),
                                       np.asarray(y16[:m]))
 
 
@@ -467,10 +469,10 @@ def test_lowers_for_cuda_on_every_output_path(kernel, config, split, out_dtype):
     x = sd((1, K), jnp.bfloat16)
     if kernel == "w8a16":
         args = (sd((N, K), jnp.float8_e4m3fn), sd((N // 128, K // 128), F32))
-        fn = lambda x, w, s: mg.w8a16_gemv_mosaic(x, w, s, out_dtype=out_dtype, config=config)
+        fn = lambda x, w, s: w8m.w8a16_gemv_mosaic(x, w, s, out_dtype=out_dtype, config=config)
     else:
         args = (sd((N, K // 2), jnp.uint8), sd((N, K // 16), jnp.float8_e4m3fn), sd((), F32))
-        fn = lambda x, p, s, g: mg.w4a16_gemv_mosaic(x, p, s, g, out_dtype=out_dtype, config=config)
+        fn = lambda x, p, s, g: w4m.w4a16_gemv_mosaic(x, p, s, g, out_dtype=out_dtype, config=config)
     text = jax.jit(fn).trace(x, *args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -481,9 +483,9 @@ def test_tail_split_lowers_for_cuda(M, reduce):
     """The in_proj default's tail split (a 2-CTA cluster with a shared-memory reduction, or float32 partials)
     lowers for CUDA at one to eight x tiles per CTA (M = 40: three, 192-byte float32 rows), both output paths."""
     N, K, sd = 18560, 4096, jax.ShapeDtypeStruct
-    config = dataclasses.replace(mg.w8a16_gemv_blocks(N, K), reduce=reduce)
+    config = dataclasses.replace(w8m.w8a16_gemv_blocks(N, K), reduce=reduce)
     for out_dtype in (jnp.bfloat16, F32):
-        fn = lambda x, w, s: mg.w8a16_gemv_mosaic(x, w, s, out_dtype=out_dtype, config=config)
+        fn = lambda x, w, s: w8m.w8a16_gemv_mosaic(x, w, s, out_dtype=out_dtype, config=config)
         text = jax.jit(fn).trace(sd((M, K), jnp.bfloat16), sd((N, K), jnp.float8_e4m3fn),
                                  sd((N // 128, K // 128), F32)).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
@@ -496,9 +498,9 @@ def test_split_k_cluster_reduction_lowers_for_cuda(M):
     N, K, sd = 4096, 8192, jax.ShapeDtypeStruct
     x = sd((M, K), jnp.bfloat16)
     for out_dtype in (jnp.bfloat16, F32):
-        config = dataclasses.replace(mg.w4a16_gemv_blocks(N, K), reduce="cluster")
+        config = dataclasses.replace(w4m.w4a16_gemv_blocks(N, K), reduce="cluster")
         args = (sd((N, K // 2), jnp.uint8), sd((N, K // 16), jnp.float8_e4m3fn), sd((), F32))
-        fn = lambda x, p, s, g: mg.w4a16_gemv_mosaic(x, p, s, g, out_dtype=out_dtype, config=config)
+        fn = lambda x, p, s, g: w4m.w4a16_gemv_mosaic(x, p, s, g, out_dtype=out_dtype, config=config)
         assert config.split_k > 1
         text = jax.jit(fn).trace(x, *args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
