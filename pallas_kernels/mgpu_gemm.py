@@ -348,7 +348,7 @@ def _quant_rows_block(K: int, qb: ActQuantBlocks) -> int:
 
 @functools.partial(jax.jit, static_argnames=("interpret", "qb"))
 def quantize_rows_fused(x, *, interpret: bool = False, qb: ActQuantBlocks | None = None):
-    """x [M, K] -> (E4M3 [M, K], f32 scale [M]), as quant_formats.quantize_rows_fp8, in one pass."""
+    """x [M, K] -> (E4M3 [M, K], f32 scale [M]), as formats.quantize_rows_fp8, in one pass."""
     from jax.experimental.pallas import triton as pltr
     qb = qb or ACT_QUANT_BLOCKS
     M, K = x.shape
@@ -367,7 +367,7 @@ def quantize_rows_fused(x, *, interpret: bool = False, qb: ActQuantBlocks | None
 
 @functools.partial(jax.jit, static_argnames=("interpret", "qb"))
 def quantize_blocks_fused_t(x, *, interpret: bool = False, qb: ActQuantBlocks | None = None):
-    """x [M, K] -> (E4M3 [M, K], f32 scale transposed [K/128, M]): quant_formats.quantize_rows_fp8_blocks
+    """x [M, K] -> (E4M3 [M, K], f32 scale transposed [K/128, M]): formats.quantize_rows_fp8_blocks
     with the scales already in the layout the block-scaled kernel reads."""
     from jax.experimental.pallas import triton as pltr
     qb = qb or ACT_QUANT_BLOCKS

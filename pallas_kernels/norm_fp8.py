@@ -5,7 +5,7 @@ the 8B shape, M = 4096, on the H200; benchmarks/notes/quant_prefill.md).
 
 Results are `Fp8Activations`: exactly what the unfused path gives, i.e. the norm's output rounded to its
 output dtype (bf16), then quantized per row (`per_block=False`) or per row per 128 columns (`True`) with
-quant_formats' formulas. One program holds whole rows (every group) in registers: read once, write once.
+formats' formulas. One program holds whole rows (every group) in registers: read once, write once.
 
 The gated norm also quantizes per row per norm group (`per_group=True`; the FP8 GEMM rescales its accumulator
 at each group boundary): then a program needs only its own [rows, group] tile, so the grid runs over (groups,
@@ -44,8 +44,8 @@ class NormFp8Blocks:
     groups_first: bool = True
 
 
-# H200 sweep, session 4 (benchmarks/results/prefill_2026-11-30_s4c4_norm_fp8.*): RMSNorm of in_proj (width 4096)
-# 26.3 us with 4096 elements / 4 warps per program (the bf16 RMSNorm: 25.5 us; 8192 / 8 reshaped: 34.1).
+# The fastest of a sweep on the H200 at in_proj's width 4096, about the bf16 RMSNorm's time
+# (benchmarks/notes/quant_prefill.md).
 NORM_FP8_BLOCKS = NormFp8Blocks(rows_elems=4096, warps=4, loop=True)
 
 

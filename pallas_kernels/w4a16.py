@@ -196,7 +196,7 @@ def _w4_call(x, packed, scale, global_scale, tiles=None, *, out_dtype, blocks: W
     return finish_split(out, split, M, out_dtype)
 
 
-# Defaults from the H200 sweeps of 2026-11-30 (benchmarks/notes/quant.md): the PTX nibble decoder on the GPU
+# Defaults from the H200 sweeps (benchmarks/notes/quant.md): the PTX nibble decoder on the GPU
 # (interpret mode always uses the arithmetic one), weight tile as the B operand for the GEMV, 128x128x64
 # tiles with 8 warps for the large prefill GEMMs.
 DEFAULT_DECODE = "asm"

@@ -191,7 +191,7 @@ def _w8a16_call(x, w, scale, tiles=None, *, out_dtype, blocks: QuantBlocks, inte
     return finish_split(out, split, M, out_dtype)
 
 
-# Defaults from the H200 sweep of 2026-11-30 (benchmarks/notes/quant.md): the weight tile as the B operand
+# Defaults from the H200 sweep (benchmarks/notes/quant.md): the weight tile as the B operand
 # (swap=False) and 32-row tiles unless N is too small to fill the GPU without splitting K.
 GEMV_SWAP = False
 
