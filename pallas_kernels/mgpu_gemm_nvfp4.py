@@ -41,7 +41,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.errors import ShapeError
 from pallas_kernels import registry
-from pallas_kernels.mgpu_gemm import _num_sms
+from pallas_kernels.mgpu_gemm import SMEM_BYTES, _num_sms
 from pallas_kernels.mgpu_gemv import _tf
 from pallas_kernels.mgpu_gemv_w4 import E2M1_A_SHIFT, _nibble_f32, e2m1x4_to_bf16_asm
 from pallas_kernels.w4a16 import (check_nvfp4_args, w4a16_gemm_pallas, w4a16_gemm_t_m128_pallas,
@@ -51,7 +51,6 @@ ROWS = 64            # weight rows (N) per compute warpgroup: the wgmma M
 CTA_N = 2 * ROWS     # weight rows per CTA (two compute warpgroups)
 STEP_K = 128         # K per pipeline step: 64 packed bytes per weight row
 GROUPS = 16          # scale columns per step: the step's 8 groups as (scale, scale) pairs
-SMEM_BYTES = 227 * 1024
 BF16 = jnp.bfloat16
 
 

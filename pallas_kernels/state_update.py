@@ -95,12 +95,6 @@ def state_update_multi_xbc_reference(state: jax.Array, rows: jax.Array, xbc: jax
     return state_update_multi_reference(state, rows, x, dt, A, B, C, **kw)
 
 
-registry.register("state_update", reference=state_update_reference)
-registry.register("state_update_multi", reference=state_update_multi_reference)
-registry.register("state_update_xbc", reference=state_update_xbc_reference)
-registry.register("state_update_multi_xbc", reference=state_update_multi_xbc_reference)
-
-
 # ---- Pallas (Triton backend) ---------------------------------------------------------------------------------
 # Grid (P-blocks, heads, batch rows): each program gathers the [BP, N] tile of its pool row, advances it (K tokens
 # in registers for the multi form) and scatters it back into the same buffer: the pool is an input aliased to
@@ -301,7 +295,8 @@ def state_update_multi_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Ar
     return y, steps, state
 
 
-registry.register("state_update", pallas=state_update_pallas)
-registry.register("state_update_multi", pallas=state_update_multi_pallas)
-registry.register("state_update_xbc", pallas=state_update_xbc_pallas)
-registry.register("state_update_multi_xbc", pallas=state_update_multi_xbc_pallas)
+registry.register("state_update", reference=state_update_reference, pallas=state_update_pallas)
+registry.register("state_update_multi", reference=state_update_multi_reference, pallas=state_update_multi_pallas)
+registry.register("state_update_xbc", reference=state_update_xbc_reference, pallas=state_update_xbc_pallas)
+registry.register("state_update_multi_xbc", reference=state_update_multi_xbc_reference,
+                  pallas=state_update_multi_xbc_pallas)
