@@ -8,7 +8,7 @@ activation quantization (an XLA pass), as the layer pays it. Baseline: XLA BF16 
 
     PYTHONPATH=. python3 benchmarks/bench_prefill.py --out $OUT --tag s2_call1 [--sweep] [--deadline 150]
 writes OUT/prefill_<date>_<tag>.json and .md. `--nvfp4` runs the NVFP4 set instead (Mosaic arms on the plain and
-transposed layouts, with --sweep the plain arm's launch neighbours and its skip_decode probe; Triton arm,
+transposed layouts, with --sweep the plain arm's launch neighbours; Triton arm,
 dequantize-to-bf16 + XLA dot, the transposed arm's weight relayout alone).
 """
 
@@ -98,20 +98,14 @@ def xla_fp8_rows(x, q, s):
     return (y * xs[:, None] * s[None, :]).astype(x.dtype)
 
 
-def mosaic_variants(name: str, N: int, K: int, sweep: bool, cluster: bool = False) -> list[MgpuTiles | None]:
+def mosaic_variants(name: str, N: int, K: int, sweep: bool) -> list[MgpuTiles | None]:
     """None = the arm's default tiles; with --sweep the block-scaled kernel's launch neighbours (128x128 per
     warpgroup: stages 3 / 4, epilogue staging 64 / 128 bytes, snake order and width) other than its default, and
-    the row-scaled kernel's 128x128 and 64x256 warpgroup tiles;
-    with --cluster the row-scaled kernel's default tiles in CTA pairs sharing the weight tile ("m") or the x
-    tile ("n", where N takes two CTA tiles)."""
+    the row-scaled kernel's 128x128 and 64x256 warpgroup tiles."""
     out: list[MgpuTiles | None] = [None]
-    if cluster and name == "fp8_gemm_t":        # (the block-scaled kernel refuses clusters: s8-1)
-        d = mgpu_gemm.default_tiles(N, K, per_block=False)
-        out += [dataclasses.replace(d, cluster=c) for c in ("m", "n") if c != d.cluster
-                and N % dataclasses.replace(d, cluster=c).cluster_tile[1] == 0]
     if not sweep:
         return out
-    if name == "fp8_gemm_t":     # 128x128 (the pre-session-8 default) against 64x256 per warpgroup
+    if name == "fp8_gemm_t":     # 128x128 against 64x256 per warpgroup
         cands = [MgpuTiles(128, 128, "m", stages=4), MgpuTiles(64, 256, "m", stages=3),
                  MgpuTiles(64, 256, "m", stages=4, epi_bytes=64), MgpuTiles(64, 256, "m", stages=3, grid_minor="n")]
         d = mgpu_gemm.default_tiles(N, K, per_block=False)
@@ -129,7 +123,7 @@ def short(t: MgpuTiles | str | None) -> str:
     if t is None:
         return "default"
     return (f"{t.tile_m}x{t.tile_n}{t.wg_dim} st{t.stages} {t.grid_minor}{t.grid_tile_width} dr{t.delay_release} "
-            f"epi{t.epi_m}x{t.epi_bytes}B" + (f" cluster {t.cluster}" if t.cluster else ""))
+            f"epi{t.epi_m}x{t.epi_bytes}B")
 
 
 def main():
@@ -138,7 +132,6 @@ def main():
     ap.add_argument("--tag", default="run")
     ap.add_argument("--deadline", type=float, default=150.0, help="seconds; later arms are skipped")
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--cluster", action="store_true", help="also the Mosaic arms' default tiles in 2-CTA clusters")
     ap.add_argument("--only", default="", help="comma-separated arm names to keep (default: all)")
     ap.add_argument("--shapes", default="in_proj,out_proj")
     ap.add_argument("--no-triton", action="store_true")
@@ -219,10 +212,10 @@ def main():
         result["shapes"][shape]["default_tiles"] = {
             name: short(mgpu_gemm.default_tiles(N, K, per_block=name != "fp8_gemm_t"))
             for name in ("fp8_gemm_t", "w8a16_gemm_pipelined")}
-        for t in mosaic_variants("fp8_gemm_t", N, K, args.sweep, args.cluster):
+        for t in mosaic_variants("fp8_gemm_t", N, K, args.sweep):
             arms.append(("fp8_gemm_t", "mosaic", t, "rows",
                          lambda x, q, s, t=t, **kw: mgpu_gemm.fp8_gemm_t_mosaic(x, q, s, tiles=t, interpret=DRY, **kw)))
-        for t in mosaic_variants("w8a16_gemm_pipelined", N, K, args.sweep, args.cluster):
+        for t in mosaic_variants("w8a16_gemm_pipelined", N, K, args.sweep):
             arms.append(("w8a16_gemm_pipelined", "mosaic", t, "blocks",
                          lambda x, q, s, t=t, **kw: mgpu_gemm.w8a16_gemm_pipelined_mosaic(x, q, s, tiles=t,
                                                                                              interpret=DRY, **kw)))
@@ -433,16 +426,14 @@ def nvfp4_variants(sweep: bool) -> list:
     if sweep:
         out += [Nvfp4Tiles(tile_m=128, stages=4), Nvfp4Tiles(tile_m=128, stages=3),
                 Nvfp4Tiles(tile_m=256, stages=2), Nvfp4Tiles(tile_m=256, stages=2, grid_minor="n", grid_tile_width=16),
-                Nvfp4Tiles(tile_m=256, stages=2, grid_minor="n", grid_tile_width=4),
-                Nvfp4Tiles(tile_m=256, stages=2, grid_minor="n", decode="skip_decode"),   # timing probe (wrong results)
-                Nvfp4Tiles(tile_m=128, stages=4, grid_minor="n", decode="skip_decode")]
+                Nvfp4Tiles(tile_m=256, stages=2, grid_minor="n", grid_tile_width=4)]
     return out
 
 
 def short_nv(t) -> str:
     if t is None:
         return "default"
-    return f"tm{t.tile_m} st{t.stages} {t.grid_minor}{t.grid_tile_width} {t.decode}"
+    return f"tm{t.tile_m} st{t.stages} {t.grid_minor}{t.grid_tile_width}"
 
 
 def nvfp4_main(args, result, save, key):

@@ -8,13 +8,11 @@ the profiler works, the summed GPU kernel time per call from a perfetto trace.
 
     PYTHONPATH=. python benchmarks/bench_quant.py --out DIR [--deadline SECONDS] [--sweep]
 writes DIR/quant_<date>.json and DIR/quant_<date>.md.
-    ... --decode-only --mosaic [--mosaic-sweep] --tag s2_call1
+    ... --decode-only --mosaic [--mosaic-sweep] [--mosaic-set grid] --tag TAG
 times the decode GEMVs only: Mosaic GPU arm vs Triton arm vs XLA BF16 vs the copy ceiling (files
 quant_<date>_<tag>.*), after checking every Mosaic config it times against the reference at the real
-shapes, with batch invariance (M=1 and M=4 rows bit-identical to the same rows of M=16).
-    ... --decode-only --mosaic --mosaic-set s3 --no-triton --tag s3_call1
-checks and times the session-3 set (S3_CONFIGS) at M = 1, 16, 4 and prints a short summary table last (gpu us
-per call with XLA's helper kernels, and the largest kernel alone); tools/gpu_check_quant.sh S3=1 runs it.
+shapes, with batch invariance (M=1 and M=4 rows bit-identical to the same rows of M=16), and prints a short
+summary table last (gpu us per call with XLA's helper kernels, and the largest kernel alone).
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ import numpy as np
 
 from benchmarks import timing
 from metrale_jax.weights import quant_formats as qf
-from pallas_kernels import fp8_gemm, mgpu_gemv, w4a4, w4a16, w8a16
+from pallas_kernels import fp8_gemm, mgpu_gemv_w4, mgpu_gemv_w8, w4a4, w4a16, w8a16
 from pallas_kernels.mgpu_gemv import GemvConfig
 from pallas_kernels.w4a16 import W4Blocks
 from pallas_kernels.w8a16 import QuantBlocks
@@ -110,9 +108,8 @@ def main():
     ap.add_argument("--decode-only", action="store_true", help="decode GEMVs only (no prefill GEMMs)")
     ap.add_argument("--mosaic", action="store_true", help="also check and time the Mosaic GPU GEMV arms")
     ap.add_argument("--mosaic-sweep", action="store_true", help="time alternative Mosaic GEMV configs (M=1, 16)")
-    ap.add_argument("--mosaic-set", default="defaults", choices=("defaults", "s3", "grid"),
-                    help="Mosaic GEMV configs checked and timed at M = 1, 16, 4: the registry defaults, the "
-                         "session-3 set (old defaults + the perm / overlap variants, see S3_CONFIGS), or the "
+    ap.add_argument("--mosaic-set", default="defaults", choices=("defaults", "grid"),
+                    help="Mosaic GEMV configs checked and timed at M = 1, 16, 4: the registry defaults or the "
                          "launch-shape grid of both GEMVs (GEMV_GRID: CTAs per SM, split-K)")
     ap.add_argument("--tag", default="", help="suffix of the result file names")
     ap.add_argument("--no-copy", action="store_true", help="skip the copy-bandwidth measurement (use an earlier run's)")
@@ -408,54 +405,29 @@ def run_checks(result, shape, N, K, W, xs, check_time, save):
 
 
 # ---- Mosaic GPU decode GEMVs ---------------------------------------------------------------------------------
-MOSAIC_ARMS = {"w8a16_gemv": ("fp8", mgpu_gemv.w8a16_gemv_mosaic, w8a16.w8a16_reference),
-               "w4a16_gemv": ("nvfp4", mgpu_gemv.w4a16_gemv_mosaic, w4a16.w4a16_reference)}
+MOSAIC_ARMS = {"w8a16_gemv": ("fp8", mgpu_gemv_w8.w8a16_gemv_mosaic, w8a16.w8a16_reference),
+               "w4a16_gemv": ("nvfp4", mgpu_gemv_w4.w4a16_gemv_mosaic, w4a16.w4a16_reference)}
 
 
-# Session 3 (benchmarks/notes/quant.md): the session-2 defaults first, then the K-permuted integer decoders
-# ("perm") and the overlapped accumulators, at CTA sizes that give one wave on 132 SMs (SMEM per CTA).
-S3_CONFIGS = [("w8a16_gemv", GemvConfig(64, 6, widen="jnp")),
-              ("w4a16_gemv", GemvConfig(128, 3, widen="ptx")),
-              ("w8a16_gemv", GemvConfig(64, 3, widen="perm", overlap=True)),
-              ("w4a16_gemv", GemvConfig(64, 4, widen="perm")),
-              ("w8a16_gemv", GemvConfig(64, 6, widen="perm")),
-              ("w8a16_gemv", GemvConfig(64, 3, widen="jnp", overlap=True)),
-              ("w4a16_gemv", GemvConfig(128, 3, widen="perm")),
-              ("w8a16_gemv", GemvConfig(64, 2, widen="perm", overlap=True)),
-              ("w4a16_gemv", GemvConfig(64, 3, widen="perm")),
-              ("w8a16_gemv", GemvConfig(128, 2, widen="perm", overlap=True))]
-S3_BOTH_SHAPES = [S3_CONFIGS[i] for i in (0, 1, 2, 3, 6, 9)]       # out_proj: defaults and the main candidates
-# Launch-shape grid of both Mosaic GEMVs (session 4; benchmarks/notes/quant.md). Calls s4-1/2 measured split-K
-# (2x-4x the CTAs: only ~7%), weights laid out tile-contiguous (no gain: removed) and the "stream" probe (TMA
-# pipeline alone, no widening / wgmma: 20.7 us in_proj). This set: the registry defaults first (the session-4
-# split-K launch shapes), the session-3 default beside them, and the probes on the default launch shape
-# ("stream": memory only; "mma": wgmma on a constant A, no widening), to split the ~5 us of compute.
-_G8, _G4 = (lambda *a, **k: ("w8a16_gemv", GemvConfig(*a, **k))), \
-    (lambda *a, **k: ("w4a16_gemv", GemvConfig(*a, widen="perm", **k)))
+# Launch-shape grid of both Mosaic GEMVs (CTAs per SM, split-K; benchmarks/notes/gemv.md).
+_G8 = lambda *a, **k: ("w8a16_gemv", GemvConfig(*a, **k))       # noqa: E731
+_G4 = lambda *a, **k: ("w4a16_gemv", GemvConfig(*a, **k))       # noqa: E731
 GEMV_GRID = {
-    "in_proj": [_G8(64, 2, split_k=2), _G4(64, 4, split_k=2), _G8(64, 6),
-                _G8(64, 2, split_k=2, probe="stream"), _G8(64, 2, split_k=2, probe="mma"),
-                _G8(64, 6, probe="stream"), _G8(64, 6, probe="mma"), _G8(64, 2, probe="stream"),
-                _G8(64, 3, probe="stream"), _G8(128, 4, probe="stream")],
-    "out_proj": [_G8(64, 2, split_k=8), _G4(64, 3, split_k=4), _G8(64, 6),
-                 _G8(64, 2, split_k=8, probe="stream"), _G8(64, 2, split_k=8, probe="mma")],
+    "in_proj": [_G8(64, 2, split_k=2), _G4(64, 4, split_k=2), _G8(64, 6), _G8(64, 3), _G8(128, 4)],
+    "out_proj": [_G8(64, 2, split_k=8), _G4(64, 3, split_k=4), _G8(64, 6)],
 }
 
 
 def mosaic_configs(N, K, sweep: bool) -> list[tuple[str, GemvConfig]]:
     """(kernel, config) pairs: the two defaults first, then (with `sweep`) the alternatives; with
-    --mosaic-set s3 the session-3 set instead."""
-    if MOSAIC_SET == "s3" and not sweep:
-        return [c for c in S3_CONFIGS if (N, K) == SHAPES["in_proj"] or c in S3_BOTH_SHAPES]
+    --mosaic-set grid the launch-shape grid instead."""
     if MOSAIC_SET == "grid" and not sweep:
         return next(v for k, v in GEMV_GRID.items() if SHAPES[k] == (N, K))
-    d8, d4 = mgpu_gemv.w8a16_gemv_blocks(N, K), mgpu_gemv.w4a16_gemv_blocks(N, K)
+    d8, d4 = mgpu_gemv_w8.w8a16_gemv_blocks(N, K), mgpu_gemv_w4.w4a16_gemv_blocks(N, K)
     out = [("w8a16_gemv", d8), ("w4a16_gemv", d4)]
     if sweep:
-        alt8 = [GemvConfig(64, 6, widen="perm"), GemvConfig(64, 3, widen="jnp", overlap=True),
-                GemvConfig(64, 3, widen="perm", overlap=True), GemvConfig(128, 4, widen=d8.widen)]
-        alt4 = [GemvConfig(128, 3, widen="ptx"), GemvConfig(192 - d4.block_n, 3, widen="perm"),
-                GemvConfig(d4.block_n, 4, widen="perm")]
+        alt8 = [GemvConfig(64, 6), GemvConfig(64, 3), GemvConfig(128, 4)]
+        alt4 = [GemvConfig(192 - d4.block_n, 3), GemvConfig(d4.block_n, 4)]
         out += [("w8a16_gemv", c) for c in alt8 if c != d8] + [("w4a16_gemv", c) for c in alt4 if c != d4]
     return out
 
@@ -469,10 +441,6 @@ def run_mosaic_checks(result, shape, N, K, W, xs, configs, check_time, save, ful
         check_time()
         fmt, fn, ref_fn = MOSAIC_ARMS[name]
         args = W[fmt][0]
-        if cfg.probe:
-            result["checks"].append({"shape": shape, "kernel": f"{name}[mosaic]", "config": str(cfg), "ok": False,
-                                     "probe": True, "note": "probe: skips work, results wrong by design; timed only"})
-            continue
         try:
             ref = ref_fn(x16, *args, out_dtype=jnp.float32)
             y16 = jax.block_until_ready(fn(x16, *args, out_dtype=jnp.float32, config=cfg, interpret=I))
@@ -499,9 +467,9 @@ def run_mosaic_checks(result, shape, N, K, W, xs, configs, check_time, save, ful
 
 
 def _passed(result, shape):
-    """(kernel, config) pairs whose check passed, and the probes (wrong results by design: timed, not checked)."""
+    """(kernel, config) pairs whose check passed."""
     return {(c["kernel"].split("[")[0], c["config"]) for c in result["checks"]
-            if c.get("shape") == shape and c["kernel"].endswith("[mosaic]") and (c["ok"] or c.get("probe"))}
+            if c.get("shape") == shape and c["kernel"].endswith("[mosaic]") and c["ok"]}
 
 
 def _time_mosaic(bench, kind, shape, N, K, W, xs, base, name, cfg, M):
@@ -588,7 +556,7 @@ def torch_baselines(result, rng, check_time):
 
 
 def short_config(cfg) -> str:
-    """GemvConfig(block_n=64, stages=6, split_k=0, load='upcast') -> 64/6/0/upcast (other configs as given)."""
+    """GemvConfig(block_n=64, stages=6, split_k=0, ...) -> 64/6/0/... (other configs as given)."""
     if not cfg:
         return ""
     if cfg.startswith("GemvConfig("):

@@ -357,6 +357,7 @@ def _coerce(name: str, field: dataclasses.Field, value: Any) -> Any:
 # ---- levers ------------------------------------------------------------------------------
 _FP8_SSM_MODES = ("off", "decode", "full")
 _NVFP4_ACTIVATIONS = ("bf16", "nvfp4")
+_GATED_NORM_QUANT = ("group", "arm", "off")
 _KERNEL_MODES = ("auto", "pallas", "triton", "mosaic", "interpret", "reference")  # = registry.MODES
 
 
@@ -373,6 +374,12 @@ class ModelLevers:
     # so quantizing activations only adds error) or activations quantized to NVFP4 per 16 on the fly (the W4A4 arm,
     # with the checkpoint's static input_scale where it has one: the numbers a ModelOpt NVFP4 model was calibrated for)
     nvfp4_activations: str = "bf16"
+    # METRALE_GATED_NORM_QUANT: what the Mamba gated norm in front of an out_proj arm that quantizes its activations
+    # to E4M3 (fp8_gemm_t, w8a16_gemm_pipelined) emits: "group" E4M3 with one scale per row per norm group (the
+    # per-group kernel on the bf16 norm's parallel grid; the arm rescales its accumulator per group), "arm" the
+    # arm's own quantization (the whole-row kernel: slower end to end than the bf16 norm + the arm's quantizer on
+    # the H200, benchmarks/notes/quant_prefill.md), "off" the bf16 norm, the arm quantizes
+    gated_norm_quant: str = "group"
 
     _ENV = {
         "native_fp8_ssm": "METRALE_NEMOTRON_NATIVE_FP8_SSM",
@@ -381,6 +388,7 @@ class ModelLevers:
         "chunk_size": "METRALE_CHUNK_SIZE",
         "prefill_token_budget": "METRALE_PREFILL_TOKEN_BUDGET",
         "nvfp4_activations": "METRALE_NVFP4_ACTIVATIONS",
+        "gated_norm_quant": "METRALE_GATED_NORM_QUANT",
     }
 
     def __post_init__(self):
@@ -391,6 +399,8 @@ class ModelLevers:
         if self.nvfp4_activations not in _NVFP4_ACTIVATIONS:
             raise ConfigError("nvfp4_activations", f"expected one of {_NVFP4_ACTIVATIONS}, "
                                                    f"got {self.nvfp4_activations!r}")
+        if self.gated_norm_quant not in _GATED_NORM_QUANT:
+            raise ConfigError("gated_norm_quant", f"expected one of {_GATED_NORM_QUANT}, got {self.gated_norm_quant!r}")
         if not isinstance(self.graphs, bool):
             raise ConfigError("graphs", f"expected a bool, got {self.graphs!r}")
         if self.chunk_size is not None:

@@ -1,8 +1,9 @@
-"""Typed errors. Each names the tensor, field or argument at fault and what was expected."""
+"""Typed errors. Each names the tensor, field or argument at fault and what was expected.
 
+MetraleError, ShapeError and KernelUnavailableError are defined beside the kernels (pallas_kernels.errors, which
+imports nothing from this package) and are the same classes here."""
 
-class MetraleError(Exception):
-    """Base of every error this library raises on purpose."""
+from pallas_kernels.errors import KernelUnavailableError, MetraleError, ShapeError  # noqa: F401  (re-exported)
 
 
 class ConfigError(MetraleError, ValueError):
@@ -24,14 +25,6 @@ class CheckpointError(MetraleError, ValueError):
 
 class WeightFormatError(MetraleError, ValueError):
     """A weight container has the wrong tag, dtype or scale shape for the arm it is installed in."""
-
-
-class ShapeError(MetraleError, ValueError):
-    """An input array to an entry point has the wrong shape or dtype."""
-
-
-class KernelUnavailableError(MetraleError, RuntimeError):
-    """A kernel an arm or entry point needs did not resolve on this backend."""
 
 
 class PoolExhaustedError(MetraleError, RuntimeError):

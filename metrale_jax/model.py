@@ -57,7 +57,7 @@ from metrale_jax.weights.containers import (DenseWeight, Fp8Weight, Nvfp4Weight,
                                             quantize_nvfp4_weight)
 from metrale_jax.weights.quant_config import QuantConfig
 from metrale_jax.weights.quant_formats import NVFP4_GROUP
-from pallas_kernels import registry
+from pallas_kernels import mgpu_gemm_nvfp4, registry
 
 LAYER_CLASSES = {"M": NemotronMamba2Layer, "*": NemotronAttentionLayer, "-": NemotronMLPLayer,
                  "E": NemotronMoELayer}
@@ -573,9 +573,8 @@ def _method_of(w) -> str:
 def nvfp4_prefill_copy_pays(shape: tuple[int, int], dtype, kernels: str, platform: str | None = None) -> bool:
     """Whether an NVFP4 projection [N, K] gets a transposed prefill copy (w4a16_gemm_t). Not where the plain-layout
     GEMM (w4a16_gemm) resolves to its Mosaic arm and takes the shape: that arm serves prefill from the layer's own
-    weights at least as fast (H200 s10-1, 8B in_proj / out_proj: 998 / 533 us against the transposed arm's 1029 /
-    534) and the copy would cost another 0.56 N K bytes. Elsewhere the plain GEMM is Triton's (8x slower)."""
-    from pallas_kernels import mgpu_gemm_nvfp4   # the kernels import metrale_jax: not at this module's import
+    weights at least as fast (on the H200 at the 8B shapes; benchmarks/notes/quant_prefill.md) and the copy would
+    cost another 0.56 N K bytes. Elsewhere the plain GEMM is Triton's (8x slower)."""
     try:
         plain = registry.resolve("w4a16_gemm", kernels, platform).impl == "mosaic"
     except KernelUnavailableError:

@@ -116,11 +116,6 @@ def causal_conv1d_update_multi_reference(pool: jax.Array, rows: jax.Array, x: ja
     return swap(y).astype(x.dtype), swap(steps), pool.at[rows].set(last)
 
 
-registry.register("causal_conv1d", reference=causal_conv1d_reference)
-registry.register("causal_conv1d_update", reference=causal_conv1d_update_reference)
-registry.register("causal_conv1d_update_multi", reference=causal_conv1d_update_multi_reference)
-
-
 # ---- Pallas (Triton backend) ---------------------------------------------------------------------------------
 # Forward: grid (channel blocks, token blocks); a token's tap at lag l reads x[t - l] when it lies in the same
 # sequence (position >= l), else entry K-1+pos-l of the sequence's initial state. Taps accumulate in f32 in the
@@ -300,6 +295,7 @@ def _conv_update(pool, rows, x, weight, bias, *, activation, interpret, blocks, 
     )(rows.astype(jnp.int32), x, weight, jnp.zeros((1,), x.dtype) if bias is None else bias, pool)
 
 
-registry.register("causal_conv1d", pallas=causal_conv1d_pallas)
-registry.register("causal_conv1d_update", pallas=causal_conv1d_update_pallas)
-registry.register("causal_conv1d_update_multi", pallas=causal_conv1d_update_multi_pallas)
+registry.register("causal_conv1d", reference=causal_conv1d_reference, pallas=causal_conv1d_pallas)
+registry.register("causal_conv1d_update", reference=causal_conv1d_update_reference, pallas=causal_conv1d_update_pallas)
+registry.register("causal_conv1d_update_multi", reference=causal_conv1d_update_multi_reference,
+                  pallas=causal_conv1d_update_multi_pallas)

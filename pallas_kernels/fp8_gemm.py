@@ -9,7 +9,7 @@ Activations arrive in bf16 and are quantized to E4M3 first (one XLA pass over x)
                    applied once at the end.  ("_t": the seed's name; the copy is stored [N, K], the
                    K-major operand layout Hopper's FP8 matrix instructions read.)
 Both references quantize the activations the same way, dequantize both operands and matmul in f32. Every arm
-also takes x already quantized by its producer (quant_formats.Fp8Activations, e.g. from norm_fp8): per row,
+also takes x already quantized by its producer (formats.Fp8Activations, e.g. from norm_fp8): per row,
 or per row per group of 128k columns, whose scales are then applied per K step.
 """
 
@@ -22,8 +22,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from metrale_jax.errors import ShapeError
-from metrale_jax.weights.quant_formats import FP8_BLOCK, fp8_dequantized, fp8_groups
+from pallas_kernels.errors import ShapeError
+from pallas_kernels.formats import FP8_BLOCK, fp8_dequantized, fp8_groups
 from pallas_kernels import registry
 from pallas_kernels.triton_util import compiler_params, dot
 from pallas_kernels.w8a16 import (QuantBlocks, check_activations, check_array, fit_blocks, grid_ids, matmul_f32,
@@ -104,8 +104,8 @@ def _fp8_call(x, w, wscale, *, out_dtype, blocks: QuantBlocks, interpret: bool, 
 
 
 def fp8_gemm_blocks(N: int, K: int, *, per_block: bool) -> QuantBlocks:
-    """Best of the H200 sweeps (2026-11-30): 64x128 tiles, 4 warps, 4 stages; the row-scaled GEMM with the
-    weight tile as the A operand."""
+    """Best of the H200 sweeps (benchmarks/notes/quant.md): 64x128 tiles, 4 warps, 4 stages; the row-scaled GEMM
+    with the weight tile as the A operand."""
     return QuantBlocks(block_m=64, block_n=128, block_k=128, split_k=1, num_warps=4, num_stages=4,
                        swap=not per_block)
 

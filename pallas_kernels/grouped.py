@@ -16,8 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from metrale_jax.errors import ShapeError
-from metrale_jax.weights.quant_formats import NVFP4_GROUP, block_grid, dequantize_nvfp4, expand_block_scale
+from pallas_kernels.errors import ShapeError
+from pallas_kernels.formats import NVFP4_GROUP, block_grid, dequantize_nvfp4, expand_block_scale
 from pallas_kernels import registry
 from pallas_kernels.w4a16 import W4Blocks, _w4_call
 from pallas_kernels.w8a16 import QuantBlocks, _w8a16_call, check_activations, check_array, fit_blocks

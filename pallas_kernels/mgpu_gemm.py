@@ -9,15 +9,13 @@ Both also take activations quantized by their producer (Fp8Activations) per row 
 columns (the gated norm's per-group output). Where a side's scale changes along K (per-128 weight blocks,
 per-group activations) the one float32 accumulator is rescaled before the step's wgmma into that step's
 units (times the previous step's scale over this one's); the last step's scales go into the epilogue.
-Activations are quantized by one-pass Triton kernels (ACT_QUANT = "fused", the default since the H200 run of
-session 3) or by XLA.
+Activations are quantized by one-pass Triton kernels where they take the shape (`act_quant="fused"`, the
+default) or by XLA (`act_quant="xla"`); both give the same bits.
 
 Kernel layout: one CTA per SM, looping over output tiles (persistent, snake order for L2 reuse); a memory
 warpgroup streams [rows, 128] E4M3 tiles of x and w through a multi-stage TMA pipeline (128-byte swizzle),
 two compute warpgroups each own one [tile_m, tile_n] accumulator; w [N, K] is K-major, the layout FP8
-wgmma needs for its B operand (passed as the transposed view of the shared-memory tile). Optionally
-(`MgpuTiles.cluster`, row-scaled kernel only) CTAs run in pairs that load their shared operand's tiles once
-through TMA multicast (measured no faster on the H200: notes, session 8).
+wgmma needs for its B operand (passed as the transposed view of the shared-memory tile).
 Rows (M) are padded to the CTA tile here; N and K must be multiples of 128 (ShapeError otherwise; as the GPU
 default, `supports` sends such weights to the Triton arm).
 H200 results and the tile reasoning: benchmarks/notes/quant_prefill.md.
@@ -34,8 +32,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from metrale_jax.errors import ShapeError
-from metrale_jax.weights.quant_formats import E4M3_MAX, FP8_BLOCK, Fp8Activations, fp8_groups
+from pallas_kernels.errors import ShapeError
+from pallas_kernels.formats import E4M3_MAX, FP8_BLOCK, Fp8Activations, fp8_groups
 from pallas_kernels import registry
 from pallas_kernels.fp8_gemm import _check_fp8_rows, fp8_gemm_t_reference
 from pallas_kernels.w8a16 import _check_w8a16, w8a16_pipelined_reference
@@ -58,13 +56,6 @@ class MgpuTiles:
     epi_m: int = 64            # epilogue sub-tile rows (a multiple of the wgmma layout's 64-row tile)
     epi_bytes: int = 128       # epilogue sub-tile columns in bytes of the output dtype (its swizzle: 32/64/128)
     delay_release: int = 0     # wgmma groups left in flight per step (a stage is freed one step later)
-    cluster: str = ""          # "m": CTA pairs along M share the weight tile (TMA multicast); "n": along N, x's
-
-    @property
-    def cluster_tile(self) -> tuple[int, int]:
-        """Rows and columns of out one cluster covers (the CTA tile without a cluster)."""
-        cta_m, cta_n = self.cta
-        return (cta_m * (1 + (self.cluster == "m")), cta_n * (1 + (self.cluster == "n")))
 
     @property
     def cta(self) -> tuple[int, int]:
@@ -73,11 +64,11 @@ class MgpuTiles:
 
 def default_tiles(N: int, K: int, *, per_block: bool, x_steps: bool = False) -> MgpuTiles:
     """Block-scaled: 128x128 per warpgroup (CTA 256x128), tile_n = 128 = one scale block, so each step's weight
-    scale is one number per warpgroup; stages 3 and 128-byte epilogue staging at K <= 4096 (H200: 2.4-3.2% faster
-    at in_proj in three runs, no faster at out_proj's K = 8192; notes, call s7-5), else stages 4 with 64-byte
-    staging (room for the per-step scale ratios). Row-scaled: 64x256 per warpgroup (CTA 128x256: one m64n256
-    wgmma per 32-wide K slice, each weight tile read once per warpgroup; notes, session 8) where N takes 256-wide
-    CTAs, else 128x128 (in_proj's N = 145 x 128)."""
+    scale is one number per warpgroup; stages 3 and 128-byte epilogue staging at K <= 4096 (a few % faster at
+    in_proj, no faster at out_proj's K = 8192), else stages 4 with 64-byte staging (room for the per-step scale
+    ratios). Row-scaled: 64x256 per warpgroup (CTA 128x256: one m64n256 wgmma per 32-wide K slice, each weight
+    tile read once per warpgroup) where N takes 256-wide CTAs, else 128x128 (in_proj's N = 145 x 128). Timings:
+    benchmarks/notes/quant_prefill.md."""
     if per_block:
         if K <= 4096:
             return MgpuTiles(tile_m=128, tile_n=128, wg_dim="m", stages=3, epi_bytes=128)
@@ -102,12 +93,7 @@ def _fp8_transforms():
 
 
 def _check_tiles(name: str, M: int, N: int, K: int, t: MgpuTiles, *, per_block: bool) -> None:
-    cols = t.cluster_tile[1]
-    if t.cluster not in ("", "m", "n"):
-        raise ShapeError(f"{name}: tiles.cluster must be '', 'm' or 'n', got {t.cluster!r}")
-    if per_block and t.cluster:
-        # H200 (s8-1): no faster (in_proj +-0%, out_proj 0 / +4% slower), and GPU interpret mode hangs on it
-        raise ShapeError(f"{name}: tiles.cluster is not supported by the block-scaled kernel (got {t.cluster!r})")
+    cols = t.cta[1]
     if per_block and (t.wg_dim != "m" or t.tile_n != FP8_BLOCK):
         # one 128-column scale block per CTA (the wg_dim="n" variant also deadlocked in GPU interpret mode)
         raise ShapeError(f"{name}: tiles.wg_dim must be 'm' and tile_n {FP8_BLOCK} for the block-scaled kernel, "
@@ -116,8 +102,7 @@ def _check_tiles(name: str, M: int, N: int, K: int, t: MgpuTiles, *, per_block: 
         raise ShapeError(f"{name}: tile_m={t.tile_m} must be a multiple of 64 and tile_n={t.tile_n} a multiple "
                          f"of 8 up to 256 (wgmma shapes)")
     if N % cols:
-        pair = f" (a cluster of two {t.cta[1]}-column CTAs)" if t.cluster == "n" else ""
-        raise ShapeError(f"{name}: w has N={N} rows, not a multiple of the Mosaic tile's {cols} columns{pair}; "
+        raise ShapeError(f"{name}: w has N={N} rows, not a multiple of the Mosaic tile's {cols} columns; "
                          f"use the Triton arm or pad the weight")
     if K % TILE_K:
         raise ShapeError(f"{name}: K={K} (x columns, w columns) is not a multiple of {TILE_K}")
@@ -132,8 +117,8 @@ def _gemm_kernel(*refs, per_block: bool, x_group_steps: int, t: MgpuTiles, M: in
     scratch. One float32 accumulator per warpgroup, kept in the units of the current K step's scales: where
     they change (x per group: xr; w per 128x128 block: wr) it is multiplied by the ratio of the previous
     step's scales to this step's before the step's wgmma; the last step's scales (xs, ws) are applied in the
-    epilogue. (Session 4's block-scaled kernel took each step into a fresh accumulator added into a running
-    one: two accumulators per warpgroup, so 64x128 tiles, 12-16% slower on the H200.)"""
+    epilogue (not a fresh accumulator per step added into a running one: two accumulators per warpgroup fit only
+    64x128 tiles, which were slower)."""
     x_steps = x_group_steps > 0        # x's scale changes along K, every x_group_steps steps
     n_ratio = int(x_steps) + int(per_block)
     x_ref, w_ref = refs[:2]
@@ -141,20 +126,18 @@ def _gemm_kernel(*refs, per_block: bool, x_group_steps: int, t: MgpuTiles, M: in
     xs_ref, ws_ref, out_ref, out_smem, sx_smem, sw_smem, sx_bar, sw_bar = refs[2 + n_ratio:]
     cta_m, cta_n = t.cta
     tm, tn = t.tile_m, t.tile_n
-    m_iters, n_iters, k_iters = M // t.cluster_tile[0], N // t.cluster_tile[1], K // TILE_K
+    m_iters, n_iters, k_iters = M // cta_m, N // cta_n, K // TILE_K
     epi_n = _epi_n(t, out_dtype)
     minor = 0 if t.grid_minor == "m" else 1
 
     dr = t.delay_release
 
-    def spec(shape, side, **kw):   # K step k of an operand; the cluster's CTAs share one side's tiles
-        shared = ("cluster",) if t.cluster == {"x": "n", "w": "m"}.get(side) else None
-        return plgpu.BlockSpec(shape, lambda k: (k, 0) if shape[0] == 1 else (0, k), delay_release=dr,
-                               collective_axes=shared, **kw)
+    def spec(shape, **kw):         # K step k of an operand
+        return plgpu.BlockSpec(shape, lambda k: (k, 0) if shape[0] == 1 else (0, k), delay_release=dr, **kw)
 
-    in_specs = [spec((cta_m, TILE_K), "x", transforms=_fp8_transforms()),
-                spec((cta_n, TILE_K), "w", transforms=_fp8_transforms())]
-    in_specs += ([spec((1, cta_m), "x")] if x_steps else []) + ([spec((1, tm), "w")] if per_block else [])
+    in_specs = [spec((cta_m, TILE_K), transforms=_fp8_transforms()),
+                spec((cta_n, TILE_K), transforms=_fp8_transforms())]
+    in_specs += ([spec((1, cta_m))] if x_steps else []) + ([spec((1, tm))] if per_block else [])
 
     def make_pipeline(body, context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -173,9 +156,6 @@ def _gemm_kernel(*refs, per_block: bool, x_group_steps: int, t: MgpuTiles, M: in
         def _tiles(info: plgpu.NDLoopInfo):
             (lin,) = info.index
             mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), minor, t.grid_tile_width)
-            if t.cluster:                   # this CTA's half of the cluster tile
-                c = lax.axis_index("cluster")
-                mi, ni = (2 * mi + c, ni) if t.cluster == "m" else (mi, 2 * ni + c)
             cta_rows, cta_cols = pl.ds(mi * cta_m, cta_m), pl.ds(ni * cta_n, cta_n)
             if t.wg_dim == "m":
                 wg_rows, wg_cols = pl.ds(wg * tm, tm), pl.ds(0, tn)
@@ -290,14 +270,12 @@ def _mgpu_call(xq, w, scale_args, *, per_block: bool, x_group_steps: int, tiles:
                           transforms=(plgpu.TilingTransform((8, epi_n)), plgpu.SwizzleTransform(swz)))
     kernel = functools.partial(_gemm_kernel, per_block=per_block, x_group_steps=x_group_steps, t=t, M=Mp, N=N, K=K,
                                out_dtype=out_dtype, interpret=interpret)
-    nclusters = (Mp // t.cluster_tile[0]) * (N // t.cluster_tile[1])
-    csize = 2 if t.cluster else 1
+    ntiles = (Mp // t.cta[0]) * (N // t.cta[1])
     f = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((Mp, N), out_dtype),
         scratch_types=[out_smem, plgpu.SMEM((2, t.tile_m), jnp.float32), plgpu.SMEM((2, t.tile_n), jnp.float32),
                        plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2)],
-        grid=(min(_num_sms(interpret) // csize, nclusters),), grid_names=("sm",),
-        cluster=(csize,) if t.cluster else (), cluster_names=("cluster",) if t.cluster else (),
+        grid=(min(_num_sms(interpret), ntiles),), grid_names=("sm",),
         num_threads=3, thread_name="wg",
         interpret=plgpu.InterpretGPUParams() if interpret else None, kernel_name=name)
     return f(xq, w, *scale_args)
@@ -323,19 +301,16 @@ def _scale_args(xs, width: int, ws, *, per_block: bool, tiles: MgpuTiles, K: int
     return args + (xs_last, ws_last)
 
 
-# ---- activation quantization in one pass (Pallas Triton; optional, see ACT_QUANT) ------------------------
-# XLA quantizes x in ~2 passes (row amax, then divide + convert): 40 us in_proj / 70 us out_proj at M = 4096
-# (call 2 of benchmarks/notes/quant_prefill.md), 8-28% of the arm. These kernels read x once and write the
-# E4M3 copy and its scales once, with the same formulas as quant_formats.quantize_rows_fp8[_blocks]
-# (same bits). H200, session 3: 21 / 35 us (in_proj / out_proj, rows) against XLA's 37 / 68 us
-# (benchmarks/results/act_quant_2026-11-30_s3.json).
-ACT_QUANT = "fused"        # "xla" | "fused"
+# ---- activation quantization in one pass (Pallas Triton; act_quant="fused") ------------------------------
+# XLA quantizes x in ~2 passes (row amax, then divide + convert). These kernels read x once and write the E4M3
+# copy and its scales once, with the same formulas as formats.quantize_rows_fp8[_blocks] (same bits), in about
+# half XLA's time at the 8B shapes (benchmarks/notes/quant_prefill.md).
 
 
 @dataclasses.dataclass(frozen=True)
 class ActQuantBlocks:
     """Rows per program and warps of the fused quantizers (rows: whole rows; blocks: [rows, 128] per program)."""
-    rows_elems: int = 8192           # rows kernel: rows per program = rows_elems // K (H200 sweep, session 3)
+    rows_elems: int = 8192           # rows kernel: rows per program = rows_elems // K (the fastest in a sweep)
     rows_warps: int = 4
     blocks_rows: int = 64
     blocks_warps: int = 4
@@ -373,7 +348,7 @@ def _quant_rows_block(K: int, qb: ActQuantBlocks) -> int:
 
 @functools.partial(jax.jit, static_argnames=("interpret", "qb"))
 def quantize_rows_fused(x, *, interpret: bool = False, qb: ActQuantBlocks | None = None):
-    """x [M, K] -> (E4M3 [M, K], f32 scale [M]), as quant_formats.quantize_rows_fp8, in one pass."""
+    """x [M, K] -> (E4M3 [M, K], f32 scale [M]), as formats.quantize_rows_fp8, in one pass."""
     from jax.experimental.pallas import triton as pltr
     qb = qb or ACT_QUANT_BLOCKS
     M, K = x.shape
@@ -392,7 +367,7 @@ def quantize_rows_fused(x, *, interpret: bool = False, qb: ActQuantBlocks | None
 
 @functools.partial(jax.jit, static_argnames=("interpret", "qb"))
 def quantize_blocks_fused_t(x, *, interpret: bool = False, qb: ActQuantBlocks | None = None):
-    """x [M, K] -> (E4M3 [M, K], f32 scale transposed [K/128, M]): quant_formats.quantize_rows_fp8_blocks
+    """x [M, K] -> (E4M3 [M, K], f32 scale transposed [K/128, M]): formats.quantize_rows_fp8_blocks
     with the scales already in the layout the block-scaled kernel reads."""
     from jax.experimental.pallas import triton as pltr
     qb = qb or ACT_QUANT_BLOCKS
@@ -414,11 +389,11 @@ def _pad_rows(a, rows: int):
     return a if a.shape[0] == rows else jnp.pad(a, ((0, rows - a.shape[0]),) + ((0, 0),) * (a.ndim - 1))
 
 
-def _quantized_x(x, group: int | None, M: int, K: int, interpret: bool, act_quant: str | None,
+def _quantized_x(x, group: int | None, M: int, K: int, interpret: bool, act_quant: str,
                  qb: ActQuantBlocks | None):
     """(E4M3 [M, K], f32 scales [M, K/width], width): x as its producer quantized it, or quantized here per
     row (group None) or per row per 128 columns, by the fused kernels where they take the shape."""
-    if not isinstance(x, Fp8Activations) and (act_quant or ACT_QUANT) == "fused" and fused_quant_ok(M, K, qb):
+    if not isinstance(x, Fp8Activations) and act_quant == "fused" and fused_quant_ok(M, K, qb):
         if group is None:
             xq, xs = quantize_rows_fused(x, interpret=interpret, qb=qb)
             xs, width = xs[:, None], K
@@ -431,14 +406,16 @@ def _quantized_x(x, group: int | None, M: int, K: int, interpret: bool, act_quan
 
 
 def _mosaic_arm(name: str, x, w, scale, *, per_block: bool, out_dtype, interpret: bool, tiles: MgpuTiles | None,
-                act_quant: str | None, qb: ActQuantBlocks | None):
+                act_quant: str, qb: ActQuantBlocks | None):
+    if act_quant not in ("fused", "xla"):
+        raise ShapeError(f"{name}: act_quant must be 'fused' or 'xla', got {act_quant!r}")
     M, K = x.shape
     N = w.shape[0]
     xq, xs, width = _quantized_x(x, FP8_BLOCK if per_block else None, M, K, interpret, act_quant, qb)
     x_group_steps = width // TILE_K if width < K else 0        # 0: one x scale per row
     t = tiles or default_tiles(N, K, per_block=per_block, x_steps=x_group_steps > 0)
     _check_tiles(name, M, N, K, t, per_block=per_block)
-    Mp = pl.cdiv(M, t.cluster_tile[0]) * t.cluster_tile[0]
+    Mp = pl.cdiv(M, t.cta[0]) * t.cta[0]
     xs = _pad_rows(xs, Mp)
     args = _scale_args(xs, width, scale, per_block=per_block, tiles=t, K=K)
     y = _mgpu_call(_pad_rows(xq, Mp), w, args, per_block=per_block, x_group_steps=x_group_steps, tiles=t,
@@ -447,17 +424,17 @@ def _mosaic_arm(name: str, x, w, scale, *, per_block: bool, out_dtype, interpret
 
 
 def fp8_gemm_t_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False, tiles: MgpuTiles | None = None,
-                      act_quant: str | None = None, qb: ActQuantBlocks | None = None):
+                      act_quant: str = "fused", qb: ActQuantBlocks | None = None):
     """Mosaic arm of fp8_gemm_t: same call and result as `fp8_gemm_t_reference` (x [M, K] or Fp8Activations,
-    w E4M3 [N, K], scale f32 [N]). act_quant: "xla" or "fused" quantization of a bf16 x (default ACT_QUANT; qb
-    its blocks)."""
+    w E4M3 [N, K], scale f32 [N]). act_quant: "fused" (one-pass kernels where they take the shape, else XLA) or
+    "xla" quantization of a bf16 x, the same bits; qb: the fused kernels' blocks."""
     _check_fp8_rows(x, w, scale)
     return _mosaic_arm("fp8_gemm_t", x, w, scale, per_block=False, out_dtype=out_dtype, interpret=interpret,
                        tiles=tiles, act_quant=act_quant, qb=qb)
 
 
 def w8a16_gemm_pipelined_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False,
-                                tiles: MgpuTiles | None = None, act_quant: str | None = None,
+                                tiles: MgpuTiles | None = None, act_quant: str = "fused",
                                 qb: ActQuantBlocks | None = None):
     """Mosaic arm of w8a16_gemm_pipelined: same call and result as `w8a16_pipelined_reference` (x [M, K] or
     Fp8Activations, w E4M3 [N, K], scale f32 [ceil(N/128), ceil(K/128)], nonzero: the accumulator is rescaled by
@@ -472,12 +449,11 @@ def supports(name: str, N: int, K: int) -> bool:
     """Whether the default tiles of `name` take an [N, K] weight (M is always padded): N a multiple of the CTA
     columns (128), K a multiple of 128. Other shapes go to the Triton arm when Mosaic is the default."""
     t = default_tiles(N, K, per_block=name == "w8a16_gemm_pipelined")
-    return N % t.cluster_tile[1] == 0 and K % TILE_K == 0
+    return N % t.cta[1] == 0 and K % TILE_K == 0
 
 
-# Defaults from the H200 runs of 2026-11-30 (benchmarks/notes/quant_prefill.md, call 2, M = 4096): fp8_gemm_t
-# 470 us in_proj / 250 us out_proj against Triton ~1457 / ~699 and XLA BF16 788 / 359; w8a16_gemm_pipelined
-# 598 / 315 against Triton ~1788 / ~838.
+# Mosaic is the GPU default of both: about 3x the Triton arms at the 8B prefill shapes on the H200
+# (benchmarks/notes/quant_prefill.md).
 registry.register("fp8_gemm_t", reference=fp8_gemm_t_reference, mosaic=fp8_gemm_t_mosaic, gpu_default="mosaic",
                   mosaic_supports=lambda x, w, scale, **_: supports("fp8_gemm_t", *w.shape))
 registry.register("w8a16_gemm_pipelined", reference=w8a16_pipelined_reference, mosaic=w8a16_gemm_pipelined_mosaic,

@@ -22,10 +22,8 @@ store to shared memory, TMA to out [M, N] (float32: out^T, transposed by XLA; a 
 lower). Interpret mode (CPU tests) passes the A operand through shared memory (the GPU interpreter's wgmma reads A
 from shared memory only).
 Shapes: N % 128 == 0, K % 256 == 0 (ShapeError otherwise; `supports` sends others to the Triton arm); M is padded
-to tile_m here. Output dtype bf16 / f16 / f32. H200 (sessions 11-12, M = 4096): 874-902 / 387-402 us at the 8B
-in_proj / out_proj, 0.87-0.91x XLA BF16 (the earlier even / odd split of x: 998 / 508 us). The decode costs its
-ALU throughput beside the wgmmas however it is scheduled (s12: halves, ping-pong), so only fewer decode
-instructions move it; benchmarks/notes/quant_prefill.md.
+to tile_m here. Output dtype bf16 / f16 / f32. The decode costs its ALU throughput beside the wgmmas however it is
+scheduled, so only fewer decode instructions move it; timings: benchmarks/notes/quant_prefill.md.
 """
 
 from __future__ import annotations
@@ -41,10 +39,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from metrale_jax.errors import ShapeError
+from pallas_kernels.errors import ShapeError
 from pallas_kernels import registry
-from pallas_kernels.mgpu_gemm import _num_sms
-from pallas_kernels.mgpu_gemv import E2M1_A_SHIFT, _nibble_f32, _tf, e2m1x4_to_bf16_asm
+from pallas_kernels.mgpu_gemm import SMEM_BYTES, _num_sms
+from pallas_kernels.mgpu_gemv import _tf
+from pallas_kernels.mgpu_gemv_w4 import E2M1_A_SHIFT, _nibble_f32, e2m1x4_to_bf16_asm
 from pallas_kernels.w4a16 import (check_nvfp4_args, w4a16_gemm_pallas, w4a16_gemm_t_m128_pallas,
                                   w4a16_gemm_t_pallas, w4a16_reference, w4a16_t_reference)
 
@@ -52,29 +51,23 @@ ROWS = 64            # weight rows (N) per compute warpgroup: the wgmma M
 CTA_N = 2 * ROWS     # weight rows per CTA (two compute warpgroups)
 STEP_K = 128         # K per pipeline step: 64 packed bytes per weight row
 GROUPS = 16          # scale columns per step: the step's 8 groups as (scale, scale) pairs
-SMEM_BYTES = 227 * 1024
 BF16 = jnp.bfloat16
-PROBES = ("skip_decode", "skip_shuffles")   # timing probes (GPU only, wrong results)
 
 
 @dataclasses.dataclass(frozen=True)
 class Nvfp4Tiles:
-    """tile_m: x rows per CTA (the wgmma N, 64..256); stages: TMA pipeline depth; decode: "ptx" (interpret mode
-    decodes with jnp) or a timing probe (wrong results): "skip_decode" (a constant A operand: no packed-byte loads
-    or decode), "skip_shuffles" (no quad transpose); grid order as in mgpu_gemm."""
+    """tile_m: x rows per CTA (the wgmma N, 64..256); stages: TMA pipeline depth; grid order as in mgpu_gemm."""
 
     tile_m: int = 128
     stages: int = 4
     grid_minor: str = "m"
     grid_tile_width: int = 8
-    decode: str = "ptx"
 
 
 def default_tiles(M: int, N: int, K: int, out_dtype=BF16) -> Nvfp4Tiles:
-    """Above 128 rows with a 16-bit output: 256 x rows per CTA, 2 stages, the grid's n index fastest (H200 s11:
-    885-902 / 398-402 us at the 8B in_proj / out_proj, M = 4096; m fastest 913-915 / 406-409; 128 rows x 4 stages
-    1073-1092 / 493-495). Else 128 rows and the deepest pipeline (<= 4) that fits shared memory (3 for a float32
-    output)."""
+    """Above 128 rows with a 16-bit output: 256 x rows per CTA, 2 stages, the grid's n index fastest (the fastest
+    at the 8B shapes, M = 4096). Else 128 rows and the deepest pipeline (<= 4) that fits shared memory (3 for a
+    float32 output)."""
     wide = Nvfp4Tiles(tile_m=256, stages=2, grid_minor="n")
     if M > 128 and jnp.dtype(out_dtype).itemsize == 2 and _smem_bytes(wide, out_dtype) <= SMEM_BYTES:
         return wide
@@ -93,7 +86,7 @@ def _smem_bytes(t: Nvfp4Tiles, out_dtype) -> int:
 # In the WGMMA A fragment, register j of lane q (of its quad) holds columns 8j + 2q, +1 of a row: in natural K order
 # that is packed byte 4j + q, both nibbles in scale group j // 2 (a 128-wide step: 16 registers, 8 groups). A
 # WGMMA_UPCAST_4X load gives lane q bytes 32c + 8q .. +8 instead (one 8-byte vector per c), so the quad transposes
-# its bytes (per word: two shuffles, two prmt) and decodes each byte into one bf16 pair as the GEMV's perm decoder
+# its bytes (per word: two shuffles, two prmt) and decodes each byte into one bf16 pair as the GEMV's decoder
 # does, with a scale per byte: value * scale * 2^-8, exact. The scales come ready (`prepare_scales`: per step and
 # row the 8 groups' (scale, scale) * 2^118 bf16 pairs) and every lane loads all of its rows' pairs (SCALE_LAYOUT).
 # Lane q's word (c, hh) holds bytes 32c + 8q + 4hh + b, b < 4, wanted by lane b (j = 8c + 2q + hh): a 4 x 4 byte
@@ -127,18 +120,18 @@ SCALE_LAYOUT = plgpu.Layout.TILED(mgpu_fa.Tiling(((ROWS, GROUPS), (16, GROUPS), 
                                   warp_dims=(-8,), lane_dims=(-2, mgpu_fa.Replicated(4)), vector_dim=-1)
 
 
-def natural_registers(src, scl, asm, words, as_pair, shuffles: bool = True):
+def natural_registers(src, scl, asm, words, as_pair):
     """Register plan of the natural-order decoder, independent of how registers are represented (Mosaic values on
     the GPU, numpy lanes in the CPU test): src = the packed tile's registers (WGMMA_UPCAST_4X, [64, 64] u8), scl =
     the scale tile's (SCALE_LAYOUT, [64, 16] bf16); `words(r)` splits a register into 32-bit words, `asm(template,
     n_out, ins)` runs one PTX block. Returns the A operand's registers (WGMMA, [64, 128] bf16) = dequantized weight
-    * 2^-8 in natural K order. shuffles=False: the timing probe without the quad transpose (wrong values)."""
+    * 2^-8 in natural K order."""
     out = np.empty((1, 16, 1, 1, 2, 1, 1, 1, 1), dtype=object)
-    sel = asm(_QUAD_SELECTORS, 2, []) if shuffles else None
+    sel = asm(_QUAD_SELECTORS, 2, [])
     for h in range(2):                                                  # rows r, r + 8 of the lane
         for c in range(2):                                              # K halves: bytes 32c .. 32c + 31
             w = words(src[0, c, 0, 0, h, 0, 0, 0, 0])                   # hh = 0, 1
-            t = asm(_QUAD_TRANSPOSE, 2, w + sel) if shuffles else w
+            t = asm(_QUAD_TRANSPOSE, 2, w + sel)
             sp = words(scl[0, 0, 0, 0, h, 0, 0, c, 0, 0])               # groups 4c .. 4c + 3
             for hh in range(2):
                 o = asm(_E2M1X4_TO_BF16_S4, 4, [t[hh], *sp])
@@ -147,7 +140,7 @@ def natural_registers(src, scl, asm, words, as_pair, shuffles: bool = True):
     return out
 
 
-def _ptx_e2m1_natural(p, s, shuffles: bool = True):
+def _ptx_e2m1_natural(p, s):
     """Packed bytes [64, 64] (WGMMA_UPCAST_4X) and prepared scales [64, 16] (SCALE_LAYOUT) -> bf16 [64, 128]
     = dequantized weight * 2^-8 in WGMMA layout, natural K order."""
     @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, SCALE_LAYOUT),
@@ -173,7 +166,7 @@ def _ptx_e2m1_natural(p, s, shuffles: bool = True):
             return [vector.extract(ws, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([i]))
                     for i in range(n)]
 
-        regs = natural_registers(fp.registers, fs.registers, asm, words, lambda v: mu.bitcast(v, bf2), shuffles)
+        regs = natural_registers(fp.registers, fs.registers, asm, words, lambda v: mu.bitcast(v, bf2))
         return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
     return decode(p, s)
 
@@ -188,7 +181,7 @@ def _jnp_e2m1_natural(p, s):
 
 # ---- kernel --------------------------------------------------------------------------------------------------
 def _kernel(x_ref, p_ref, s_ref, g_ref, out_ref, o_smem, a_smem, *, t: Nvfp4Tiles, M: int, N: int, K: int,
-            decode: str, out_t: bool):
+            interpret: bool, out_t: bool):
     """x [M, K] bf16, p [N, K/2] u8, s [N, K/8] bf16, g [1] f32 -> out [M, N] (16-bit outputs) or out^T [N, M]
     (out_t: float32)."""
     tm = t.tile_m
@@ -213,14 +206,11 @@ def _kernel(x_ref, p_ref, s_ref, g_ref, out_ref, o_smem, a_smem, *, t: Nvfp4Tile
         rows = pl.ds(wg * ROWS, ROWS)
 
         def body(idx, x_s, p_s, s_s, acc_ref):
-            if decode == "skip_decode":        # timing probe: the GEMM without loads or decode (wrong results)
-                a = plgpu.layout_cast(jnp.full((ROWS, STEP_K), 1.0, BF16), plgpu.Layout.WGMMA)
-            elif decode == "jnp":
+            if interpret:
                 a = _jnp_e2m1_natural(p_s.at[rows][...], s_s.at[rows][...])
             else:
                 a = _ptx_e2m1_natural(plgpu.load(p_s.at[rows], layout=plgpu.Layout.WGMMA_UPCAST_4X),
-                                      plgpu.load(s_s.at[rows], layout=SCALE_LAYOUT),
-                                      shuffles=decode != "skip_shuffles")
+                                      plgpu.load(s_s.at[rows], layout=SCALE_LAYOUT))
             if a_smem is not None:             # interpret mode: A through shared memory
                 a_smem[wg] = a
                 plgpu.commit_smem()
@@ -262,7 +252,7 @@ def _call(x, p, s, g, *, tiles: Nvfp4Tiles, out_dtype, interpret: bool, name: st
     Mp, K = x.shape
     N = p.shape[0]
     out_t = jnp.dtype(out_dtype).itemsize == 4
-    kernel = functools.partial(_kernel, t=t, M=Mp, N=N, K=K, decode="jnp" if interpret else t.decode, out_t=out_t)
+    kernel = functools.partial(_kernel, t=t, M=Mp, N=N, K=K, interpret=bool(interpret), out_t=out_t)
     ncta = (Mp // t.tile_m) * (N // CTA_N)
     f = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((N, Mp) if out_t else (Mp, N), out_dtype),
@@ -295,9 +285,6 @@ def _check(name: str, N: int, K: int, t: Nvfp4Tiles, out_dtype) -> None:
         raise ShapeError(f"{name}(mosaic): K={K} (x columns) is not a multiple of {2 * STEP_K}; use the Triton arm")
     if t.tile_m not in (64, 128, 192, 256):
         raise ShapeError(f"{name}(mosaic): tile_m={t.tile_m} must be one of 64, 128, 192, 256 (the wgmma N)")
-    if t.decode not in ("ptx",) + PROBES:
-        raise ShapeError(f"{name}(mosaic): decode={t.decode!r} must be 'ptx' or a timing probe {PROBES} "
-                         f"(interpret mode decodes with jnp)")
     if jnp.dtype(out_dtype) not in (jnp.dtype(BF16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)):
         raise ShapeError(f"{name}(mosaic): out_dtype {jnp.dtype(out_dtype).name} is not bfloat16, float16 or float32")
     if _smem_bytes(t, out_dtype) > SMEM_BYTES:
@@ -365,15 +352,15 @@ def supports_plain(x, packed, scale, global_scale, *, out_dtype=None, **_) -> bo
     return supports_shape(packed.shape[0], 2 * packed.shape[1], x.dtype, out_dtype or x.dtype)
 
 
-# GPU default Mosaic: H200 s11, 0.82 / 0.83x XLA BF16 at the 8B shapes (M=4096) with the per-call weight transpose
-# (953 / 430 us; the plain layout below skips it) against the Triton arm's 0.42x (benchmarks/notes/quant_prefill.md).
+# GPU default Mosaic: about twice the Triton arm at the 8B shapes (M = 4096) with the per-call weight transpose
+# (the plain layout below skips it; benchmarks/notes/quant_prefill.md).
 registry.register("w4a16_gemm_t", reference=w4a16_t_reference, pallas=w4a16_gemm_t_pallas, mosaic=w4a16_gemm_t_mosaic,
                   mosaic_supports=supports, gpu_default="mosaic")
 registry.register("w4a16_gemm_t_m128", reference=w4a16_t_reference, pallas=w4a16_gemm_t_m128_pallas,
                   mosaic=w4a16_gemm_t_m128_mosaic, mosaic_supports=supports, gpu_default="mosaic")
-# The plain layout on the same kernel, minus the per-call weight transpose (H200 s12: 874-898 / 387-398 us at the
-# 8B in_proj / out_proj, 0.87-0.91x XLA BF16; the Triton w4a16_gemm: 8276 us at in_proj), so on Hopper the model
-# serves NVFP4 prefill from it and builds no transposed copy (benchmarks/notes/quant_prefill.md).
+# The plain layout on the same kernel, minus the per-call weight transpose (about 9x the Triton w4a16_gemm at the
+# 8B in_proj), so on Hopper the model serves NVFP4 prefill from it and builds no transposed copy
+# (benchmarks/notes/quant_prefill.md).
 registry.register("w4a16_gemm", reference=w4a16_reference, pallas=w4a16_gemm_pallas, mosaic=w4a16_gemm_mosaic,
                   mosaic_supports=supports_plain, gpu_default="mosaic")
 

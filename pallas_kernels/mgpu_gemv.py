@@ -1,96 +1,75 @@
 """Decode GEMVs on Hopper through Pallas Mosaic GPU: the Mosaic arms of `w8a16_gemv` and `w4a16_gemv`.
 
-Both compute out^T = W x^T with the weight tile as the wgmma A operand, widened to bf16 in registers
-(no shared-memory round trip), and x^T (16 rows per tile, 8 when M <= 8; zero-filled past M by TMA) as the B
-operand in shared memory. Weight tiles stream through a multi-stage TMA pipeline (`emit_pipeline`). At larger M a
-CTA takes several 16-row x tiles (`m_tiles`, w8 and w4 perm) and one m64 x n(16 m_tiles) wgmma per widened weight
-tile.
+Both compute out^T = W x^T with the weight tile as the wgmma A operand, widened to bf16 in registers (no
+shared-memory round trip), and x^T (16 rows per tile, 8 when M <= 8; zero-filled past M by TMA) as the B operand
+in shared memory. Weight tiles stream through a multi-stage TMA pipeline (`emit_pipeline`). At larger M a CTA takes
+several 16-row x tiles (`m_tiles`) and issues one m64 x n(16 m_tiles) wgmma per widened weight tile.
 
-  w8a16: E4M3 tile [64, 128] -> bf16 (exact); one block scale per 128-wide K step, applied in float32
-         to that step's product, so the result equals dequantize-then-matmul up to f32 summation order.
-         `overlap`: two blocks per pipeline step with two accumulators (one block's wgmma runs while the
-         other block is widened).
-  w4a16: widen "jnp"/"ptx": packed E2M1 [64, 256 bytes] per 512-wide K step, as two planes (low nibbles =
-         even k, high = odd k) multiplied with the even / odd columns of x; the E4M3 group scales are
-         expanded to the plane's register layout by a small wgmma (scales [64, 32] x a 0/1 expansion
-         matrix), then e2m1 * scale is formed exactly in bf16. widen "perm": see below. The global scale
-         multiplies the result.
-Widening (GemvConfig.widen): jnp conversions, inline PTX through `plgpu.inline_mgpu` (GPU only), or "perm":
-the weight tile is loaded in WGMMA_UPCAST_4X layout (8 consecutive bytes per thread) and decoded with integer
-PTX straight into the registers of the same thread's WGMMA A fragment, which amounts to a fixed permutation of
-K; x's columns get the same permutation (`perm_cols`, `perm64`, done by XLA), so the dot product is unchanged.
-For NVFP4 each 8-byte vector is one scale group, so scales are applied during the decode (no expansion wgmma).
-GPU defaults (H200 runs, benchmarks/notes/quant.md): w8 jnp 64 rows x 2 stages, tiles read from SMEM as 2-byte
-vectors, unsplit with two K blocks per step where the row blocks fill two CTAs per SM (in_proj), else split-K to
-~4.5 CTAs per SM (perm and overlap were no faster); w4 perm 64 rows, split 2 x 4 stages at in_proj. A "probe"
-config (benchmarks only) skips the compute to time the TMA pipeline alone: 19.5-23 us at in_proj, the floor of
-this design.
-Balance (`tail_split`, w8 in_proj default): 290 row blocks over 132 SMs leave 26 SMs a third block; those 26
-blocks run as two K halves in 2-CTA clusters whose CTA 0 adds the other's float32 partial from its shared memory
-(`_cluster_sum`, st.async into the peer's SMEM), so every SM streams about the same bytes (H200 s16: in_proj
-M = 1 / 16 / 256 20.4-20.6 / 21.2-21.3 / 77.0-77.4 us against 21.6-22.0 / 22.8 / 86-89). `reduce="cluster"`
-does the same for split-K partials (out_proj; not yet timed). The cluster sum adds in the order XLA's sum of
-the float32 partials does (the interpret-mode path), so both give the same bits.
+  w8a16: E4M3 tile [64, 128] -> bf16 (exact, jnp conversions); one block scale per 128-wide K block, applied in
+         float32 to that block's product, so the result equals dequantize-then-matmul up to f32 summation order.
+  w4a16: packed E2M1 [64, 128 bytes] per 256-wide K step, loaded in WGMMA_UPCAST_4X layout (8 consecutive bytes
+         per thread) and decoded with integer PTX straight into the registers of the same thread's WGMMA A
+         fragment, which amounts to a fixed permutation of K (`perm64`); x's columns get the same permutation
+         (done by XLA), so the dot product is unchanged. Each 8-byte vector is one scale group, so the E4M3 scales
+         are applied during the decode; the global scale multiplies the result.
+
+Launches (`GemvConfig`, defaults from `w8a16_gemv_blocks` / `w4a16_gemv_blocks`): K is split across CTAs until the
+SMs are covered (float32 partials added by XLA in a fixed order, `_finish`). Where the row blocks alone fill two
+CTAs per SM (in_proj) w8 runs unsplit with two K blocks per pipeline step and splits only the row blocks past a
+whole number per SM into K pieces (`tail_split`), so every SM streams about the same bytes; those pieces (and w4's
+split halves at in_proj) are added in the kernel by 2-CTA clusters (`_cluster_sum`: CTA 0 adds the other's
+float32 partial from its shared memory in the order XLA's sum uses, so both give the same bits).
 
 Weight tiles never depend on M (split-K chosen from (N, K) only, split partials added in a fixed order), and a
-wgmma gives each output column the same bits whatever its N (tested on the H200 at M = 1 / 16 / 40 / 256), so a
-row's result is bit-identical whatever the batch. Interpret mode (CPU tests)
-passes the A operand through shared memory, since the GPU interpreter's wgmma reads A from shared memory
-only, and always widens with jnp (in the same K order); everything else is shared with the compiled kernel.
+wgmma gives each output column the same bits whatever its N (tested on the GPU), so a row's result is
+bit-identical whatever the batch. Interpret mode (CPU tests) passes the A operand through shared memory, since the
+GPU interpreter's wgmma reads A from shared memory only, decodes with jnp (in the same K order) and adds split
+partials in XLA; everything else is shared with the compiled kernel.
 Shapes: bf16 x, N % 64 == 0, K % 128 (w8) / K % 512 (w4) == 0 (`supports`); else ShapeError.
+This module: the launch config and what both kernels share (the output store, the split-K sum, the cluster sum,
+launch tiles, argument checks); the kernels: mgpu_gemv_w8.py, mgpu_gemv_w4.py.
+Measurements and what was tried: benchmarks/notes/gemv.md.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from metrale_jax.errors import ShapeError
-from metrale_jax.weights.quant_formats import FP8_BLOCK
-from pallas_kernels import registry
-from pallas_kernels.w4a16 import check_nvfp4_args, w4a16_reference
-from pallas_kernels.w8a16 import H200_SMS, _check_w8a16, w8a16_reference
+from pallas_kernels.errors import ShapeError
+from pallas_kernels.w8a16 import H200_SMS
 
 BM = 16            # x rows per tile (the wgmma N dimension); never chosen from M beyond `x_rows`, so rows stay
                    # batch-invariant
-X_ROWS_SMALL = 8   # x rows per CTA when M <= 8 (w8 and w4 perm): an n8 wgmma, half the x bytes of a 16-row tile
+X_ROWS_SMALL = 8   # x rows per CTA when M <= 8: an n8 wgmma, half the x bytes of a 16-row tile
 ROWS = 64          # wgmma M: weight rows per warpgroup instruction
 W8_BK = 128        # K per step of w8a16 (one block scale)
-W4_BK = 512        # K per step of w4a16 (256 packed bytes, 32 scale groups)
+W4_K = 512         # K multiple the w4a16 arm takes (`supports`)
+W4_BK = 256        # K per step of w4a16 (128 packed bytes, 16 scale groups)
 
 
 @dataclasses.dataclass(frozen=True)
 class GemvConfig:
-    """block_n: weight rows per CTA (64 or 128); stages: pipeline depth; split_k: K splits (0 = auto)."""
+    """A launch of either GEMV. block_n: weight rows per CTA (64 or 128); stages: pipeline depth; split_k: K splits
+    (0 = auto)."""
 
     block_n: int = 64
     stages: int = 6
     split_k: int = 0
-    load: str = "upcast"      # 8-bit tiles read from SMEM as 4-byte vectors + one shuffle, or "direct" (2 bytes)
-    widen: str = "jnp"        # weights -> bf16: jnp conversions ("jnp"), inline PTX ("ptx"), or the K-permuted
-                              # integer recipes ("perm"; 8-byte loads, no conversion instructions)
-    overlap: bool = False     # w8: two step accumulators, step k's wgmma runs while step k+1 is widened
-    probe: str = ""           # benchmark probe: "stream" skips the widening and the wgmma, "mma" the widening
-                              # only (w8: a constant A operand), "stream-no-x" (and w4 perm "stream-weights")
-                              # fewer TMA streams: WRONG results (W8_PROBES, W4_PROBE_STREAMS)
-    m_tiles: int = 0          # w8 / w4 perm: 16-row x tiles per CTA, one m64 x n(16 m_tiles) wgmma against the
-                              # widened weight tile (0: auto, see launch_tiles; 1 = one CTA per 16 rows)
-    small_m: bool = True      # w8 / w4 perm at M <= 8: one 8-row x tile (an n8 wgmma) instead of 16 rows; H200
-                              # s13-7, M = 1: in_proj w8 24.0 vs 25.5 us, w4 22.0 vs 24.0, rows bit-identical
-    k_blocks: int = 1         # w8 / w4 perm: K blocks (w8 128, w4 256 wide) per pipeline step, all their wgmmas
-                              # issued before one wait: block j + 1 is widened while block j's wgmma runs (w8 up
-                              # to 4, w4 2); rows keep their bits (see resolve_k_blocks)
-    reduce: str = "xla"       # split partials (split_k, tail_split) added by XLA, or in the kernel through the
-                              # shared memory of a cluster of the split CTAs ("cluster"; compiled only, interpret
-                              # mode adds them in XLA), the same bits
+    m_tiles: int = 0          # 16-row x tiles per CTA, one m64 x n(16 m_tiles) wgmma against the widened weight
+                              # tile (0: auto, see launch_tiles; 1 = one CTA per 16 rows)
+    small_m: bool = True      # at M <= 8: one 8-row x tile (an n8 wgmma) instead of 16 rows; rows bit-identical
+    k_blocks: int = 1         # K blocks (w8 128, w4 256 wide) per pipeline step, all their wgmmas issued before one
+                              # wait: block j + 1 is widened while block j's wgmma runs (w8 up to 4, w4 2); rows
+                              # keep their bits (see resolve_k_blocks)
+    reduce: str = "xla"       # split partials added by XLA, or in the kernel through the shared memory of a
+                              # cluster of the split CTAs ("cluster": w4 split_k, w8 tail_split pieces; compiled
+                              # only, interpret mode adds them in XLA), the same bits
     tail_split: int = 0       # w8 unsplit: the row blocks past a whole number per SM (in_proj: 26 of 290) are
                               # split into this many K pieces, so every SM streams about the same bytes; the
                               # pieces' float32 partials are added in a fixed order (`tail_blocks`)
@@ -110,243 +89,6 @@ def auto_split(n_blocks: int, k_steps: int, target: int = 2 * H200_SMS) -> int:
     return split
 
 
-def _load_8bit(ref, how: str):
-    """An 8-bit [64, c] SMEM tile -> registers in WGMMA layout (the A operand's): read as 4-byte vectors and
-    shuffled once ("upcast"), or read as 2-byte vectors in place ("direct")."""
-    if how == "direct":
-        return plgpu.load(ref, layout=plgpu.Layout.WGMMA)
-    return plgpu.layout_cast(plgpu.load(ref, layout=plgpu.Layout.WGMMA_UPCAST_2X), plgpu.Layout.WGMMA)
-
-
-# ---- register-level widening through inline PTX (GPU only; interpret mode uses the jnp forms) ----------------
-# E4M3 pair -> bf16 pair, exact, with half the conversion-pipe work of E4M3 -> f16 -> f32 -> bf16: the hardware
-# cvt gives an f16 pair; an f16 from E4M3 is normal with 7 zero low mantissa bits, so moving its magnitude
-# right by 3 bits reads as a bf16 of value * 2^-112, and one bf16x2 multiply by 2^112 (exact) restores it.
-_E4M3_TO_BF16 = """{
-.reg .b32 h, m, k, z;
-mov.b32 k, 0x77807780;
-mov.b32 z, 0x80008000;
-cvt.rn.f16x2.e4m3x2 h, $1;
-shr.b32 m, h, 3;
-and.b32 m, m, 0x0FFF0FFF;
-and.b32 h, h, 0x80008000;
-or.b32 h, h, m;
-fma.rn.bf16x2 $0, h, k, z;
-}"""
-# Two packed E2M1 bytes + their bf16 scale pair -> (low nibbles, high nibbles) as bf16 pairs, exact: a code's
-# sign goes to bit 15 and its 3 magnitude bits to bits 8:6 of a 16-bit lane, i.e. a bf16 of value * 2^-126
-# (code 1 the subnormal 2^-127); a bf16x2 multiply by 2^126 and one by the scale restore it (both exact).
-_E2M1_TO_BF16 = """{
-.reg .b32 t, u, a, b, k, z, n;
-mov.b32 k, 0x7E807E80;
-mov.b32 z, 0x80008000;
-mov.b32 n, 0;
-cvt.u32.u16 t, $2;
-prmt.b32 t, t, n, 0x4140;
-shr.b32 u, t, 4;
-shl.b32 a, t, 12; and.b32 a, a, 0x80008000; shl.b32 b, t, 6; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
-fma.rn.bf16x2 a, a, k, z; fma.rn.bf16x2 $0, a, $3, z;
-shl.b32 a, u, 12; and.b32 a, a, 0x80008000; shl.b32 b, u, 6; and.b32 b, b, 0x01C001C0; or.b32 a, a, b;
-fma.rn.bf16x2 a, a, k, z; fma.rn.bf16x2 $1, a, $3, z;
-}"""
-
-
-# K-permuted E4M3 widening ("perm"): 4 bytes -> two bf16 pairs with integer ops only (prmt, shl, and) plus one
-# bf16x2 multiply per pair, exact: prmt puts byte b in the low half of a 16-bit lane and its sign replicated in
-# the high half; << 4 and a mask leave sign | (b & 0x7f) << 4, the bf16 of value * 2^-120 (E4M3 subnormals map to
-# bf16 subnormals), and the multiply by 2^120 restores it. NaN codes (0x7f, 0xff) come out as +-480.
-_E4M3X4_TO_BF16 = """{
-.reg .b32 a, b, k, z, n;
-mov.b32 k, 0x7B807B80;
-mov.b32 z, 0x80008000;
-mov.b32 n, 0;
-prmt.b32 a, $2, n, 0x9180;
-prmt.b32 b, $2, n, 0xB3A2;
-shl.b32 a, a, 4;
-shl.b32 b, b, 4;
-and.b32 a, a, 0x87F087F0;
-and.b32 b, b, 0x87F087F0;
-fma.rn.bf16x2 $0, a, k, z;
-fma.rn.bf16x2 $1, b, k, z;
-}"""
-
-
-def perm_cols(a):
-    """The fixed K permutation of the "perm" widening, on the last axis (a multiple of 32): within each 32-block,
-    index 8q + 2v + u <-> 8v + 2q + u (q, v < 4, u < 2). An involution: applying it twice is the identity."""
-    *lead, k = a.shape
-    return a.reshape(*lead, k // 32, 4, 4, 2).swapaxes(-3, -2).reshape(*lead, k)
-
-
-def _ptx_e4m3_perm_to_bf16(w):
-    """E4M3 [64, c] loaded in WGMMA_UPCAST_4X layout (each thread: 8 consecutive bytes of a row per vector) ->
-    bf16 [64, c] in WGMMA layout with its columns in `perm_cols` order: the vector at columns 32j + 8q holds, as
-    pairs v = 0..3, what the WGMMA layout keeps at columns 32j + 8v + 2q (the same thread and row), so no data
-    moves between threads or registers. The B operand (x) is permuted by `perm_cols` to match."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X,),
-                       return_type=plgpu.ShapeDtypeStruct(w.shape, jnp.bfloat16, plgpu.Layout.WGMMA))
-    def widen(ctx, fa):
-        from jax.experimental.mosaic import gpu as mgpu
-        from jax.experimental.mosaic.gpu import utils as mu
-        from jaxlib.mlir import ir
-        from jaxlib.mlir.dialects import llvm, vector
-        i32 = ir.IntegerType.get_signless(32)
-        bf2 = ir.VectorType.get((2,), ir.BF16Type.get())
-        pair = ir.Type.parse("!llvm.struct<(i32, i32)>")
-        src = fa.registers                                    # [1, c/32, 1, 1, 2, 1, 1, 1, 1] of vector<8 x i8>
-        shape = list(src.shape)
-        shape[1] *= 4                                         # [1, c/8, 1, 1, 2, ...] of vector<2 x bf16>
-        regs = np.empty(shape, dtype=object)
-        for idx, r in np.ndenumerate(src):
-            words = mu.bitcast(r, ir.VectorType.get((2,), i32))
-            for wi in range(2):
-                word = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([wi]))
-                out = llvm.inline_asm(pair, [word], _E4M3X4_TO_BF16, "=r,=r,r")
-                for half in range(2):
-                    dst = list(idx)
-                    dst[1] = 4 * idx[1] + 2 * wi + half
-                    regs[tuple(dst)] = mu.bitcast(llvm.extractvalue(i32, out, [half]), bf2)
-        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
-    return widen(w)
-
-
-def _ptx_e4m3_to_bf16(w):
-    """E4M3 [64, c] in WGMMA layout -> bf16 [64, c] (same layout) through `_E4M3_TO_BF16` per register."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA,),
-                       return_type=plgpu.ShapeDtypeStruct(w.shape, jnp.bfloat16, plgpu.Layout.WGMMA))
-    def widen(ctx, fa):
-        from jax.experimental.mosaic import gpu as mgpu
-        from jax.experimental.mosaic.gpu import utils as mu
-        from jaxlib.mlir import ir
-        from jaxlib.mlir.dialects import llvm
-        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-        bf2 = ir.VectorType.get((2,), ir.BF16Type.get())
-        regs = np.empty_like(fa.registers)
-        for idx, r in np.ndenumerate(fa.registers):
-            out = llvm.inline_asm(i32, [mu.bitcast(r, i16)], _E4M3_TO_BF16, "=r,h")
-            regs[idx] = mu.bitcast(out, bf2)
-        return mgpu.FragmentedArray(_registers=regs, _layout=fa.layout, _is_signed=None)
-    return widen(w)
-
-
-def _ptx_e2m1_to_bf16(p, s_bf16):
-    """Packed bytes [64, c] (uint8) and bf16 scales [64, c] (both WGMMA layout) -> (lo, hi) bf16 planes."""
-    ty = plgpu.ShapeDtypeStruct(p.shape, jnp.bfloat16, plgpu.Layout.WGMMA)
-
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA, plgpu.Layout.WGMMA), return_type=(ty, ty))
-    def decode(ctx, fp, fs):
-        from jax.experimental.mosaic import gpu as mgpu
-        from jax.experimental.mosaic.gpu import utils as mu
-        from jaxlib.mlir import ir
-        from jaxlib.mlir.dialects import llvm
-        i16, i32 = ir.IntegerType.get_signless(16), ir.IntegerType.get_signless(32)
-        bf2 = ir.VectorType.get((2,), ir.BF16Type.get())
-        pair = ir.Type.parse("!llvm.struct<(i32, i32)>")
-        lo, hi = np.empty_like(fp.registers), np.empty_like(fp.registers)
-        for idx, r in np.ndenumerate(fp.registers):
-            out = llvm.inline_asm(pair, [mu.bitcast(r, i16), mu.bitcast(fs.registers[idx], i32)], _E2M1_TO_BF16,
-                                  "=r,=r,h,r")
-            lo[idx] = mu.bitcast(llvm.extractvalue(i32, out, [0]), bf2)
-            hi[idx] = mu.bitcast(llvm.extractvalue(i32, out, [1]), bf2)
-        return (mgpu.FragmentedArray(_registers=lo, _layout=fp.layout, _is_signed=None),
-                mgpu.FragmentedArray(_registers=hi, _layout=fp.layout, _is_signed=None))
-    return decode(p, s_bf16)
-
-
-# NVFP4 "perm" decode (w4a16): one packed byte (lo nibble = even k, hi = odd k, one scale group) -> one bf16 pair.
-# A nibble s|eem becomes the 16-bit lane s << 15 | eem << 6, the bf16 of its E2M1 value * 2^-126 (0.5 -> the
-# subnormal 2^-127): the two nibbles of a byte are moved to the low bits of the two lanes (and + shr + prmt, the
-# prmt's zero bytes taken as sign replicas of bytes below 0x10), spread by one multiply by 0x1040 (= << 6 | << 12,
-# no overlapping bits) and masked. One bf16x2 multiply by the pair's scale * 2^118 (from `_E4M3_TO_BF16X2_SCALE`)
-# gives value * scale * 2^-8, exact (2-bit times 4-bit significands, >= 2^-18); the result is scaled by 2^8 at
-# the end.
-def e2m1x4_to_bf16_asm(scales: tuple[str, ...]) -> str:
-    """PTX: packed word $4 (4 bytes) -> bf16 pairs $0..$3 (low nibble first), byte k times the scale pair scales[k]."""
-    return """{
-.reg .b32 l, h, y, z;
-mov.b32 z, 0x80008000;
-and.b32 l, $4, 0x0F0F0F0F;
-shr.b32 h, $4, 4;
-and.b32 h, h, 0x0F0F0F0F;
-""" + "".join(f"""prmt.b32 y, l, h, 0x8{4 + k}8{k}; mul.lo.u32 y, y, 0x1040; and.b32 y, y, 0x81C081C0;
-fma.rn.bf16x2 ${k}, y, {scales[k]}, z;
-""" for k in range(4)) + "}"
-
-
-_E2M1X8_TO_BF16 = e2m1x4_to_bf16_asm(("$5",) * 4)        # one scale pair for all four bytes (one group)
-# An E4M3 scale byte -> (scale, scale) * 2^118 as a bf16 pair, exact: the `_E4M3X4_TO_BF16` bit move (value *
-# 2^-120 in both lanes), then two multiplies by 2^119.
-_E4M3_TO_BF16X2_SCALE = """{
-.reg .b32 a, k, z, n;
-mov.b32 k, 0x7B007B00;
-mov.b32 z, 0x80008000;
-mov.b32 n, 0;
-prmt.b32 a, $1, n, 0x8080;
-shl.b32 a, a, 4;
-and.b32 a, a, 0x87F087F0;
-fma.rn.bf16x2 a, a, k, z;
-fma.rn.bf16x2 $0, a, k, z;
-}"""
-# The NVFP4 decoders (this perm GEMV and mgpu_gemm_nvfp4) form e2m1 * 2^-126 times a scale pair * 2^118: their A
-# operand is weight * 2^-8, undone with the global scale on the accumulator.
-E2M1_A_SHIFT = 2.0 ** 8
-
-# Scales of one 256-wide K step ([64 rows, 16 groups]): thread q of a row holds groups q, 4 + q, 8 + q, 12 + q, the
-# groups of the packed bytes it loads in WGMMA_UPCAST_4X layout (byte columns 32c + 8q .. + 8 = group 4c + q).
-W4_SCALE_LAYOUT = plgpu.Layout.TILED(
-    mgpu_fa.Tiling(((64, 16), (16, 16), (8, 16), (8, 4), (1,))), warp_dims=(-9,), lane_dims=(-3, -2), vector_dim=-1)
-
-
-def perm64(a):
-    """The K permutation of the NVFP4 "perm" decoder, on the last axis (a multiple of 64): within each 64-block,
-    logical index 8i + 2q + u holds physical index 16q + 2i + u (q < 4, i < 8, u < 2)."""
-    *lead, k = a.shape
-    return a.reshape(*lead, k // 64, 4, 8, 2).swapaxes(-3, -2).reshape(*lead, k)
-
-
-def _ptx_e2m1_perm_to_bf16(p, s):
-    """Packed bytes [64, 128] (WGMMA_UPCAST_4X) and E4M3 scales [64, 16] (W4_SCALE_LAYOUT) -> bf16 [64, 256]
-    = dequantized weight * 2^-8 in WGMMA layout, columns in `perm64` order: byte i of the vector at byte columns
-    32c + 8q becomes the pair at columns 8(8c + i) + 2q (same thread and row; no data moves between threads)."""
-    @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WGMMA_UPCAST_4X, W4_SCALE_LAYOUT),
-                       return_type=plgpu.ShapeDtypeStruct((ROWS, 256), jnp.bfloat16, plgpu.Layout.WGMMA))
-    def decode(ctx, fp, fs):
-        from jax.experimental.mosaic import gpu as mgpu
-        from jax.experimental.mosaic.gpu import utils as mu
-        from jaxlib.mlir import ir
-        from jaxlib.mlir.dialects import arith, llvm, vector
-        i8, i32 = ir.IntegerType.get_signless(8), ir.IntegerType.get_signless(32)
-        bf2 = ir.VectorType.get((2,), ir.BF16Type.get())
-        quad = ir.Type.parse("!llvm.struct<(i32, i32, i32, i32)>")
-        src, scl = fp.registers, fs.registers              # [1, 4, 1, 1, 2, 1...] vector<8xi8>; [.., 2, .., 4, ..]
-        shape = list(src.shape)
-        shape[1] *= 8
-        regs = np.empty(shape, dtype=object)
-        for idx, r in np.ndenumerate(src):
-            c, h = idx[1], idx[4]
-            sb = arith.extui(i32, mu.bitcast(scl[0, 0, 0, 0, h, 0, 0, c, 0, 0, 0], i8))
-            sc = llvm.inline_asm(i32, [sb], _E4M3_TO_BF16X2_SCALE, "=r,r")
-            words = mu.bitcast(r, ir.VectorType.get((2,), i32))
-            for wi in range(2):
-                word = vector.extract(words, dynamic_position=[], static_position=ir.DenseI64ArrayAttr.get([wi]))
-                out = llvm.inline_asm(quad, [word, sc], _E2M1X8_TO_BF16, "=r,=r,=r,=r,r,r")
-                for k in range(4):
-                    dst = list(idx)
-                    dst[1] = 8 * c + 4 * wi + k
-                    regs[tuple(dst)] = mu.bitcast(llvm.extractvalue(i32, out, [k]), bf2)
-        return mgpu.FragmentedArray(_registers=regs, _layout=mgpu.WGMMA_LAYOUT, _is_signed=None)
-    return decode(p, s)
-
-
-def _jnp_e2m1_perm(p_ref, s_ref):
-    """Interpret-mode twin of `_ptx_e2m1_perm_to_bf16` (same values, same column order), in jnp."""
-    p = p_ref[...].astype(jnp.uint16)                                   # [64, 128]
-    sc = s_ref[...].astype(jnp.float32) * (16384.0 / E2M1_A_SHIFT)     # [64, 16]; _nibble_f32 is value * 2^-14
-    lo, hi = _nibble_f32(p, False), _nibble_f32(p, True)
-    w = jnp.stack([lo, hi], axis=-1).reshape(ROWS, 16, 16) * sc[:, :, None]
-    return perm64(w.reshape(ROWS, 256)).astype(jnp.bfloat16)
-
-
 def _mma(acc_ref, a, b_ref, a_smem):
     """acc_ref += a @ b_ref with a from registers, or through `a_smem` in interpret mode."""
     if a_smem is not None:
@@ -354,11 +96,6 @@ def _mma(acc_ref, a, b_ref, a_smem):
         plgpu.commit_smem()
         a = a_smem
     plgpu.wgmma(acc_ref, a, b_ref)
-
-
-def _mma_value(a, b_ref, a_smem, n: int):
-    """A fresh [64, n] float32 product a @ b_ref (waits for it)."""
-    return _mma_values([lambda: a], [b_ref], a_smem, n)[0]
 
 
 def _mma_values(a_fns, b_refs, a_smem, n: int):
@@ -411,7 +148,7 @@ def _pad_rows(x):
 
 def supports(kernel: str, N: int, K: int, x_dtype) -> bool:
     """Whether the Mosaic arm of `kernel` ("w8a16_gemv" / "w4a16_gemv") takes these shapes (else ShapeError)."""
-    k_multiple = {"w8a16_gemv": W8_BK, "w4a16_gemv": W4_BK}[kernel]
+    k_multiple = {"w8a16_gemv": W8_BK, "w4a16_gemv": W4_K}[kernel]
     return N % ROWS == 0 and K % k_multiple == 0 and jnp.dtype(x_dtype) == jnp.dtype(jnp.bfloat16)
 
 
@@ -431,78 +168,6 @@ def _finish(out, direct: bool, M: int, out_dtype):
     for i in range(1, out.shape[0]):
         y = y + out[i]
     return y.T.astype(out_dtype)
-
-
-# ---- W8A16 ---------------------------------------------------------------------------------------------------
-# benchmark probes of the w8 kernel (WRONG results): "stream" (the TMA pipeline alone), "stream-no-x" (the weight
-# tiles alone), "mma" (no widening)
-W8_PROBES = ("stream", "stream-no-x", "mma")
-
-
-def _widen8(w_ref, load: str, widen: str, interpret: bool):
-    """E4M3 [64, 128] SMEM tile -> bf16 A operand in WGMMA layout (columns in `perm_cols` order for "perm")."""
-    if widen == "perm" and not interpret:
-        return _ptx_e4m3_perm_to_bf16(plgpu.load(w_ref, layout=plgpu.Layout.WGMMA_UPCAST_4X))
-    w = _load_8bit(w_ref, load)
-    if widen == "ptx" and not interpret:
-        return _ptx_e4m3_to_bf16(w)
-    a = w.astype(jnp.float32).astype(jnp.bfloat16)      # exact; ptxas 13.0 has no direct e4m3->bf16 cvt
-    return perm_cols(a) if widen == "perm" else a        # interpret: the same permuted product, in jnp
-
-
-def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, *t_gmem, o_smem, a_smem, ready=None, red_bar=None, bn, steps, stages,
-               direct, load, widen, interpret, probe, xr, kb, dp=0, tail=0, cluster=0):
-    """One wgmma per 128-wide K block over all m_tiles 16-row x tiles of the CTA (the weight tile is read and
-    widened once) into a fresh accumulator, waited for before the block scale is applied; a pipeline step holds
-    kb blocks, whose wgmmas are all issued before the wait. A wgmma computes each output column the same way
-    whatever its N (H200 s9-4: rows bit-identical at M = 1, 16, 40 and 256), so a row's result does not depend
-    on M. tail > 0: CTAs n < dp take row block n whole; the others piece (n - dp) % tail of the K range of row
-    block dp + (n - dp) // tail, as float32 partials into t_gmem [tail, tail rows, Mp]. cluster > 0: the split
-    (tail pieces or split-K) CTAs of one output tile form a cluster and add their partials in the kernel."""
-    n, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
-    run = functools.partial(_w8_blocks, x_gmem, w_gmem, s_gmem, a_smem, bn=bn, stages=stages, load=load,
-                            widen=widen, interpret=interpret, probe=probe, xr=xr, kb=kb)
-    store = lambda acc, n_blk: _store_out(acc, o_smem, o_gmem, 0, m_blk, n_blk, bn, direct, xr)
-    if cluster and not tail:                  # split-K, CTA c of the cluster: K range c
-        c = lax.axis_index("c")
-        _cluster_sum(run(n, m_blk, c * steps, steps=steps), c, cluster, ready, red_bar, bn, xr,
-                     lambda total: store(total, n))
-        return
-    if not tail:
-        _store_out(run(n, m_blk, split * steps, steps=steps), o_smem, o_gmem, split, m_blk, n, bn, direct, xr)
-        return
-    if cluster:
-        return _w8_tail_cluster(run, store, ready, red_bar, m_blk, bn=bn, steps=steps, xr=xr, dp=dp, tail=tail)
-    (t_gmem,) = t_gmem
-
-    @pl.when(n < dp)
-    def _():
-        store(run(n, m_blk, 0, steps=steps), n)
-
-    @pl.when(n >= dp)
-    def _():
-        t, piece = (n - dp) // tail, (n - dp) % tail
-        acc = run(dp + t, m_blk, piece * (steps // tail), steps=steps // tail)
-        pl.run_scoped(lambda t_smem: _store_out(acc, t_smem, t_gmem, piece, m_blk, t, bn, False, xr),
-                      plgpu.SMEM((bn, xr), jnp.float32))         # in the space the pipeline used
-
-
-def _w8_tail_cluster(run, store, ready, red_bar, m_blk, *, bn, steps, xr, dp, tail):
-    """The tail split reduced in the kernel: clusters of `tail` CTAs; a cluster below dp / tail takes `tail`
-    whole row blocks, one per CTA; the others one tail row block, CTA c its K piece c (`_cluster_sum`)."""
-    g, c = lax.axis_index("n"), lax.axis_index("c")
-    whole = dp // tail
-
-    @pl.when(g < whole)
-    def _():
-        n = g * tail + c
-        store(run(n, m_blk, 0, steps=steps), n)
-
-    @pl.when(g >= whole)
-    def _():
-        n = dp + g - whole
-        acc = run(n, m_blk, c * (steps // tail), steps=steps // tail)
-        _cluster_sum(acc, c, tail, ready, red_bar, bn, xr, lambda total: store(total, n))
 
 
 def _cluster_sum(acc, c, size, ready, red_bar, bn: int, xr: int, store):
@@ -548,108 +213,6 @@ def _cluster_launch(name: str, size: int, bn: int, xr: int, o_smem, grid: tuple)
                         red_bar=plgpu.Barrier(num_arrivals=(size - 1) * (bn // ROWS)))
 
 
-def _w8_blocks(x_gmem, w_gmem, s_gmem, a_smem, n_blk, m_blk, k_first, *, bn, steps, stages, load, widen, interpret,
-               probe, xr, kb):
-    """Row block n_blk times x tile m_blk over `steps` pipeline steps from step k_first: per 64-row group, the
-    [64, xr] float32 sum of the block-scaled products (see `_w8_kernel`)."""
-    s_row = n_blk * bn // FP8_BLOCK                    # bn divides 128: one block-scale row per CTA
-    groups = bn // ROWS
-
-    def body(idx, w_smem, *refs):
-        *x_smem, acc = refs                            # no x stage for the "stream-no-x" probe
-        if probe in ("stream", "stream-no-x"):
-            return acc
-        (k,) = idx
-        blocks = range(kb)
-        s = [s_gmem[s_row, (k_first + k) * kb + j] for j in blocks]
-        xt = [x_smem[0].at[:, pl.ds(j * W8_BK, W8_BK)].transpose((1, 0)) for j in blocks]    # [128, xr]: B operands
-        out = []
-        for g in range(groups):
-            rows = pl.ds(g * ROWS, ROWS)
-            if probe == "mma":
-                widened = [lambda: plgpu.layout_cast(jnp.full((ROWS, W8_BK), 1.0, jnp.bfloat16), plgpu.Layout.WGMMA)]
-                widened *= kb
-            else:
-                widened = [functools.partial(_widen8, w_smem.at[rows, pl.ds(j * W8_BK, W8_BK)], load, widen,
-                                             interpret) for j in blocks]
-            part = acc[g]
-            for prod, sj in zip(_mma_values(widened, xt, a_smem, xr), s):
-                part = part + prod * sj
-            out.append(part)
-        return tuple(out)
-
-    zero = plgpu.layout_cast(jnp.zeros((ROWS, xr), jnp.float32), plgpu.Layout.WGMMA)
-    specs = [plgpu.BlockSpec((bn, kb * W8_BK), lambda k: (n_blk, k_first + k), transforms=_tf(W8_BK, 1)),
-             plgpu.BlockSpec((xr, kb * W8_BK), lambda k: (m_blk, k_first + k), transforms=_tf(2 * W8_BK, 2))]
-    refs = (w_gmem, x_gmem)
-    if probe == "stream-no-x":
-        specs, refs = specs[:1], refs[:1]
-    return plgpu.emit_pipeline(body, grid=(steps,), in_specs=specs, max_concurrent_steps=stages,
-                               init_carry=(zero,) * groups)(*refs)
-
-
-def _w8_kernel_overlap(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, a_smem, *, bn, steps, stages, direct, load, widen,
-                       interpret):
-    """Two 128-wide K blocks per pipeline step, two accumulators: block b's wgmma is issued, then the previous
-    block's product is awaited (wait_group(groups)) and folded in with its block scale, so the widening of one
-    block overlaps the matrix units' work on the other. Race-free by construction: the two blocks decode into
-    different A registers and each set's wgmmas are awaited before the set is written again. x stages are
-    released one step late (the last wgmma of a step still reads them); each block scale is read one block
-    ahead of its use. H200 call s3-1: no faster than `_w8_kernel` (ptxas serialized the perm build's wgmmas)."""
-    n_blk, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
-    k_first = split * steps
-    s_row = n_blk * bn // FP8_BLOCK
-    groups = bn // ROWS
-    f32 = jnp.float32
-
-    def scoped(*accs):
-        acc_a, acc_b = accs[:groups], accs[groups:]
-
-        def issue(acc, w_ref, xt):
-            """Start block products into `acc` (compiled). Interpret mode has no accumulator stores (and runs
-            wgmma synchronously): there the products come back as values, carried like the GPU's registers."""
-            vals = []
-            for g in range(groups):
-                a = _widen8(w_ref.at[pl.ds(g * ROWS, ROWS)], load, widen, interpret)
-                if interpret:
-                    vals.append(_mma_value(a, xt, a_smem, BM))
-                    continue
-                acc[g][...] = plgpu.layout_cast(jnp.zeros((ROWS, BM), f32), plgpu.Layout.WGMMA)
-                plgpu.wgmma(acc[g], a, xt)
-            return tuple(vals)
-
-        def fold(total, acc, vals, s, wait_n):
-            if interpret:
-                return tuple(t + v * s for t, v in zip(total, vals))
-            return tuple(t + plgpu.wgmma_accumulator_load(r, wait_n=wait_n) * s for t, r in zip(total, acc))
-
-        def body(idx, wa_smem, wb_smem, x_smem, carry):
-            (j,) = idx
-            total, s_prev, pend = carry
-            ka = k_first + 2 * j
-            s_a, s_b = s_gmem[s_row, ka], s_gmem[s_row, ka + 1]
-            va = issue(acc_a, wa_smem, x_smem.at[:, pl.ds(0, W8_BK)].transpose((1, 0)))
-            total = fold(total, acc_b, pend, s_prev, groups)     # the previous step's second block
-            vb = issue(acc_b, wb_smem, x_smem.at[:, pl.ds(W8_BK, W8_BK)].transpose((1, 0)))
-            total = fold(total, acc_a, va, s_a, groups)
-            return total, s_b, vb
-
-        zero = plgpu.layout_cast(jnp.zeros((ROWS, BM), f32), plgpu.Layout.WGMMA)
-        spec = lambda shape, imap, tf: plgpu.BlockSpec(shape, imap, transforms=tf, delay_release=1)
-        total, s_last, pend = plgpu.emit_pipeline(
-            body, grid=(steps // 2,),
-            in_specs=[spec((bn, W8_BK), lambda j: (n_blk, k_first + 2 * j), _tf(W8_BK, 1)),
-                      spec((bn, W8_BK), lambda j: (n_blk, k_first + 2 * j + 1), _tf(W8_BK, 1)),
-                      spec((BM, 2 * W8_BK), lambda j: (m_blk, k_first // 2 + j), _tf(2 * W8_BK, 2))],
-            max_concurrent_steps=stages,
-            init_carry=((zero,) * groups, jnp.float32(0), (zero,) * groups if interpret else ()),
-        )(w_gmem, w_gmem, x_gmem)
-        return fold(total, acc_b, pend, s_last, 0)
-
-    acc = pl.run_scoped(scoped, *[plgpu.ACC((ROWS, BM), f32) for _ in range(2 * groups)])
-    _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct)
-
-
 def _grid(name: str, M: int, N: int, K: int, bk: int, config: GemvConfig):
     """(block_n, n-blocks, m-blocks, K split, K steps per split) of a GEMV launch; the split from (N, K) only."""
     bn = config.block_n
@@ -664,78 +227,20 @@ def _grid(name: str, M: int, N: int, K: int, bk: int, config: GemvConfig):
     return bn, nb, mb, split, total // split
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
-def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
-    M, K = x.shape
-    N = w.shape[0]
-    bn, nb, mb, split, steps = _grid("w8a16_gemv", M, N, K, W8_BK * config.k_blocks, config)
-    if config.overlap and steps % 2:
-        raise ShapeError(f"w8a16_gemv(mosaic): overlap=True needs an even number of K steps per split, got {steps}")
-    xp = _pad_rows(x)
-    if config.widen == "perm":
-        xp = perm_cols(xp)                                # the weight tiles' columns arrive in this order
-    mt, stages = launch_tiles("w8a16_gemv", M, N, K, config, out_dtype)
-    xr = BM if config.overlap else x_rows(M, mt, config.small_m)
-    dp, nt = tail_blocks(nb, config.tail_split) if split == 1 else (nb, 0)
-    tail = config.tail_split
-    size = (tail if nt else split if split > 1 else 0) if config.reduce == "cluster" and not interpret else 0
-    direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, 1 if size else split, out_dtype, xr)
-    kernel = functools.partial(_w8_kernel_overlap if config.overlap else _w8_kernel, bn=bn, steps=steps,
-                               stages=stages, direct=direct, load=config.load, widen=config.widen,
-                               interpret=bool(interpret))
-    scratch = dict(o_smem=o_smem, a_smem=plgpu.SMEM((ROWS, W8_BK), jnp.bfloat16, transforms=_tf(2 * W8_BK, 2))
-                   if interpret else None)
-    if not config.overlap:
-        kernel = functools.partial(kernel, probe=config.probe, xr=xr, kb=config.k_blocks)
-    grid = (nb, pl.cdiv(mb, mt), split)
-    if nt:
-        if steps % tail or (size and dp % tail):
-            raise ShapeError(f"w8a16_gemv(mosaic): tail_split={tail} does not divide the {steps} K steps of "
-                             f"{W8_BK * config.k_blocks}" + (f" or the {dp} whole row blocks" if size else ""))
-        kernel = functools.partial(kernel, dp=dp, tail=tail)
-        grid = (dp // tail + nt if size else dp + nt * tail, *grid[1:])
-        if not size:
-            out_type = (out_type, jax.ShapeDtypeStruct((tail, nt * bn, pl.cdiv(xp.shape[0], xr) * xr), jnp.float32))
-    launch = dict(grid=grid, grid_names=("n", "m", "s"))
-    if size:              # the partials meet in CTA 0 of each cluster (interpret mode has no clusters: XLA adds them)
-        kernel = functools.partial(kernel, cluster=size)
-        launch, barriers = _cluster_launch("w8a16_gemv", size, bn, xr, o_smem, grid)
-        scratch.update(barriers)
-    f = plgpu.kernel(kernel, out_type=out_type, **launch, scratch_types=scratch, **_interpret_kw(interpret))
-    if not nt or size:
-        return _finish(f(xp, w, scale), direct, M, out_dtype)
-    out, parts = f(xp, w, scale)
-    y = _finish(out, direct, M, out_dtype)
-    return jnp.concatenate([y[:, :dp * bn], _finish(parts, False, M, out_dtype)], axis=1)
-
-
-def tail_blocks(n_blocks: int, tail_split: int) -> tuple[int, int]:
-    """(row blocks taken whole, row blocks split into `tail_split` K pieces) of an unsplit w8 launch: the blocks
-    past the last whole number per SM are split (in_proj: 290 = 264 + 26 over H200_SMS = 132), none without a tail."""
-    whole = n_blocks // H200_SMS * H200_SMS
-    if not tail_split or not whole or whole == n_blocks:
-        return n_blocks, 0
-    return whole, n_blocks - whole
-
-
-# H200 (benchmarks/notes/quant.md): w8 4 tiles per CTA 1.35-1.56x faster than one at M = 64 (s8-6), 8 tiles 6-25%
-# ahead of 4 at M = 256 and level at 128 (s9-1, s9-2), 16 (one CTA per SM) slower (s8-6); w4 8 tiles behind 4 (s9-2)
+# the most x tiles per CTA an auto launch takes (the fastest on the H200, benchmarks/notes/gemv.md)
 M_TILES_AUTO = {"w8a16_gemv": 8, "w4a16_gemv": 4}
-TILES_STAGES = 2       # H200 s9-3: w4 with 4 tiles at 2 stages (two CTAs per SM) 1.13-1.18x faster than at 4 at M = 256
+TILES_STAGES = 2       # pipeline stages of a multi-tile launch: two CTAs per SM
 GEMV_SMEM = 220 * 1024  # pipeline stages + output staging of a GEMV CTA (of 227 KB; the rest: barriers)
 
 
 def launch_tiles(name: str, M: int, N: int, K: int, config: GemvConfig, out_dtype) -> tuple[int, int]:
-    """(16-row x tiles per CTA, pipeline stages) of a w8 or w4-perm launch. config.m_tiles as given, or (0) up to
+    """(16-row x tiles per CTA, pipeline stages) of a launch. config.m_tiles as given, or (0) up to
     M_TILES_AUTO[name] of the m-blocks at no more than TILES_STAGES stages, as fit in GEMV_SMEM (the stages' weight and
-    x tiles, the output staging), spread evenly over the fewest CTAs. Launches with overlap or the w4 non-perm
-    decoder take one tile."""
+    x tiles, the output staging), spread evenly over the fewest CTAs."""
     w8 = name == "w8a16_gemv"
-    bk = (W8_BK if w8 else W4P_BK) * config.k_blocks
+    bk = (W8_BK if w8 else W4_BK) * config.k_blocks
     bn, _, mb, split, steps = _grid(name, M, N, K, bk, config)
-    stages = min(config.stages, steps) if w8 and not config.overlap else config.stages
-    if config.overlap or (not w8 and config.widen != "perm"):
-        return 1, stages
+    stages = min(config.stages, steps) if w8 else config.stages
     w_bytes = bn * (bk if w8 else bk // 2 + bk // 16)       # per stage
     out_bytes = 2 if _direct(split, out_dtype) else 4
     smem = lambda mt, st: st * w_bytes + (st * 2 * bk + out_bytes * bn) * BM * mt
@@ -754,8 +259,8 @@ def launch_tiles(name: str, M: int, N: int, K: int, config: GemvConfig, out_dtyp
 
 def x_rows(M: int, m_tiles: int, small_m: bool = True) -> int:
     """x rows per CTA, the wgmma N: one 8-row tile when M <= 8 (half the x bytes per step of a 16-row tile), else
-    16 per x tile. A wgmma computes each output column the same way whatever its N (H200 s9-4: n16 / n48 / n128;
-    n8 against n16 in the GPU tests), so rows keep their bits across the two."""
+    16 per x tile. A wgmma computes each output column the same way whatever its N (n8 / n16 / n48 / n128 in the
+    GPU tests), so rows keep their bits across the two."""
     return X_ROWS_SMALL if small_m and M <= X_ROWS_SMALL and m_tiles == 1 else BM * m_tiles
 
 
@@ -767,38 +272,21 @@ def _interpret_kw(interpret) -> dict:
 
 
 def _check_config(name: str, config: GemvConfig):
-    if config.m_tiles < 0 or config.m_tiles > 16 or (config.m_tiles > 1 and (
-            config.overlap or (name == "w4a16_gemv" and config.widen != "perm"))):
-        raise ShapeError(f"{name}(mosaic): config.m_tiles expects 0 (auto) to 16, above 1 only without overlap "
-                         f"(w8) or with widen 'perm' (w4); got {config}")
-    if config.block_n not in (64, 128) or config.stages < 1 or config.split_k < 0 or config.load not in (
-            "upcast", "direct") or config.widen not in ("ptx", "jnp", "perm") or (
-            name == "w4a16_gemv" and config.overlap) or (config.stages < 2 and (
-            config.overlap or (name == "w4a16_gemv" and config.widen == "perm"))):
-        raise ShapeError(f"{name}(mosaic): config expects block_n in (64, 128), stages >= 1 (>= 2 with overlap or "
-                         f"w4 perm: stages are released one step late), split_k >= 0, load 'upcast' or 'direct', "
-                         f"widen 'ptx', 'jnp' or 'perm', overlap w8 only; got {config}")
     w4 = name == "w4a16_gemv"
-    if config.k_blocks < 1 or config.k_blocks > (2 if w4 else 4) or (config.k_blocks > 1 and (
-            config.overlap or (w4 and config.widen != "perm"))):
+    if config.block_n not in (64, 128) or config.stages < (2 if w4 else 1) or config.split_k < 0:
+        raise ShapeError(f"{name}(mosaic): config expects block_n in (64, 128), stages >= 1 (w4: >= 2, stages are "
+                         f"released one step late), split_k >= 0; got {config}")
+    if not 0 <= config.m_tiles <= 16:
+        raise ShapeError(f"{name}(mosaic): config.m_tiles expects 0 (auto) to 16; got {config}")
+    if not 1 <= config.k_blocks <= (2 if w4 else 4):
         raise ShapeError(f"{name}(mosaic): config.k_blocks expects 1 to 4 (w4: 2; Mosaic finds no bank-conflict-free "
-                         f"scale load for a 64-byte scale row), above 1 only without overlap (w8) or with widen "
-                         f"'perm' (w4); got {config}")
-    if config.tail_split < 0 or config.tail_split > 16 or (config.tail_split and (
-            name != "w8a16_gemv" or config.overlap)):
-        raise ShapeError(f"{name}(mosaic): config.tail_split expects 0 (off) to 16, and only for w8 without "
-                         f"overlap; got {config}")
+                         f"scale load for a 64-byte scale row); got {config}")
+    if not 0 <= config.tail_split <= 16 or (config.tail_split and w4):
+        raise ShapeError(f"{name}(mosaic): config.tail_split expects 0 (off) to 16, and only for w8; got {config}")
     if config.reduce not in ("cluster", "xla") or (config.reduce == "cluster" and (
-            config.tail_split > 8 or config.split_k > 8 or config.overlap or (
-            name == "w4a16_gemv" and config.widen != "perm"))):
-        raise ShapeError(f"{name}(mosaic): config.reduce expects 'xla' or 'cluster' (split_k and tail_split <= 8: a "
-                         f"portable cluster; no overlap; w4 with widen 'perm'); got {config}")
-    probes = (("", *W8_PROBES) if name == "w8a16_gemv" else ("", *W4_PROBE_STREAMS) if config.widen == "perm"
-              else ("",))
-    if config.probe not in probes or (config.probe and config.overlap):
-        raise ShapeError(f"{name}(mosaic): probe {config.probe!r} is not implemented for {config} (w8: "
-                         f"{', '.join(map(repr, W8_PROBES))} without overlap; w4 with widen 'perm': "
-                         f"{', '.join(map(repr, W4_PROBE_STREAMS))})")
+            config.tail_split > 8 or config.split_k > 8 or (not w4 and config.split_k != 1))):
+        raise ShapeError(f"{name}(mosaic): config.reduce expects 'xla' or 'cluster' (a portable cluster: split_k and "
+                         f"tail_split <= 8; w8: the tail pieces of an unsplit launch, split_k=1); got {config}")
 
 
 def _check_x_bf16(name: str, x):
@@ -807,255 +295,10 @@ def _check_x_bf16(name: str, x):
                          "use the Triton arm for other activation dtypes")
 
 
-def w8a16_gemv_blocks(N: int, K: int) -> GemvConfig:
-    """64 rows x 2 stages, jnp widening (perm and overlap were no faster, session 3) of tiles read from shared
-    memory as 2-byte vectors (load "direct": H200 s15-1, 0.6-1.7 us faster than "upcast" at in_proj M = 1..64, the
-    same bits). When the row blocks alone give two CTAs per SM, no K split and two K blocks per step (s14-3: the
-    output goes straight to bf16, no split-K sum), the blocks past two per SM in two K halves reduced in 2-CTA
-    clusters (s16: in_proj GPU us at M = 1 / 4 / 16 / 64 / 256: 20.4-20.6 / 20.5-20.7 / 21.2-21.3 / 28.5-29.0 /
-    77.0-77.4, without the tail split 21.6-22.0 / 21.6-21.8 / 22.8 / 31.0-31.2 / 86.3-89.3; four pieces 0.8-2 us
-    slower); else a K split until ~4.5 CTAs per SM (out_proj: 8, 11.9 us)."""
-    nb, steps = pl.cdiv(N, ROWS), K // W8_BK
-    base = GemvConfig(block_n=64, stages=2, widen="jnp", load="direct")
-    if nb >= 2 * H200_SMS and steps % 2 == 0:
-        tail = 2 if steps % 4 == 0 else 0                 # halves of whole steps at one and at two blocks per step
-        return dataclasses.replace(base, split_k=1, k_blocks=2, tail_split=tail, reduce="cluster")
-    return dataclasses.replace(base, split_k=auto_split(nb, steps, target=int(4.5 * H200_SMS)))
-
-
 def resolve_k_blocks(config: GemvConfig, M: int) -> GemvConfig:
     """config as launched at M rows: auto m_tiles with several x tiles per CTA (M > 16) takes one K block per step
-    (H200 s14-3: two blocks with 4-8 tiles 1.1-1.35x slower). k_blocks keeps every row's operations and their
-    order, so rows stay bit-identical across the two (checked on the H200)."""
+    (two blocks with 4-8 tiles were slower). k_blocks keeps every row's operations and their order, so rows stay
+    bit-identical across the two (checked on the GPU)."""
     if config.k_blocks > 1 and config.m_tiles == 0 and pl.cdiv(M, BM) > 1:
         return dataclasses.replace(config, k_blocks=1)
     return config
-
-
-def w8a16_gemv_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False, config: GemvConfig | None = None):
-    """Decode GEMV, Mosaic GPU arm; same call and result as `w8a16_reference` (bf16 x, N % 64 == 0,
-    K % 128 == 0)."""
-    _check_w8a16("w8a16_gemv", x, w, scale)
-    _check_x_bf16("w8a16_gemv", x)
-    N, K = w.shape
-    _check_dims("w8a16_gemv", N, K, W8_BK)
-    config = resolve_k_blocks(config or w8a16_gemv_blocks(N, K), x.shape[0])
-    _check_config("w8a16_gemv", config)
-    return _w8_call(x, w, scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config, interpret=interpret)
-
-
-# ---- W4A16 (NVFP4) -------------------------------------------------------------------------------------------
-def _expander(value: float) -> np.ndarray:
-    """[2, 32, 128] 0/value matrices: half h maps scale group 16h + j // 8 to plane column j. value = 2^14 for
-    the jnp decoder (which yields e2m1 * 2^-14), 1 for the PTX one."""
-    e = np.zeros((2, 32, 128), np.float32)
-    for h in range(2):
-        e[h, 16 * h + np.arange(128) // 8, np.arange(128)] = value
-    return e
-
-
-def _nibble_f32(p16, high: bool):
-    """uint16 register tile of packed bytes -> f32 e2m1 value * 2^-14 of the low or high nibble (exact):
-    the code's sign goes to bit 15 and its 3 magnitude bits to bits 11:9 of an f16."""
-    n = p16 >> 4 if high else p16
-    bits = ((n & 8) << 12) | ((n & 7) << 9)
-    return lax.bitcast_convert_type(bits, jnp.float16).astype(jnp.float32)
-
-
-def _w4_kernel(xe_gmem, xo_gmem, p_gmem, s_gmem, g_gmem, e_gmem, o_gmem, o_smem, e_smem, bar, a_smem, sa_smem, *,
-               bn, steps, stages, direct, load, widen):
-    n_blk, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
-    k_first = split * steps
-    groups = bn // ROWS
-    plgpu.copy_gmem_to_smem(e_gmem, e_smem, bar.at[0])
-    plgpu.barrier_wait(bar.at[0])
-
-    def body(idx, p0_smem, p1_smem, s_smem, xe_smem, xo_smem, acc):
-        out = []
-        for g in range(groups):
-            rows = pl.ds(g * ROWS, ROWS)
-            s = _load_8bit(s_smem.at[rows], load).astype(jnp.float32).astype(jnp.bfloat16)  # [64, 32] scales
-            part = acc[g]
-            for h, p_smem in enumerate((p0_smem, p1_smem)):
-                sexp = _mma_value(s, e_smem.at[h], sa_smem, 128)      # [64, 128] scale (* 2^14 for jnp)
-                p = _load_8bit(p_smem.at[rows], load)
-                cols = pl.ds(h * 128, 128)
-                if widen == "ptx":
-                    lo, hi = _ptx_e2m1_to_bf16(p, sexp.astype(jnp.bfloat16))
-                else:
-                    p = p.astype(jnp.uint16)
-                    lo = (_nibble_f32(p, False) * sexp).astype(jnp.bfloat16)
-                    hi = (_nibble_f32(p, True) * sexp).astype(jnp.bfloat16)
-
-                def run(acc_ref, lo=lo, hi=hi, cols=cols):
-                    _mma(acc_ref, lo, xe_smem.at[:, cols].transpose((1, 0)), None if a_smem is None else a_smem.at[0])
-                    _mma(acc_ref, hi, xo_smem.at[:, cols].transpose((1, 0)), None if a_smem is None else a_smem.at[1])
-                    return acc_ref[...]
-                part = part + pl.run_scoped(run, plgpu.ACC((ROWS, BM), jnp.float32))
-            out.append(part)
-        return tuple(out)
-
-    ptf, stf, xtf = _tf(128, 1), _tf(32, 1), _tf(128, 2)
-    zero = plgpu.layout_cast(jnp.zeros((ROWS, BM), jnp.float32), plgpu.Layout.WGMMA)
-    acc = plgpu.emit_pipeline(
-        body, grid=(steps,),
-        in_specs=[plgpu.BlockSpec((bn, 128), lambda k: (n_blk, 2 * (k_first + k)), transforms=ptf),
-                  plgpu.BlockSpec((bn, 128), lambda k: (n_blk, 2 * (k_first + k) + 1), transforms=ptf),
-                  plgpu.BlockSpec((bn, 32), lambda k: (n_blk, k_first + k), transforms=stf),
-                  plgpu.BlockSpec((BM, 256), lambda k: (m_blk, k_first + k), transforms=xtf),
-                  plgpu.BlockSpec((BM, 256), lambda k: (m_blk, k_first + k), transforms=xtf)],
-        max_concurrent_steps=stages, init_carry=(zero,) * groups)(p_gmem, p_gmem, s_gmem, xe_gmem, xo_gmem)
-    gs = g_gmem[0]
-    _store_out([a * gs for a in acc], o_smem, o_gmem, split, m_blk, n_blk, bn, direct)
-
-
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
-def _w4_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, interpret: bool):
-    M, K = x.shape
-    N = packed.shape[0]
-    bn, nb, mb, split, steps = _grid("w4a16_gemv", M, N, K, W4_BK, config)
-    xp = _pad_rows(x)
-    direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype)
-    xe, xo = xp[:, 0::2], xp[:, 1::2]                   # [M, K/2] each: the planes' activations
-    kernel = functools.partial(_w4_kernel, bn=bn, steps=steps, stages=min(config.stages, steps), direct=direct,
-                               load=config.load, widen="jnp" if interpret else config.widen)
-    bf = jnp.bfloat16
-    f = plgpu.kernel(
-        kernel, out_type=out_type, grid=(nb, mb, split), grid_names=("n", "m", "s"),
-        scratch_types=dict(
-            o_smem=o_smem,
-            e_smem=plgpu.SMEM((2, 32, 128), bf, transforms=_tf(64, 2)),
-            bar=plgpu.Barrier(num_barriers=1),
-            a_smem=plgpu.SMEM((2, ROWS, 128), bf, transforms=_tf(128, 2)) if interpret else None,
-            sa_smem=plgpu.SMEM((ROWS, 32), bf, transforms=_tf(64, 2)) if interpret else None),
-        **_interpret_kw(interpret))
-    g = jnp.asarray(global_scale, jnp.float32).reshape(1)
-    e = _expander(16384.0 if interpret or config.widen == "jnp" else 1.0)
-    return _finish(f(xe, xo, packed, scale, g, jnp.asarray(e, bf)), direct, M, out_dtype)
-
-
-W4P_BK = 256      # K per step of the "perm" NVFP4 kernel (128 packed bytes, 16 scale groups)
-# benchmark probes of the perm kernel (WRONG results): which TMA streams still run (packed weights, scales, x)
-W4_PROBE_STREAMS = {"stream": "psx", "stream-no-x": "ps", "stream-weights": "p"}
-
-
-def _w4p_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, ready=None, red_bar=None, *, bn, steps,
-                stages, direct, interpret, probe, xr, kb, cluster=0):
-    """NVFP4 GEMV with the "perm" decoder: scales are multiplied in during the decode, so one accumulator per
-    64 rows (over all m_tiles x tiles of the CTA, one wgmma against the decoded tile) runs over all K.
-    Each step waits for its own wgmmas (wait_group 0) before the next step's decode rewrites the A registers:
-    PTX makes touching an in-flight wgmma's A registers undefined, and the loop body writes the same registers
-    every step (H200 run s3-1: a wait_group(1) version gave wrong, M-dependent rows whenever ptxas did not
-    serialize the wgmmas itself; benchmarks/notes/quant.md). Stages are released one step late
-    (delay_release=1), as in the measured run. cluster > 0: the split-K CTAs of a tile form a cluster and add
-    their partials in the kernel (`_cluster_sum`)."""
-    n_blk, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
-    if cluster:
-        split = lax.axis_index("c")
-    k_first = split * steps
-    groups = bn // ROWS
-
-    def scoped(*accs):                                                # per 64-row group: [64, xr]
-        def body(idx, *refs):
-            if probe:
-                return
-            p_smem, s_smem, x_smem = refs
-            for j in range(kb):
-                xt = x_smem.at[:, pl.ds(j * W4P_BK, W4P_BK)].transpose((1, 0))          # [256, xr]
-                for g in range(groups):
-                    rows = pl.ds(g * ROWS, ROWS)
-                    p_j, s_j = p_smem.at[rows, pl.ds(j * 128, 128)], s_smem.at[rows, pl.ds(j * 16, 16)]
-                    if interpret:
-                        a = _jnp_e2m1_perm(p_j, s_j)
-                    else:
-                        a = _ptx_e2m1_perm_to_bf16(plgpu.load(p_j, layout=plgpu.Layout.WGMMA_UPCAST_4X),
-                                                   plgpu.load(s_j, layout=W4_SCALE_LAYOUT))
-                    _mma(accs[g], a, xt, a_smem)
-            plgpu.wgmma_wait(0)                                       # A registers and x stage free again
-
-        spec = lambda shape, tf, row: plgpu.BlockSpec(shape, lambda k: (row, k_first + k), transforms=tf,
-                                                       delay_release=1)
-        streams = {"p": (spec((bn, kb * W4P_BK // 2), _tf(128, 1), n_blk), p_gmem),
-                   "s": (spec((bn, kb * W4P_BK // 16), (), n_blk), s_gmem),
-                   "x": (spec((xr, kb * W4P_BK), _tf(128, 2), m_blk), x_gmem)}
-        keep = W4_PROBE_STREAMS.get(probe, "psx")
-        plgpu.emit_pipeline(body, grid=(steps,), in_specs=[streams[c][0] for c in keep],
-                            max_concurrent_steps=stages)(*[streams[c][1] for c in keep])
-        return tuple(acc[...] for acc in accs)
-
-    acc = pl.run_scoped(scoped, *[plgpu.ACC((ROWS, xr), jnp.float32) for _ in range(groups)])
-    if probe:                   # accumulators no wgmma wrote: give them the layout the output store expects
-        acc = [plgpu.layout_cast(jnp.zeros((ROWS, xr), jnp.float32), plgpu.Layout.WGMMA) for _ in acc]
-    gs = g_gmem[0] * E2M1_A_SHIFT
-    acc = [a * gs for a in acc]
-    if cluster:
-        _cluster_sum(acc, split, cluster, ready, red_bar, bn, xr,
-                     lambda total: _store_out(total, o_smem, o_gmem, 0, m_blk, n_blk, bn, direct, xr))
-    else:
-        _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, xr)
-
-
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
-def _w4p_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, interpret: bool):
-    M, K = x.shape
-    N = packed.shape[0]
-    bn, nb, mb, split, steps = _grid("w4a16_gemv", M, N, K, W4P_BK * config.k_blocks, config)
-    xp = perm64(_pad_rows(x))                          # the decoded tiles' columns arrive in this order
-    mt, stages = launch_tiles("w4a16_gemv", M, N, K, config, out_dtype)
-    xr = x_rows(M, mt, config.small_m)
-    size = split if split > 1 and config.reduce == "cluster" and not interpret else 0
-    direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, 1 if size else split, out_dtype, xr)
-    kernel = functools.partial(_w4p_kernel, bn=bn, steps=steps, stages=stages, direct=direct,
-                               interpret=bool(interpret), probe=config.probe, xr=xr, kb=config.k_blocks, cluster=size)
-    scratch = dict(o_smem=o_smem, a_smem=plgpu.SMEM((ROWS, W4P_BK), jnp.bfloat16, transforms=_tf(128, 2))
-                   if interpret else None)
-    grid = (nb, pl.cdiv(mb, mt), split)
-    launch = dict(grid=grid, grid_names=("n", "m", "s"))
-    if size:              # the split-K partials meet in CTA 0 of each cluster (interpret mode: XLA adds them)
-        launch, barriers = _cluster_launch("w4a16_gemv", size, bn, xr, o_smem, grid)
-        scratch.update(barriers)
-    f = plgpu.kernel(kernel, out_type=out_type, **launch, scratch_types=scratch, **_interpret_kw(interpret))
-    g = jnp.asarray(global_scale, jnp.float32).reshape(1)
-    return _finish(f(xp, packed, scale, g), direct, M, out_dtype)
-
-
-def w4a16_gemv_blocks(N: int, K: int, M: int = 1) -> GemvConfig:
-    """The launch at M rows. H200 2026-11-30, perm decoder, 64-row tiles. Session 4: in_proj (N=18560, 290 row
-    tiles) split 2 x 4 stages 24.6 / 23.6 us at M = 1 / 16 (unsplit 64/3, session 3's default: 25.1 / 25.0);
-    out_proj (N=4096) 64 x 3 with the auto split (4) 12.5 us (128 x 3: 12.9; split 8: 13.7). So: split 2 when the
-    rows alone fill two CTAs per SM, else the auto split. The split 2's halves are added in 2-CTA clusters up to
-    M = 64 (s17-1 / s17-2, in_proj GPU us at M = 1 / 4 / 16 / 64: 21.7-22.0 / 22.0-22.2 / 22.7-22.9 / 46.2 against
-    XLA's sum 22.0-22.3 / 22.4-22.6 / 23.5-23.6 / 46.4-47.4; M = 256 137.3 vs 133.3, the same bits); out_proj's
-    split 4 stays summed by XLA (clusters of 4: 13.5 vs 11.4 at M = 1)."""
-    nb, steps = pl.cdiv(N, ROWS), K // W4P_BK
-    if nb >= 2 * H200_SMS and steps % 2 == 0:
-        return GemvConfig(block_n=64, stages=4, split_k=2, widen="perm", reduce="cluster" if M <= 64 else "xla")
-    return GemvConfig(block_n=64, stages=3, split_k=auto_split(nb, steps), widen="perm")
-
-
-def w4a16_gemv_mosaic(x, packed, scale, global_scale, *, out_dtype=None, interpret: bool = False,
-                      config: GemvConfig | None = None):
-    """Decode GEMV on NVFP4 weights, Mosaic GPU arm; same call and result as `w4a16_reference`
-    (bf16 x, N % 64 == 0, K % 512 == 0)."""
-    check_nvfp4_args("w4a16_gemv", x, packed, scale, global_scale, transposed=False)
-    _check_x_bf16("w4a16_gemv", x)
-    N, K = packed.shape[0], 2 * packed.shape[1]
-    _check_dims("w4a16_gemv", N, K, W4_BK)
-    config = resolve_k_blocks(config or w4a16_gemv_blocks(N, K, x.shape[0]), x.shape[0])
-    _check_config("w4a16_gemv", config)
-    call = _w4p_call if config.widen == "perm" else _w4_call
-    return call(x, packed, scale, global_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config,
-                interpret=interpret)
-
-
-# Registered beside the Triton arms; shapes the Mosaic arms do not take go to the Triton arm (registry).
-# H200, 2026-11-30 (benchmarks/notes/quant.md): the Mosaic w8a16_gemv beat the Triton one (in_proj 27.5 vs 34.7 us,
-# out_proj 14.8 vs 16.6 us at M=1), so it is the GPU default. w4a16_gemv: the Mosaic perm decoder measured
-# 24.8 us (in_proj) against Triton's 53.4 in call s3-1; the build here (each step waits for its own wgmmas, see
-# _w4p_kernel) passed tests/kernels/test_mgpu_gemv.py on the H200 (8B shapes, batch invariance, the race case)
-# in the session-3 release check, so Mosaic is its GPU default too.
-registry.register("w8a16_gemv", reference=w8a16_reference, mosaic=w8a16_gemv_mosaic, gpu_default="mosaic",
-                  mosaic_supports=lambda x, w, scale, **_: supports("w8a16_gemv", *w.shape, x.dtype))
-registry.register("w4a16_gemv", reference=w4a16_reference, mosaic=w4a16_gemv_mosaic, gpu_default="mosaic",
-                  mosaic_supports=lambda x, packed, *_, **__: supports("w4a16_gemv", packed.shape[0],
-                                                                        2 * packed.shape[1], x.dtype))

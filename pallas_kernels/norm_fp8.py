@@ -5,7 +5,7 @@ the 8B shape, M = 4096, on the H200; benchmarks/notes/quant_prefill.md).
 
 Results are `Fp8Activations`: exactly what the unfused path gives, i.e. the norm's output rounded to its
 output dtype (bf16), then quantized per row (`per_block=False`) or per row per 128 columns (`True`) with
-quant_formats' formulas. One program holds whole rows (every group) in registers: read once, write once.
+formats' formulas. One program holds whole rows (every group) in registers: read once, write once.
 
 The gated norm also quantizes per row per norm group (`per_group=True`; the FP8 GEMM rescales its accumulator
 at each group boundary): then a program needs only its own [rows, group] tile, so the grid runs over (groups,
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from metrale_jax.weights.quant_formats import (E4M3_MAX, FP8_BLOCK, Fp8Activations, quantize_rows_fp8,
+from pallas_kernels.formats import (E4M3_MAX, FP8_BLOCK, Fp8Activations, quantize_rows_fp8,
                                               quantize_rows_fp8_blocks)
 from pallas_kernels import registry
 from pallas_kernels.norms import gated_rmsnorm_reference, rmsnorm_reference
@@ -44,15 +44,9 @@ class NormFp8Blocks:
     groups_first: bool = True
 
 
-# H200 sweep, session 4 (benchmarks/results/prefill_2026-11-30_s4c4_norm_fp8.*): RMSNorm of in_proj (width 4096)
-# 26.3 us with 4096 elements / 4 warps per program (the bf16 RMSNorm: 25.5 us; 8192 / 8 reshaped: 34.1).
+# The fastest of a sweep on the H200 at in_proj's width 4096, about the bf16 RMSNorm's time
+# (benchmarks/notes/quant_prefill.md).
 NORM_FP8_BLOCKS = NormFp8Blocks(rows_elems=4096, warps=4, loop=True)
-# What the layer's gated norm in front of out_proj emits when the out_proj arm quantizes its activations:
-# "group": E4M3 with one scale per row per norm group (the per-group kernel, the bf16 norm's parallel grid; the
-# arm rescales its accumulator per group); "arm": the arm's own quantization (rows / 128-column blocks; the
-# whole-row kernel, 98-132 us at width 8192 on the H200 against 61 us for the bf16 gated norm, session 4: slower
-# end to end than the bf16 norm + the arm's quantizer); None: the bf16 norm, the arm quantizes.
-GATED_QUANT: str | None = "group"
 
 
 def _quantize(y, group: int | None) -> Fp8Activations:

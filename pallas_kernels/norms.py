@@ -39,10 +39,6 @@ def gated_rmsnorm_reference(y: jax.Array, z: jax.Array, weight: jax.Array, *, gr
     return (h * weight.astype(jnp.float32)).astype(out_dtype or y.dtype)
 
 
-registry.register("rmsnorm", reference=rmsnorm_reference)
-registry.register("gated_rmsnorm", reference=gated_rmsnorm_reference)
-
-
 # ---- Pallas (Triton backend) ---------------------------------------------------------------------------------
 # One program normalises BM rows of one group (the plain RMSNorm is one group of the whole width) held in
 # registers: read once, write once. Width up to 16384 per group in one block.
@@ -106,5 +102,5 @@ def gated_rmsnorm_pallas(y: jax.Array, z: jax.Array, weight: jax.Array, *, group
                  gated=True, interpret=interpret, z_col=z_col or 0)
 
 
-registry.register("rmsnorm", pallas=rmsnorm_pallas)
-registry.register("gated_rmsnorm", pallas=gated_rmsnorm_pallas)
+registry.register("rmsnorm", reference=rmsnorm_reference, pallas=rmsnorm_pallas)
+registry.register("gated_rmsnorm", reference=gated_rmsnorm_reference, pallas=gated_rmsnorm_pallas)

@@ -27,7 +27,7 @@ from collections.abc import Callable, Iterator
 
 import jax
 
-from metrale_jax.errors import KernelUnavailableError
+from pallas_kernels.errors import KernelUnavailableError
 
 MODES = ("auto", "pallas", "triton", "mosaic", "interpret", "reference")
 MOSAIC_CAPABILITIES = ("9.0",)   # compute capabilities the Mosaic GPU arms are written for (Hopper)

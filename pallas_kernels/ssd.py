@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from metrale_jax.errors import ShapeError
+from pallas_kernels.errors import ShapeError
 from pallas_kernels import registry
 from pallas_kernels.triton_util import (check_floating, check_shape, compiler_params, dot, dot_dtype, next_pow2,
                                         softplus)
@@ -140,9 +140,6 @@ def ssd_scan_batched(scan, x, dt, A, B, C, *, initial_states=None, **kwargs) -> 
     flat = lambda a: a.reshape(Bt * L, *a.shape[2:])
     out = scan(flat(x), flat(dt), A, flat(B), flat(C), initial_states=initial_states, cu_seqlens=cu, **kwargs)
     return dataclasses.replace(out, y=out.y.reshape(Bt, L, *out.y.shape[1:]))
-
-
-registry.register("ssd_scan", reference=ssd_scan_reference)
 
 
 # ---- Pallas (Triton backend) ---------------------------------------------------------------------------------
@@ -398,6 +395,17 @@ def check_ssd_args(x, dt, A, B, C, D, dt_bias) -> tuple[int, int, int, int, int]
     return T, H, P, G, N
 
 
+def sequences(x, B, cu_seqlens, initial_states):
+    """(T, H, P, G, N, cu_seqlens [S + 1], S) of a scan call (inside its jit); checks initial_states [S, H, P, N]."""
+    T, H, P = x.shape
+    G, N = B.shape[1], B.shape[2]
+    cu = as_cu_seqlens(T, cu_seqlens)
+    S = cu.shape[0] - 1
+    if initial_states is not None:
+        check_shape("ssd_scan", "initial_states", initial_states, (S, H, P, N))
+    return T, H, P, G, N, cu, S
+
+
 def ssd_scan_pallas(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: jax.Array, *, chunk_size: int,
                     D: jax.Array | None = None, dt_bias: jax.Array | None = None, dt_softplus: bool = True,
                     dt_limit: tuple[float, float] = (0.0, math.inf), initial_states: jax.Array | None = None,
@@ -421,12 +429,7 @@ def ssd_scan_pallas(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: 
                                              "interpret", "blk"))
 def _ssd_scan_pallas(x, dt, A, B, C, D, dt_bias, initial_states, cu_seqlens, *, chunk_size, dt_softplus, dt_limit,
                      return_chunk_states, interpret, blk):
-    T, H, P = x.shape
-    G, N = B.shape[1], B.shape[2]
-    cu = as_cu_seqlens(T, cu_seqlens)
-    S = cu.shape[0] - 1
-    if initial_states is not None:
-        check_shape("ssd_scan", "initial_states", initial_states, (S, H, P, N))
+    T, H, P, G, N, cu, S = sequences(x, B, cu_seqlens, initial_states)
     Qk = _inner_chunk(chunk_size, blk.block_q)
     Qp, Np, BP = next_pow2(Qk, 16), next_pow2(N, 16), blk.block_p
     seg_tokens = -(-blk.segment_tokens // Qk) * Qk if blk.segment_tokens else T
@@ -491,4 +494,4 @@ def _ssd_scan_pallas(x, dt, A, B, C, D, dt_bias, initial_states, cu_seqlens, *, 
     return SsdOutput(y=outs[0], final_states=outs[1], chunk_states=chunks)
 
 
-registry.register("ssd_scan", pallas=ssd_scan_pallas)
+registry.register("ssd_scan", reference=ssd_scan_reference, pallas=ssd_scan_pallas)

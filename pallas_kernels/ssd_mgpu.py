@@ -34,9 +34,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import registry
-from pallas_kernels.ssd import HIGHEST, ChunkStates, SsdOutput, check_ssd_args, process_dt, ssd_scan_pallas
-from pallas_kernels.triton_util import check_shape
-from pallas_kernels.varlen import as_cu_seqlens, chunk_table
+from pallas_kernels.ssd import (HIGHEST, ChunkStates, SsdOutput, check_ssd_args, process_dt, sequences,
+                                ssd_scan_pallas)
+from pallas_kernels.varlen import chunk_table
 
 Q = 64            # tokens per step (the wgmma M tile of one warpgroup)
 BP = 64           # P columns per CTA
@@ -293,12 +293,7 @@ def ssd_scan_mosaic(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: 
                                              "interpret", "a_regs"))
 def _ssd_scan_mosaic(x, dt, A, B, C, D, dt_bias, initial_states, cu_seqlens, *, chunk_size, dt_softplus, dt_limit,
                      return_chunk_states, interpret, a_regs):
-    T0, H, P = x.shape
-    G, N = B.shape[1], B.shape[2]
-    cu = as_cu_seqlens(T0, cu_seqlens)
-    S = cu.shape[0] - 1
-    if initial_states is not None:
-        check_shape("ssd_scan", "initial_states", initial_states, (S, H, P, N))
+    T0, H, P, G, N, cu, S = sequences(x, B, cu_seqlens, initial_states)
     T = -(-T0 // 8) * 8                    # TMA views of tiled SMEM need the token count a multiple of 8
     if T != T0:
         pad = lambda a: jnp.pad(a, [(0, T - T0)] + [(0, 0)] * (a.ndim - 1))

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from metrale_jax.errors import ShapeError
+from pallas_kernels.errors import ShapeError
 from pallas_kernels import registry
 from pallas_kernels.ssd import process_dt
 from pallas_kernels.triton_util import (check_columns, check_floating, check_shape, columns, compiler_params,
@@ -93,12 +93,6 @@ def state_update_multi_xbc_reference(state: jax.Array, rows: jax.Array, xbc: jax
     """`state_update_multi_reference` on the packed operands: xbc [Bt, K, H*P + 2*G*N], dt [Bt, K, ...]."""
     x, dt, B, C = unpack_xbc(xbc, dt, dt_col, *state.shape[1:])
     return state_update_multi_reference(state, rows, x, dt, A, B, C, **kw)
-
-
-registry.register("state_update", reference=state_update_reference)
-registry.register("state_update_multi", reference=state_update_multi_reference)
-registry.register("state_update_xbc", reference=state_update_xbc_reference)
-registry.register("state_update_multi_xbc", reference=state_update_multi_xbc_reference)
 
 
 # ---- Pallas (Triton backend) ---------------------------------------------------------------------------------
@@ -301,7 +295,8 @@ def state_update_multi_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Ar
     return y, steps, state
 
 
-registry.register("state_update", pallas=state_update_pallas)
-registry.register("state_update_multi", pallas=state_update_multi_pallas)
-registry.register("state_update_xbc", pallas=state_update_xbc_pallas)
-registry.register("state_update_multi_xbc", pallas=state_update_multi_xbc_pallas)
+registry.register("state_update", reference=state_update_reference, pallas=state_update_pallas)
+registry.register("state_update_multi", reference=state_update_multi_reference, pallas=state_update_multi_pallas)
+registry.register("state_update_xbc", reference=state_update_xbc_reference, pallas=state_update_xbc_pallas)
+registry.register("state_update_multi_xbc", reference=state_update_multi_xbc_reference,
+                  pallas=state_update_multi_xbc_pallas)

@@ -6,7 +6,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
 
-from metrale_jax.errors import ShapeError
+from pallas_kernels.errors import ShapeError
 
 
 def next_pow2(n: int, minimum: int = 1) -> int:

@@ -28,8 +28,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from metrale_jax.errors import ShapeError
-from metrale_jax.weights.quant_formats import NVFP4_GROUP, dequantize_nvfp4
+from pallas_kernels.errors import ShapeError
+from pallas_kernels.formats import NVFP4_GROUP, dequantize_nvfp4
 from pallas_kernels import registry
 from pallas_kernels.triton_util import compiler_params, dot, dot_dtype
 from pallas_kernels.w8a16 import (GEMV_SWAP, QuantBlocks, check_activations, check_array, finish_split, fit_blocks,
@@ -196,7 +196,7 @@ def _w4_call(x, packed, scale, global_scale, tiles=None, *, out_dtype, blocks: W
     return finish_split(out, split, M, out_dtype)
 
 
-# Defaults from the H200 sweeps of 2026-11-30 (benchmarks/notes/quant.md): the PTX nibble decoder on the GPU
+# Defaults from the H200 sweeps (benchmarks/notes/quant.md): the PTX nibble decoder on the GPU
 # (interpret mode always uses the arithmetic one), weight tile as the B operand for the GEMV, 128x128x64
 # tiles with 8 warps for the large prefill GEMMs.
 DEFAULT_DECODE = "asm"
@@ -239,18 +239,21 @@ def w4a16_gemm_pallas(x, packed, scale, global_scale, *, out_dtype=None, interpr
     return _run("w4a16_gemm", x, packed, scale, global_scale, blk, out_dtype, interpret, False)
 
 
+def _run_t(name, x, packed_t, scale_t, global_scale, blocks, out_dtype, interpret, **block_kw):
+    """The transposed-layout GEMM; without `blocks`, w4a16_gemm_blocks(N, K, **block_kw)."""
+    N, K = packed_t.shape[1], 2 * packed_t.shape[0]
+    return _run(name, x, packed_t, scale_t, global_scale, blocks or w4a16_gemm_blocks(N, K, **block_kw), out_dtype,
+                interpret, True)
+
+
 def w4a16_gemm_t_pallas(x, packed_t, scale_t, global_scale, *, out_dtype=None, interpret=False, blocks=None):
     """Prefill GEMM on the transposed layout; same call and result as `w4a16_t_reference`."""
-    N, K = packed_t.shape[1], 2 * packed_t.shape[0]
-    return _run("w4a16_gemm_t", x, packed_t, scale_t, global_scale, blocks or w4a16_gemm_blocks(N, K), out_dtype,
-                interpret, True)
+    return _run_t("w4a16_gemm_t", x, packed_t, scale_t, global_scale, blocks, out_dtype, interpret)
 
 
 def w4a16_gemm_t_m128_pallas(x, packed_t, scale_t, global_scale, *, out_dtype=None, interpret=False, blocks=None):
     """The transposed GEMM with 128-row tiles (prefills above 128 tokens)."""
-    N, K = packed_t.shape[1], 2 * packed_t.shape[0]
-    return _run("w4a16_gemm_t_m128", x, packed_t, scale_t, global_scale,
-                blocks or w4a16_gemm_blocks(N, K, block_m=128), out_dtype, interpret, True)
+    return _run_t("w4a16_gemm_t_m128", x, packed_t, scale_t, global_scale, blocks, out_dtype, interpret, block_m=128)
 
 
 registry.register("w4a16_gemv", reference=w4a16_reference, pallas=w4a16_gemv_pallas)

@@ -8,7 +8,7 @@ does the same activation pass and then dequantize-then-matmul.
 w4a4_gemm(x, packed, scale, global_scale, input_scale=None, *, decode=False): `decode` picks the
 GEMV tiles (16-row blocks, independent of M, for decode steps) instead of the prefill GEMM tiles.
 On Hopper the Mosaic arm runs the same activation pass, then for decode the Mosaic GEMV of w4a16_gemv
-(pallas_kernels/mgpu_gemv.py; 1.9x the Triton GEMV at M = 1, 3.3x at 256) and for prefill the Mosaic NVFP4 GEMM on
+(pallas_kernels/mgpu_gemv_w4.py) and for prefill the Mosaic NVFP4 GEMM on
 the plain layout (pallas_kernels/mgpu_gemm_nvfp4.py); shapes they do not take go to Triton.
 """
 
@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from metrale_jax.weights.quant_formats import nvfp4_activation_global, nvfp4_fake_quant
-from pallas_kernels import mgpu_gemm_nvfp4, mgpu_gemv, registry
+from pallas_kernels.formats import nvfp4_activation_global, nvfp4_fake_quant
+from pallas_kernels import mgpu_gemm_nvfp4, mgpu_gemv, mgpu_gemv_w4, registry
 from pallas_kernels.w4a16 import (check_nvfp4_args, w4a16_gemm_pallas, w4a16_gemv_pallas, w4a16_reference)
 
 
@@ -52,7 +52,7 @@ def w4a4_gemm_mosaic(x, packed, scale, global_scale, input_scale=None, *, out_dt
     xq = quantize_activations_nvfp4(x, input_scale)
     out_dtype = out_dtype or x.dtype
     if decode:
-        return mgpu_gemv.w4a16_gemv_mosaic(xq, packed, scale, global_scale, out_dtype=out_dtype, interpret=interpret)
+        return mgpu_gemv_w4.w4a16_gemv_mosaic(xq, packed, scale, global_scale, out_dtype=out_dtype, interpret=interpret)
     return mgpu_gemm_nvfp4.w4a16_gemm_mosaic(xq, packed, scale, global_scale, out_dtype=out_dtype,
                                              interpret=interpret, name="w4a4_gemm")
 

@@ -23,8 +23,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from metrale_jax.errors import ShapeError
-from metrale_jax.weights.quant_formats import FP8_BLOCK, block_grid, expand_block_scale, fp8_dequantized
+from pallas_kernels.errors import ShapeError
+from pallas_kernels.formats import FP8_BLOCK, block_grid, expand_block_scale, fp8_dequantized
 from pallas_kernels import registry
 from pallas_kernels.triton_util import compiler_params, dot, dot_dtype, next_pow2
 
@@ -191,7 +191,7 @@ def _w8a16_call(x, w, scale, tiles=None, *, out_dtype, blocks: QuantBlocks, inte
     return finish_split(out, split, M, out_dtype)
 
 
-# Defaults from the H200 sweep of 2026-11-30 (benchmarks/notes/quant.md): the weight tile as the B operand
+# Defaults from the H200 sweep (benchmarks/notes/quant.md): the weight tile as the B operand
 # (swap=False) and 32-row tiles unless N is too small to fill the GPU without splitting K.
 GEMV_SWAP = False
 

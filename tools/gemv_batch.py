@@ -22,6 +22,7 @@ import numpy as np
 from benchmarks import timing
 from benchmarks.bench_prefill import SHAPES, fp8_blocks, nvfp4_weights, rel_err, xla_bf16
 from pallas_kernels import mgpu_gemv as mg
+from pallas_kernels import mgpu_gemv_w4, mgpu_gemv_w8
 from pallas_kernels import w4a16, w8a16
 
 
@@ -31,13 +32,11 @@ def nvfp4_rows(key, N, K):
     return pt.T, st.T, g
 
 
-PROBES = {"p": "stream", "px": "stream-no-x", "pw": "stream-weights", "pm": "mma"}   # suffix -> GemvConfig.probe
 SUFFIXES = {"x16": {"small_m": False}, "k1": {"k_blocks": 1}, "k2": {"k_blocks": 2}, "k4": {"k_blocks": 4},
-            "perm": {"widen": "perm"}, "ptx": {"widen": "ptx"}, "ld": {"load": "direct"},
-            "up": {"load": "upcast"}, "tx": {"reduce": "xla"}, "tc": {"reduce": "cluster"},
+            "tx": {"reduce": "xla"}, "tc": {"reduce": "cluster"},
             **{f"t{n}": {"tail_split": n} for n in (0, 2, 4, 8, 16)}}   # launch-spec suffixes
-KERNELS = {"w8": (mg.w8a16_gemv_mosaic, mg.w8a16_gemv_blocks, w8a16.w8a16_reference),
-           "w4": (mg.w4a16_gemv_mosaic, mg.w4a16_gemv_blocks, w4a16.w4a16_reference)}
+KERNELS = {"w8": (mgpu_gemv_w8.w8a16_gemv_mosaic, mgpu_gemv_w8.w8a16_gemv_blocks, w8a16.w8a16_reference),
+           "w4": (mgpu_gemv_w4.w4a16_gemv_mosaic, mgpu_gemv_w4.w4a16_gemv_blocks, w4a16.w4a16_reference)}
 
 
 def main():
@@ -48,13 +47,11 @@ def main():
     ap.add_argument("--m-tiles", default="1", type=lambda v: [int(t) for t in v.split(",") if t],
                     help="fixed m_tiles configs timed beside the auto one")
     ap.add_argument("--launch", default="", help="extra launches beside the default, block_n/stages/split_k"
-                    "[/m_tiles][/p][/x16][/k2][/perm] or d[/...] (the default launch) comma-separated (e.g."
+                    "[/m_tiles][/x16][/k2] or d[/...] (the default launch) comma-separated (e.g."
                     " 128/4/2,64/2/0/8,d/x16;"
-                    " split 0 = the default launch's split; p: the 'stream' probe, the TMA pipeline alone; w4 px / pw:"
-                    " without the x / x and scale streams (w8 px too); pm: w8 'mma' probe, no widening; x16: 16-row"
-                    " x tiles at M <= 8 too; k1 / k2 / k4: K blocks per pipeline step; perm / ptx: w8 widening;"
-                    " ld / up: direct / upcast 8-bit loads; t0 .. t16: w8 tail_split; tx / tc: split partials"
-                    " added by XLA / in a cluster)")
+                    " split 0 = the default launch's split; x16: 16-row x tiles at M <= 8 too; k1 / k2 / k4: K"
+                    " blocks per pipeline step; t0 .. t16: w8 tail_split; tx / tc: split partials added by XLA / in"
+                    " a cluster)")
     ap.add_argument("--shapes", default="in_proj,out_proj", help="names of bench_prefill.SHAPES or NAME=NxK")
     ap.add_argument("--gpu-time", action="store_true", help="also GPU kernel us per call from a profiler trace")
     args = ap.parse_args()
@@ -82,9 +79,8 @@ def main():
             extra = [(f"mosaic m_tiles={t}", dataclasses.replace(base, m_tiles=t)) for t in args.m_tiles]
             for spec in filter(None, args.launch.split(",")):
                 toks, cfg = spec.split("/"), base
-                while toks[-1] in PROBES or toks[-1] in SUFFIXES:
-                    t = toks.pop()
-                    cfg = dataclasses.replace(cfg, **SUFFIXES.get(t) or {"probe": PROBES[t]})
+                while toks[-1] in SUFFIXES:
+                    cfg = dataclasses.replace(cfg, **SUFFIXES[toks.pop()])
                 if toks != ["d"]:
                     bn, st, sk, *mt = map(int, toks)
                     cfg = dataclasses.replace(cfg, block_n=bn, stages=st, split_k=sk or base.split_k,

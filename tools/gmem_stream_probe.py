@@ -1,22 +1,20 @@
 """How fast can a Mosaic GPU kernel stream a decode GEMV's weights with plain loads from global memory (no TMA)?
 
-The decode GEMVs stream their weight tiles through a TMA pipeline, whose stream alone (no compute) takes 20-23 us
-for the 8B in_proj E4M3 weights (76 MB, benchmarks/notes/quant.md, s4-3): the floor of that design, above the
-21 us target. This probe reads the same bytes with vector loads straight into registers (one warpgroup per CTA,
-`rows` weight rows, `step` bytes of K per load, the loop unrolled `unroll` times so several loads are in flight, K
-split over `split` CTAs for more of them per SM) and
-folds them into a running XOR so nothing is dead; every config's result is checked against jnp first. Beside
-it, in the same interleaved rounds: XLA's BF16 GEMV (M = 1), the Mosaic W8A16 GEMV (M = 1, the arm to beat) and an
-XLA uint32 reduction of the same bytes. Wall times of queued calls carry ~10 us of per-call overhead at these sizes
-(s13-1: XLA's u32 sum of out_proj's 34 MB read 20.8 us), so each arm is also timed from a profiler trace (gpu_us).
+The decode GEMVs stream their weight tiles through a TMA pipeline, whose stream alone (no compute) took 20-23 us
+for the 8B in_proj E4M3 weights (76 MB; benchmarks/notes/gemv.md): the floor of that design. This probe reads the
+same bytes with vector loads straight into registers (one warpgroup per CTA, `rows` weight rows, `step` bytes of K
+per load, the loop unrolled `unroll` times so several loads are in flight, K split over `split` CTAs for more of
+them per SM) and folds them into a running XOR so nothing is dead; every config's result is checked against jnp
+first. Beside it, in the same interleaved rounds: XLA's BF16 GEMV (M = 1), the Mosaic W8A16 GEMV (M = 1, the arm to beat) and an
+XLA uint32 reduction of the same bytes. Wall times of queued calls carry ~10 us of per-call overhead at these sizes,
+so each arm is also timed from a profiler trace (gpu_us).
 
-    PYTHONPATH=. python3 tools/gmem_stream_probe.py --out $OUT --tag s13c1 --configs 64:256:2:1,64:256:2:4
+    PYTHONPATH=. python3 tools/gmem_stream_probe.py --out $OUT --tag TAG --configs 64:256:2:1,64:256:2:4
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import functools
 import json
@@ -29,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks import timing
-from pallas_kernels import mgpu_gemv
+from pallas_kernels import mgpu_gemv_w4, mgpu_gemv_w8
 
 SHAPES = {"in_proj_w8": (18560, 4096), "in_proj_w4": (18560, 2048), "out_proj_w8": (4096, 8192)}
 
@@ -84,23 +82,14 @@ def main():
             wb = [jax.random.normal(k, (N, K), jnp.bfloat16) for k in jax.random.split(jax.random.PRNGKey(2), 2)]
             arms["xla_bf16_gemv_m1"] = (lambda x, w: x @ w.T, [(xs[i], wb[i % 2]) for i in range(4)])
             sc = jnp.ones((N // 128, K // 128), jnp.float32)
-            arms["w8a16_gemv_mosaic_m1"] = (lambda x, w: mgpu_gemv.w8a16_gemv_mosaic(x, w, sc),
+            arms["w8a16_gemv_mosaic_m1"] = (lambda x, w: mgpu_gemv_w8.w8a16_gemv_mosaic(x, w, sc),
                                             [(xs[i], lax.bitcast_convert_type(ws[i], jnp.float8_e4m3fn))
                                              for i in range(4)])
-            for bn, stages, split in ((64, 2, 2), (64, 6, 1), (128, 4, 1)):     # the TMA pipeline, no compute
-                cfg = mgpu_gemv.GemvConfig(bn, stages, split, probe="stream")
-                arms[f"tma_stream_{bn}/{stages}/s{split}"] = (
-                    lambda x, w, cfg=cfg: mgpu_gemv.w8a16_gemv_mosaic(x, w, sc, config=cfg),
-                    arms["w8a16_gemv_mosaic_m1"][1])
         else:
             xs = [jax.random.normal(k, (1, 2 * K), jnp.bfloat16) for k in jax.random.split(jax.random.PRNGKey(1), 4)]
             s4 = jnp.ones((N, 2 * K // 16), jnp.float8_e4m3fn)
-            arms["w4a16_gemv_mosaic_m1"] = (lambda x, p: mgpu_gemv.w4a16_gemv_mosaic(x, p, s4, jnp.float32(1.0)),
+            arms["w4a16_gemv_mosaic_m1"] = (lambda x, p: mgpu_gemv_w4.w4a16_gemv_mosaic(x, p, s4, jnp.float32(1.0)),
                                             [(xs[i], ws[i]) for i in range(4)])
-            cfg4 = dataclasses.replace(mgpu_gemv.w4a16_gemv_blocks(N, 2 * K), probe="stream")
-            arms["tma_stream_w4_default"] = (
-                lambda x, p: mgpu_gemv.w4a16_gemv_mosaic(x, p, s4, jnp.float32(1.0), config=cfg4),
-                arms["w4a16_gemv_mosaic_m1"][1])
         checks = {}
         for rows, step, unroll, split in configs:
             name = f"rows{rows}:step{step}:unroll{unroll}:split{split}"

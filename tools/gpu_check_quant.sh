@@ -3,34 +3,12 @@
 # against their references, then benchmarks/bench_quant.py (correctness at the 8B shapes, timings with
 # baselines from the same run). Results land in $OUT (copy them to benchmarks/results/).
 #   OUT=/tmp/q DEADLINE=150 BENCH_ARGS=--sweep tools/gpu_check_quant.sh
-# Decode GEMVs with the Mosaic GPU arms (session 2):
-#   OUT=/tmp/q DEADLINE=200 MGPU=1 BENCH_ARGS="--decode-only --mosaic --mosaic-sweep --tag s2_call1" tools/gpu_check_quant.sh
+# Decode GEMVs with the Mosaic GPU arms:
+#   OUT=/tmp/q DEADLINE=200 MGPU=1 BENCH_ARGS="--decode-only --mosaic --mosaic-sweep --tag TAG" tools/gpu_check_quant.sh
 # MGPU=1 runs tests/kernels/test_mgpu_gemv.py compiled on the GPU, the gpu-marked tests of test_quant_kernels.py
 # (QUANT_PYTEST_ARGS, default "-m gpu"), and dumps ptxas resources + SASS of the default Mosaic GEMVs (sass.txt).
-# Session 3 (one call, everything under $OUT/w, tarred at the end; BUDGET = seconds for the whole script):
-#   OUT=$OUT BUDGET=300 S3=1 tools/gpu_check_quant.sh
-# runs test_mgpu_gemv.py compiled on the GPU (minus the 8B-shape tests, which the benchmark repeats; PYTEST_K=
-# runs them all), then the benchmark of the session-3 Mosaic set (old defaults, perm / overlap variants, XLA
-# BF16, copy rate) with the ptxas report of every kernel in the log, and a deadline that leaves time for the tar.
 set -o pipefail
 cd "$(dirname "$0")/.."
-if [ -n "${S3:-}" ]; then
-  T0=$(date +%s)
-  export PYTHONPATH=. PYTHONUNBUFFERED=1 METRALE_TEST_GPU=1
-  W="$OUT/w"; mkdir -p "$W"
-  { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
-    python3 -c "import jax, jaxlib; print('jax', jax.__version__, jaxlib.__version__, jax.devices())"; } > "$W/gpu.txt" 2>&1
-  timeout "${PYTEST_TIMEOUT:-100}" python3 -m pytest -q -p no:cacheprovider -rs tests/kernels/test_mgpu_gemv.py \
-      -k "${PYTEST_K-not 8b_shapes}" > "$W/pytest.txt" 2>&1
-  tail -4 "$W/pytest.txt"
-  D=$(( ${BUDGET:-300} - ($(date +%s) - T0) - 35 ))
-  MOSAIC_GPU_DUMP_PTXAS=1 timeout $(( D + 25 )) python3 benchmarks/bench_quant.py --out "$W" --deadline "$D" \
-      --decode-only --mosaic --mosaic-set s3 --no-triton --tag "${TAG:-s3_call1}" > "$W/bench_log.txt" 2>&1
-  grep -A40 "^copy [0-9]* GB/s" "$W/bench_log.txt" | tail -40
-  grep -i "spill\|serializ\|registers" "$W/bench_log.txt" | sort | uniq -c | head -20
-  tar czf "$OUT/results.tgz" -C "$W" .
-  exit 0
-fi
 export PYTHONPATH=. PYTHONUNBUFFERED=1 METRALE_TEST_GPU=1
 OUT=${OUT:-/tmp/quant_out}
 mkdir -p "$OUT"
@@ -42,15 +20,15 @@ if [ -n "${MGPU:-}" ]; then
         tests/kernels/test_quant_kernels.py; } 2>&1 | tee "$OUT/pytest_quant.txt"
   MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 timeout 60 python3 -c "
 import jax, jax.numpy as jnp, numpy as np
-from pallas_kernels import mgpu_gemv as mg
+from pallas_kernels import mgpu_gemv_w4 as mg4, mgpu_gemv_w8 as mg8
 N, K = 18560, 4096
 x = jnp.ones((1, K), jnp.bfloat16)
 w = jnp.ones((N, K), jnp.float8_e4m3fn); s = jnp.ones((N // 128, K // 128), jnp.float32)
-print('=== w8a16_gemv mosaic', mg.w8a16_gemv_blocks(N, K), flush=True)
-jax.block_until_ready(mg.w8a16_gemv_mosaic(x, w, s))
+print('=== w8a16_gemv mosaic', mg8.w8a16_gemv_blocks(N, K), flush=True)
+jax.block_until_ready(mg8.w8a16_gemv_mosaic(x, w, s))
 p = jnp.ones((N, K // 2), jnp.uint8); s4 = jnp.ones((N, K // 16), jnp.float8_e4m3fn)
-print('=== w4a16_gemv mosaic', mg.w4a16_gemv_blocks(N, K), flush=True)
-jax.block_until_ready(mg.w4a16_gemv_mosaic(x, p, s4, jnp.float32(1)))
+print('=== w4a16_gemv mosaic', mg4.w4a16_gemv_blocks(N, K), flush=True)
+jax.block_until_ready(mg4.w4a16_gemv_mosaic(x, p, s4, jnp.float32(1)))
 " > "$OUT/sass.txt" 2>&1
   grep -i "registers\|spill\|smem\|stack" "$OUT/sass.txt" | head -20
 else

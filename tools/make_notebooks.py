@@ -501,7 +501,7 @@ KERNELS = [
 
     Each shape's arms from the newest run that measured them (a baseline only found in an older run is labelled
     with it). `pallas:*` are variants of the Pallas kernel (in the 2026-11-30 runs, `pallas:default` is the
-    previous default and `cb_pre_fast_exp` today's: `benchmarks/results/mamba_2026-11-30_README.md`); `xla_ref` is
+    previous default and `cb_pre_fast_exp` today's: `benchmarks/notes/ssd_scan.md`); `xla_ref` is
     the jnp reference under `jax.jit` (HIGHEST / DEFAULT matmul precision), `jla.mamba2_ssd` the
     jax-linear-attention package's Mosaic GPU kernel. The dotted lines are the floors: bytes moved at the measured
     copy bandwidth, and FLOPs at the measured bf16 matmul rate.

@@ -1,9 +1,9 @@
-"""Launch probes of the NVFP4 prefill GEMM (`w4a16_gemm` Mosaic arm) at the 8B shapes, M = 4096, on the GPU:
-each config (tm<rows>:st<stages>:<grid minor><tile width>:<decode>) and XLA BF16 timed in interleaved rounds, so
-all see the same clocks. Before timing, every config's bf16 output is checked against the reference.
+"""Launch configs of the NVFP4 prefill GEMM (`w4a16_gemm` Mosaic arm) at the 8B shapes, M = 4096, on the GPU:
+each config (tm<rows>:st<stages>:<grid minor><tile width>) and XLA BF16 timed in interleaved rounds, so all see
+the same clocks. Before timing, every config's bf16 output is checked against the reference.
 Writes OUT/nvfp4_probe_<date>_<tag>.json.
 
-    PYTHONPATH=. python3 tools/nvfp4_probe.py --out $OUT --tag s11c3 --configs tm256:st2:m8:ptx,tm128:st4:m8:skip_decode
+    PYTHONPATH=. python3 tools/nvfp4_probe.py --out $OUT --tag TAG --configs tm256:st2:n8,tm128:st4:m8
 
 --ref-module FILE loads another copy of the kernel module (e.g. `git show REV:pallas_kernels/mgpu_gemm_nvfp4.py`);
 configs written ref:<config> run on it, in the same rounds (an A/B against an earlier version).
@@ -39,16 +39,15 @@ def load_module(path: str):
 
 
 def parse(cfg: str, mod=mn):
-    tm, st, grid, decode = cfg.split(":")
-    return mod.Nvfp4Tiles(tile_m=int(tm[2:]), stages=int(st[2:]), grid_minor=grid[0], grid_tile_width=int(grid[1:]),
-                          decode=decode)
+    tm, st, grid = cfg.split(":")
+    return mod.Nvfp4Tiles(tile_m=int(tm[2:]), stages=int(st[2:]), grid_minor=grid[0], grid_tile_width=int(grid[1:]))
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--tag", default="probe")
-    ap.add_argument("--configs", required=True, help="comma-separated tm<rows>:st<stages>:<m|n><width>:<decode>")
+    ap.add_argument("--configs", required=True, help="comma-separated tm<rows>:st<stages>:<m|n><width>")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--ref-module", help="another copy of mgpu_gemm_nvfp4.py for the ref:<config> entries")
     args = ap.parse_args()

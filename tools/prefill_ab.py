@@ -22,9 +22,8 @@ from pallas_kernels import fp8_gemm, mgpu_gemm, w8a16
 from pallas_kernels.mgpu_gemm import MgpuTiles
 
 M = 4096
-CANDIDATES = [MgpuTiles(128, 128, "m", stages=4), MgpuTiles(128, 128, "m", stages=4, cluster="m"),
-              MgpuTiles(64, 256, "m", stages=3), MgpuTiles(64, 256, "m", stages=3, cluster="m"),
-              MgpuTiles(64, 256, "m", stages=4, epi_bytes=64, cluster="m")]
+CANDIDATES = [MgpuTiles(128, 128, "m", stages=4), MgpuTiles(64, 256, "m", stages=3),
+              MgpuTiles(64, 256, "m", stages=4, epi_bytes=64)]
 
 
 def main():
@@ -51,7 +50,7 @@ def main():
         ref = fp8_gemm.fp8_gemm_t_reference(xs[0], *wr[0], out_dtype=jnp.float32)
         arms = {"xla_bf16": (xla_bf16, [(xs[i], wb[i % 2]) for i in range(4)])}
         d = mgpu_gemm.default_tiles(N, K, per_block=False)
-        cands = [] if args.no_candidates else [c for c in CANDIDATES if c != d and N % c.cluster_tile[1] == 0]
+        cands = [] if args.no_candidates else [c for c in CANDIDATES if c != d and N % c.cta[1] == 0]
         for t in [None] + cands:
             name = "default " + short(d) if t is None else short(t)
             fn = lambda x, q, s, t=t, **kw: mgpu_gemm.fp8_gemm_t_mosaic(x, q, s, tiles=t, **kw)

@@ -24,7 +24,7 @@ from metrale_jax.layers.projection import Projection
 from metrale_jax.state.ssm_pool import SsmPool
 from metrale_jax.weights.containers import DenseWeight, as_dense
 from metrale_jax.weights.quant_formats import FP8_BLOCK
-from pallas_kernels import registry
+from pallas_kernels import norm_fp8, registry
 
 
 @jax.tree_util.register_dataclass
@@ -93,6 +93,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         self.pool_layer = config.mamba_layer_ids.index(layer_idx) if pool_layer is None else pool_layer
         self.chunk_size = levers.ssm_chunk_size(config)
         self.kernels = levers.kernels
+        self.gated_norm_quant = levers.gated_norm_quant
         c = config
         name = f"backbone.layers.{layer_idx}"
         H, I, C, K, D = c.mamba_num_heads, c.d_inner, c.conv_dim, c.conv_kernel, c.hidden_size
@@ -177,16 +178,15 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
     def _fp8_input(self, proj, norm: str, phase: str, tokens: int, width: int, group: int) -> dict | None:
         """Keyword arguments of the fused E4M3 norm `norm` (norm_fp8) when `proj`'s arm quantizes its activations
         and the norm can hand them over quantized: the arm's own quantization (rows / 128-column blocks) or, for
-        the gated norm, what norm_fp8.GATED_QUANT says (one scale per row per norm group); None: the norm runs
+        the gated norm, what levers.gated_norm_quant says (one scale per row per norm group); None: the norm runs
         in bf16 and the arm quantizes."""
-        from pallas_kernels import norm_fp8      # not at import: pallas_kernels imports this package (errors)
         kind = proj.input_quant(phase, tokens)
         if kind is None or self.tp_axis is not None or not registry.resolved(norm, self.kernels):
             return None
         if norm == "gated_rmsnorm_fp8":
-            if norm_fp8.GATED_QUANT is None or (norm_fp8.GATED_QUANT == "group" and group % FP8_BLOCK):
+            if self.gated_norm_quant == "off" or (self.gated_norm_quant == "group" and group % FP8_BLOCK):
                 return None
-            kind = "group" if norm_fp8.GATED_QUANT == "group" else kind
+            kind = "group" if self.gated_norm_quant == "group" else kind
         kw = dict(per_block=kind == "blocks") | (dict(per_group=True) if kind == "group" else {})
         impl = registry.resolve(norm, self.kernels).impl
         return kw if impl == "reference" or norm_fp8.supports(width, group, **kw) else None

@@ -111,10 +111,11 @@ def test_missing_required_and_missing_pattern(tmp_path):
 
 def test_levers_from_env():
     env = {"METRALE_NEMOTRON_NATIVE_FP8_SSM": "decode", "METRALE_GRAPHS": "0", "METRALE_KERNELS": "interpret",
-           "METRALE_CHUNK_SIZE": "64", "METRALE_PREFILL_TOKEN_BUDGET": "512"}
+           "METRALE_CHUNK_SIZE": "64", "METRALE_PREFILL_TOKEN_BUDGET": "512", "METRALE_GATED_NORM_QUANT": "Off"}
     lv = ModelLevers.from_env(env)
-    assert (lv.native_fp8_ssm, lv.graphs, lv.kernels, lv.chunk_size, lv.prefill_token_budget) == (
-        "decode", False, "interpret", 64, 512)
+    assert (lv.native_fp8_ssm, lv.graphs, lv.kernels, lv.chunk_size, lv.prefill_token_budget, lv.gated_norm_quant) == (
+        "decode", False, "interpret", 64, 512, "off")
+    assert ModelLevers().gated_norm_quant == "group"
     assert ModelLevers.from_env({}) == ModelLevers()
     assert ModelLevers.from_env(env, graphs=True).graphs is True
     cfg = ModelConfig.from_hf(_load("hf_written.json"))
@@ -124,6 +125,7 @@ def test_levers_from_env():
 @pytest.mark.parametrize("var, value", [
     ("METRALE_NEMOTRON_NATIVE_FP8_SSM", "sometimes"), ("METRALE_GRAPHS", "maybe"),
     ("METRALE_KERNELS", "cuda"), ("METRALE_CHUNK_SIZE", "big"), ("METRALE_CHUNK_SIZE", "0"),
+    ("METRALE_GATED_NORM_QUANT", "rows"),
 ])
 def test_bad_lever_env_names_the_variable(var, value):
     with pytest.raises(ConfigError) as e:

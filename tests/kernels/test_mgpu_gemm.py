@@ -45,10 +45,7 @@ def _check(y, want, m, n, tol):
 ROW_CASES = [(150, 256, MgpuTiles(64, 64, "m", stages=2, grid_tile_width=2), jnp.float32),
              (100, 192, MgpuTiles(64, 64, "m", stages=3, grid_minor="n", delay_release=1), jnp.bfloat16),
              (64, 256, MgpuTiles(64, 64, "n", stages=2), jnp.float32),
-             (100, 512, MgpuTiles(64, 256, "m", stages=3), jnp.bfloat16),     # the out_proj default's shape
-             # CTA pairs: the weight tile multicast to two M tiles / the x tile to two N tiles
-             (150, 256, MgpuTiles(64, 64, "m", stages=2, cluster="m"), jnp.float32),
-             (100, 512, MgpuTiles(64, 64, "n", stages=3, cluster="n", grid_minor="n"), jnp.bfloat16)]
+             (100, 512, MgpuTiles(64, 256, "m", stages=3), jnp.bfloat16)]     # the out_proj default's shape
 
 
 @pytest.mark.parametrize("m,n,tiles,out_dtype", ROW_CASES)
@@ -105,8 +102,7 @@ def _grouped(rng, m, k, group):
 
 @pytest.mark.parametrize("group,tiles", [(128, MgpuTiles(64, 64, "m", stages=2)),
                                          (256, MgpuTiles(64, 64, "n", stages=3, delay_release=1)),
-                                         (256, MgpuTiles(64, 256, "m", stages=2)),
-                                         (128, MgpuTiles(64, 64, "m", stages=2, cluster="n"))])
+                                         (256, MgpuTiles(64, 256, "m", stages=2))])
 def test_fp8_gemm_t_mosaic_grouped_activations(rng, interpret, group, tiles):
     """x quantized per group of columns (the gated norm's output): the accumulator changes units at each group,
     checked against float64 numpy."""
@@ -191,13 +187,8 @@ def test_mosaic_argument_errors(rng):
         mgpu_gemm.fp8_gemm_t_mosaic(x, q[:128], s[:128], interpret=True, tiles=MgpuTiles(32, 64))
     with pytest.raises(ShapeError, match="bytes of shared memory"):
         mgpu_gemm.fp8_gemm_t_mosaic(x, q[:128], s[:128], interpret=True, tiles=MgpuTiles(128, 128, stages=8))
-    with pytest.raises(ShapeError, match=r"N=128 rows, not a multiple of the Mosaic tile's 256 columns "
-                                         r"\(a cluster of two 128-column"):
-        mgpu_gemm.fp8_gemm_t_mosaic(x, q[:128], s[:128], interpret=True, tiles=MgpuTiles(64, 128, cluster="n"))
-    with pytest.raises(ShapeError, match="tiles.cluster is not supported by the block-scaled kernel"):
-        mgpu_gemm.w8a16_gemm_pipelined_mosaic(x, qb, sb, interpret=True, tiles=MgpuTiles(64, 128, cluster="m"))
-    with pytest.raises(ShapeError, match="tiles.cluster must be '', 'm' or 'n', got 'k'"):
-        mgpu_gemm.fp8_gemm_t_mosaic(x, q[:128], s[:128], interpret=True, tiles=MgpuTiles(64, 64, cluster="k"))
+    with pytest.raises(ShapeError, match=r"N=128 rows, not a multiple of the Mosaic tile's 256 columns"):
+        mgpu_gemm.fp8_gemm_t_mosaic(x, q[:128], s[:128], interpret=True, tiles=MgpuTiles(64, 256))
 
 
 def test_mosaic_arms_registered():

@@ -187,18 +187,17 @@ CFG = ModelConfig.from_hf(dict(vocab_size=64, hidden_size=128, hybrid_override_p
 
 
 @pytest.mark.parametrize("prefill_arm", ["fp8_prefill", "fp8_native"])
-@pytest.mark.parametrize("gated_quant", ["group", "arm", None])
-def test_layer_feeds_the_fp8_arms_from_the_fused_norms(rng, monkeypatch, prefill_arm, gated_quant):
+@pytest.mark.parametrize("gated_quant", ["group", "arm", "off"])
+def test_layer_feeds_the_fp8_arms_from_the_fused_norms(rng, prefill_arm, gated_quant):
     """With an FP8-matrix-unit arm serving prefill, the layer's norms emit E4M3 (the fused kernels run: their
-    names are in the traced program; the gated one as norm_fp8.GATED_QUANT says). in_proj's result, and
+    names are in the traced program; the gated one as levers.gated_norm_quant says). in_proj's result, and
     out_proj's with the arm's own quantization, are bit-identical to the unfused path; per norm group, out_proj
     computes on the per-group reference's E4M3 (bits) and stays within E4M3 rounding of the unfused path."""
-    monkeypatch.setattr(norm_fp8, "GATED_QUANT", gated_quant)
     k1, k2 = jax.random.split(jax.random.key(int(rng.integers(2**31))))
     ssm = random_ssm_weights(CFG, k2, jnp.float32)
     nv = {k: C.quantize_nvfp4_weight(getattr(ssm, k)) for k in ("in_proj", "out_proj")}   # no bf16 arm
     layer = NemotronMamba2Layer(random_norm(CFG, k1, jnp.float32), ssm.__class__(**{**ssm.__dict__, **nv}), CFG,
-                                layer_idx=1, levers=ModelLevers(kernels="interpret"))
+                                layer_idx=1, levers=ModelLevers(kernels="interpret", gated_norm_quant=gated_quant))
     if prefill_arm == "fp8_prefill":
         layer.set_fp8_prefill_weights(C.fp8_prefill_copy(ssm.in_proj), C.fp8_prefill_copy(ssm.out_proj))
     else:
@@ -215,7 +214,7 @@ def test_layer_feeds_the_fp8_arms_from_the_fused_norms(rng, monkeypatch, prefill
         return text, (fns[0](hidden), fns[1](y, z, hidden))
 
     text, fused = run()
-    assert "rmsnorm_fp8" in text and ("gated_rmsnorm_fp8" in text) == (gated_quant is not None)
+    assert "rmsnorm_fp8" in text and ("gated_rmsnorm_fp8" in text) == (gated_quant != "off")
     assert ("gated_rmsnorm_fp8_groups" in text) == (gated_quant == "group")
     with registry.disabled("rmsnorm_fp8"), registry.disabled("gated_rmsnorm_fp8"):
         text, unfused = run()

@@ -1,9 +1,17 @@
 """Kernel registry: the two Pallas arms (Triton, Mosaic GPU), gpu_default, and the errors of each mode."""
 
+import os
+import pathlib
+import subprocess
+import sys
+
 import pytest
 
+from metrale_jax import errors
 from metrale_jax.errors import KernelUnavailableError
-from pallas_kernels import registry
+from metrale_jax.weights import quant_formats
+from pallas_kernels import errors as kernel_errors
+from pallas_kernels import formats, registry
 
 
 def _ref(x):
@@ -93,3 +101,16 @@ def test_mosaic_arms_only_on_hopper(names, monkeypatch):
         registry.resolve(only, "pallas", platform="gpu")
     monkeypatch.setattr(registry, "gpu_capability", lambda: "9.0")
     assert registry.resolve(n, "auto", platform="gpu").impl == "mosaic"
+
+
+def test_kernels_are_the_ground_floor():
+    """pallas_kernels imports nothing from metrale_jax, and the errors the kernels raise are the library's own
+    classes (one object each), so `except MetraleError` / `except ShapeError` in the library catch them."""
+    root = pathlib.Path(__file__).resolve().parents[2]
+    code = ("import sys, pallas_kernels; bad = sorted(m for m in sys.modules if m.split('.')[0] == 'metrale_jax'); "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=root,
+                   env={**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(root)})
+    assert errors.ShapeError is kernel_errors.ShapeError and issubclass(errors.ShapeError, errors.MetraleError)
+    assert errors.KernelUnavailableError is kernel_errors.KernelUnavailableError
+    assert quant_formats.Fp8Activations is formats.Fp8Activations
