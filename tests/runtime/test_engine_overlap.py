@@ -57,6 +57,15 @@ def _requests(rng, n):
     return out
 
 
+def _mid_batch_eos(free):
+    """A token that some continuation draws after its first token and some other never draws: as eos it ends
+    one request mid-way while another runs to its length."""
+    for t in (t for cont in free for t in cont[1:]):
+        if any(t not in cont for cont in free):
+            return t
+    raise AssertionError(f"no continuation token is missing from another: {free}")
+
+
 def _run(eng, reqs, **kw):
     rids = [eng.submit(r["prompt"], r["n"], seed=r["seed"], **kw) for r in reqs]
     eng.run()
@@ -69,8 +78,7 @@ def test_overlapped_engine_equals_the_plain_loop(model, make_engine, rng, kw):
     greedy / sampled continuations hit mid-batch, and the prefix cache on."""
     reqs = _requests(rng, 7)
     free = [plain_loop(model, r["prompt"], r["n"], seed=r["seed"], **kw)[0] for r in reqs]
-    # an eos that some request draws mid-way (its later tokens then never come)
-    eos = next(t[len(t) // 2] for t in free if len(t) > 2)
+    eos = _mid_batch_eos(free)
     want = [plain_loop(model, r["prompt"], r["n"], seed=r["seed"], eos={eos}, **kw) for r in reqs]
     assert any(reason == "eos" for _, reason in want) and any(reason == "length" for _, reason in want)
     eng = make_engine(prefill_token_budget=12, eos_ids=[eos], prefix_cache_bytes=1 << 20)
@@ -106,7 +114,7 @@ def test_overlapped_engine_with_speculation_equals_the_plain_loop(model, make_en
     """Speculative steps (accepted and rejected drafts) between overlapped decode and prefill steps."""
     reqs = _requests(rng, 6)
     free = [plain_loop(model, r["prompt"], r["n"])[0] for r in reqs]
-    eos = next(t[len(t) // 2] for t in free if len(t) > 2)
+    eos = _mid_batch_eos(free)
     want = [plain_loop(model, r["prompt"], r["n"], eos={eos}) for r in reqs]
     drafter = _Oracle({tuple(r["prompt"]): t for r, t in zip(reqs, free)})
     eng = make_engine(eos_ids=[eos], speculative=SpeculativeConfig(num_draft=3), drafter=drafter,
