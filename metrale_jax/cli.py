@@ -382,11 +382,12 @@ def checkpoint_summary(directory: Path) -> dict:
     """Layers, sizes and weight formats of a checkpoint from config.json and the safetensors headers
     (no tensor data is read)."""
     from metrale_jax.config import ModelConfig
+    from metrale_jax.files import config_error, read_json
     from metrale_jax.tokenizer import BYTE_TOKENIZER_FILE
     from metrale_jax.weights.checkpoint import open_checkpoint
 
     config = ModelConfig.from_hf(directory)
-    raw = json.loads((directory / "config.json").read_text())
+    raw = read_json(directory / "config.json", config_error)
     reader = open_checkpoint(directory)
     try:
         infos = {name: reader.info(name) for name in reader.keys()}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -11,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from metrale_jax.errors import ConfigError
+from metrale_jax.files import config_error, read_json
 
 # Block kinds by pattern character: M = Mamba-2, * = attention, - = MLP, E = MoE.
 BLOCK_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
@@ -180,14 +180,9 @@ class ModelConfig:
             path = Path(source)
             if path.is_dir():
                 path = path / "config.json"
-            if not path.is_file():
-                raise ConfigError("config.json", f"no such file: {path}")
-            try:
-                raw = json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise ConfigError("config.json", f"not valid JSON ({e})") from None
-            if not isinstance(raw, dict):
-                raise ConfigError("config.json", "expected a JSON object at the top level")
+            elif not os.path.lexists(path):
+                raise ConfigError("config.json", f"no such file or directory: {path}")
+            raw = read_json(path, config_error)
         return cls._from_dict(raw)
 
     @classmethod

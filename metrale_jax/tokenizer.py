@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from metrale_jax.errors import ConfigError
+from metrale_jax.files import config_error, read_json, read_text
 
 BYTE_TOKENIZER_FILE = "byte_tokenizer.json"
 
@@ -59,8 +60,9 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         self.path = Path(path)
+        text = read_text(self.path, config_error)            # a regular file, read here: never a blocking open
         try:
-            self._tok = Tokenizer.from_file(str(self.path))
+            self._tok = Tokenizer.from_str(text)
         except Exception as e:  # the Rust side raises a bare Exception
             raise ConfigError(str(self.path), f"cannot load tokenizer ({e})") from None
         self.bos_id = bos_id if bos_id is not None else self._find("<s>", "<|begin_of_text|>", "<bos>")
@@ -101,16 +103,13 @@ class HFTokenizer:
 def load_tokenizer(directory: str | os.PathLike, config=None):
     """The tokenizer a model directory ships: tokenizer.json, else byte_tokenizer.json, else None."""
     d = Path(directory)
-    if (d / "tokenizer.json").is_file():
+    if os.path.lexists(d / "tokenizer.json"):
         first = lambda v: v[0] if isinstance(v, tuple) else v
         kw = {} if config is None else dict(bos_id=config.bos_token_id, eos_id=first(config.eos_token_id),
                                             pad_id=config.pad_token_id)
         return HFTokenizer(d / "tokenizer.json", **kw)
-    if (d / BYTE_TOKENIZER_FILE).is_file():
-        try:
-            spec = json.loads((d / BYTE_TOKENIZER_FILE).read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(BYTE_TOKENIZER_FILE, f"not valid JSON ({e})") from None
+    if os.path.lexists(d / BYTE_TOKENIZER_FILE):
+        spec = read_json(d / BYTE_TOKENIZER_FILE, config_error)
         tok = ByteTokenizer()
         want = {"type": "bytes", "pad_id": tok.pad_id, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
                 "offset": tok.offset}

@@ -45,7 +45,7 @@ from metrale_jax.weights.containers import (DenseWeight, Fp8Weight, Nvfp4Weight,
                                             WeightQuantFormat, stack_experts)
 from metrale_jax.weights.quant_config import QuantConfig, load_linear, quant_config_from_dicts, read_quant_config
 from metrale_jax.weights.quantize import LINEAR_MODULES
-from metrale_jax.weights.safetensors_io import CheckpointReader, SafetensorsFile, save_safetensors
+from metrale_jax.weights.safetensors_io import INDEX, CheckpointReader, SafetensorsFile, save_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -450,8 +450,8 @@ class _SingleFileReader:
 def open_checkpoint(directory: str | os.PathLike):
     """HF's order: model.safetensors.index.json, else model.safetensors, else every *.safetensors."""
     d = Path(directory)
-    if not (d / "model.safetensors.index.json").is_file() and (d / "model.safetensors").is_file():
-        return _SingleFileReader(d / "model.safetensors")
+    if d.is_dir() and not os.path.lexists(d / INDEX) and os.path.lexists(d / "model.safetensors"):
+        return _SingleFileReader(d / "model.safetensors")   # refused there unless a regular file
     return CheckpointReader(d)
 
 
