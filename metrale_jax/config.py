@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -55,6 +56,18 @@ def _parse_float(field: str, value: Any) -> float:
         except ValueError:
             pass
     raise ConfigError(field, f"expected a number (or an infinity), got {value!r}")
+
+
+def _float_fields(config: ModelConfig) -> list[tuple[str, float]]:
+    """(name, value) of every float the config holds that must be finite: each float field, and the low bound
+    of time_step_limit (its high bound may be +inf: no upper clamp)."""
+    out = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config) if isinstance(f.default, float)]
+    return out + [("time_step_limit", config.time_step_limit[0])]
+
+
+def _check_finite(field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ConfigError(field, f"expected a finite number, got {value!r}")
 
 
 def _parse_int(field: str, value: Any, *, minimum: int | None = None) -> int:
@@ -236,6 +249,11 @@ class ModelConfig:
     def _validate(self):
         for name in ("vocab_size", "hidden_size"):
             _parse_int(name, getattr(self, name), minimum=1)
+        for name, value in _float_fields(self):
+            _check_finite(name, value)
+        if math.isnan(self.time_step_limit[1]) or self.time_step_limit[1] == -math.inf:
+            raise ConfigError("time_step_limit", f"expected a high bound that is a number or +inf, got "
+                                                 f"{self.time_step_limit[1]}")
         if not self.hybrid_override_pattern:
             raise ConfigError("hybrid_override_pattern", "the model has no layers")
         bad = sorted(set(self.hybrid_override_pattern) - set(BLOCK_KINDS))

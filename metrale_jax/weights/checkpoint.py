@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
@@ -62,6 +64,7 @@ _MTP = re.compile(r"^mtp\.")
 _KV_SCALE = re.compile(r"\.[kv]_scale$")          # ModelOpt FP8 KV-cache scales: the KV pool is not quantized
 # A routed expert's weight; the loader stacks a layer's experts into one [E, ...] array under
 # "<mixer>.experts.up_proj" / ".experts.down_proj" (HF's in-memory fused names).
+_STACKED = re.compile(r"^(?P<mixer>(?:backbone|mtp)\.layers\.\d+\.mixer\.)experts\.(?P<proj>up|down)_proj$")
 _EXPERT = re.compile(r"^(?P<mixer>(?:backbone|mtp)\.layers\.\d+\.mixer\.)"
                      r"experts\.(?P<e>\d+)\.(?P<proj>up|down)_proj\.weight$")
 
@@ -456,11 +459,12 @@ def open_checkpoint(directory: str | os.PathLike):
 
 
 def read_checkpoint(directory: str | os.PathLike, config: ModelConfig, dtype=jnp.bfloat16, *,
-                    progress: bool | None = None, mesh=None,
-                    qcfg: QuantConfig | None = None) -> tuple[dict[str, object], list[str]]:
+                    progress: bool | None = None, mesh=None, qcfg: QuantConfig | None = None,
+                    check_finite: bool = True) -> tuple[dict[str, object], list[str]]:
     """All tensors of an HF checkpoint, validated, cast and in HF names: (tensors, notes). A quantized
     checkpoint (qcfg, default: read from the directory) gives a container per quantized linear module.
-    mesh: each tensor goes from the memory map straight to its shards (a sharding.ShardedTensors); dense only."""
+    mesh: each tensor goes from the memory map straight to its shards (a sharding.ShardedTensors); dense only.
+    check_finite: a tensor holding a NaN or an infinity once loaded is a CheckpointError (see nonfinite_tensors)."""
     qcfg = checkpoint_quantization(directory) if qcfg is None else qcfg
     quantized_ckpt = qcfg.method != "none"
     if quantized_ckpt and mesh is not None:
@@ -519,6 +523,8 @@ def read_checkpoint(directory: str | os.PathLike, config: ModelConfig, dtype=jnp
             members.setdefault(key, [None] * E)[int(m["e"])] = arr
             if int(m["e"]) == E - 1:
                 tensors[key] = stack_layer_experts(key, members.pop(key), target, dequantized_experts)
+        if check_finite:
+            problems.extend(nonfinite_tensors(tensors))
         if problems:
             raise CheckpointError(problems)
         if dequantized_experts:
@@ -530,6 +536,27 @@ def read_checkpoint(directory: str | os.PathLike, config: ModelConfig, dtype=jnp
         return tensors, notes
     finally:
         reader.close()
+
+
+def nonfinite_tensors(tensors: Mapping[str, object]) -> list[str]:
+    """A problem for each tensor holding a NaN or an infinity: every floating array of it (a quantized container's
+    weights and scales too), as loaded, so that a value the cast to the model dtype overflowed counts as well; a
+    layer's stacked routed experts are named one by one. Tested where the tensors live (on the device: an
+    elementwise read), fetched to the host once for all."""
+    flags = {}
+    for name, value in tensors.items():
+        leaves = [x for x in jax.tree.leaves(value) if jnp.issubdtype(x.dtype, jnp.floating)]
+        per_expert = _STACKED.match(name) is not None          # flag each expert [E]: leaves lead with E
+        bad = [jnp.any(~jnp.isfinite(x), axis=tuple(range(1 if per_expert else 0, x.ndim))) for x in leaves]
+        if bad:
+            flags[name] = functools.reduce(jnp.logical_or, bad)
+    problems = []
+    for name, bad in jax.device_get(flags).items():
+        m = _STACKED.match(name)
+        names = [f"{m['mixer']}experts.{e}.{m['proj']}_proj.weight" for e in np.flatnonzero(bad)] if m else \
+            [name] if bad else []
+        problems.extend(f"{n}: holds NaN or infinite values" for n in names)
+    return problems
 
 
 def _format_name(w) -> str:

@@ -6,11 +6,13 @@ nothing outside the checkpoint directory is opened."""
 import builtins
 import io
 import json
+import math
 import os
 import shutil
 import struct
 import threading
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 import safetensors
@@ -19,6 +21,7 @@ from metrale_jax.builtin import builtin_model_dir
 from metrale_jax.config import ModelConfig
 from metrale_jax.errors import CheckpointError, ConfigError
 from metrale_jax.model import NemotronH
+from metrale_jax.weights.quantize import quantize_checkpoint
 from metrale_jax.weights.safetensors_io import SafetensorsFile, save_safetensors
 
 INDEX = "model.safetensors.index.json"
@@ -279,3 +282,69 @@ def test_a_directory_named_like_a_weights_file_is_refused(ckpt):
     (ckpt / "model.safetensors").mkdir()
     with pytest.raises(CheckpointError, match=r"model\.safetensors: not a regular file \(a directory\)"):
         NemotronH.from_pretrained(ckpt, progress=False)
+
+
+# ---- non-finite values --------------------------------------------------------------------------
+@pytest.mark.parametrize("field, value", [("routed_scaling_factor", "nan"), ("routed_scaling_factor", "NaN-literal"),
+                                          ("layer_norm_epsilon", "inf"), ("time_step_min", "-inf"),
+                                          ("time_step_max", 1e400), ("time_step_limit", ["nan", "inf"]),
+                                          ("time_step_limit", [0.0, "nan"])])
+def test_config_floats_must_be_finite(ckpt, field, value):
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg[field] = value
+    text = json.dumps(cfg).replace('"NaN-literal"', "NaN")     # Python's json reads the bare NaN literal too
+    (ckpt / "config.json").write_text(text)
+    with pytest.raises(ConfigError) as e:
+        NemotronH.from_pretrained(ckpt, progress=False)
+    assert e.value.field == field and field in str(e.value)
+
+
+def test_an_infinite_time_step_limit_high_bound_still_loads(ckpt):
+    assert ModelConfig.from_hf(ckpt).time_step_limit == (0.0, math.inf)
+
+
+def _poison(path, name, value, rng):
+    """Set one random element of tensor `name` of a safetensors file to `value`."""
+    r = SafetensorsFile(path)
+    tensors = {n: np.array(r.get(n)) for n in r.keys()}
+    r.close()
+    flat = tensors[name].reshape(-1)
+    flat[rng.integers(flat.size)] = value
+    save_safetensors(path, tensors, metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_check_finite_names_the_weight(ckpt, rng, value):
+    """One random tensor and one random routed expert (loaded stacked with its layer's others) poisoned: both
+    are named."""
+    names = SafetensorsFile(ckpt / "model.safetensors").keys()
+    experts = [n for n in names if ".experts." in n]
+    hit = [names[int(rng.integers(len(names)))], experts[int(rng.integers(len(experts)))]]
+    for name in hit:
+        _poison(ckpt / "model.safetensors", name, value, rng)
+    with pytest.raises(CheckpointError) as e:
+        NemotronH.from_pretrained(ckpt, progress=False)
+    assert sorted(e.value.problems) == sorted({f"{n}: holds NaN or infinite values" for n in hit})
+    model = NemotronH.from_pretrained(ckpt, progress=False, check_finite=False)     # the check is what refuses
+    assert not np.isfinite(np.asarray(model.state_dict()[hit[0]], np.float32)).all()
+
+
+def test_check_finite_counts_an_overflow_of_the_cast(ckpt, rng):
+    """A float32 checkpoint value past float16's range is infinite once loaded as float16."""
+    r = SafetensorsFile(ckpt / "model.safetensors")
+    tensors = {n: np.array(r.get(n), np.float32) for n in r.keys()}
+    r.close()
+    name = "backbone.layers.2.mixer.up_proj.weight"
+    tensors[name].reshape(-1)[rng.integers(tensors[name].size)] = 1e6
+    save_safetensors(ckpt / "model.safetensors", tensors)
+    assert NemotronH.from_pretrained(ckpt, dtype=jnp.float32, progress=False) is not None
+    with pytest.raises(CheckpointError, match=rf"{name}: holds NaN or infinite values"):
+        NemotronH.from_pretrained(ckpt, dtype=jnp.float16, progress=False)
+
+
+def test_check_finite_reads_quantized_scales(ckpt, tmp_path, rng):
+    quantize_checkpoint(ckpt, tmp_path / "q", "fp8-block")
+    module = "backbone.layers.0.mixer.in_proj"
+    _poison(tmp_path / "q" / "model.safetensors", f"{module}.weight_scale_inv", np.nan, rng)
+    with pytest.raises(CheckpointError, match=rf"{module}.weight: holds NaN or infinite values"):
+        NemotronH.from_pretrained(tmp_path / "q", progress=False)
