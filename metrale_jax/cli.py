@@ -497,10 +497,8 @@ def cmd_quantize(args) -> int:
         raise UsageError(f"--out {args.out}: exists and is not a directory")
     if out.exists() and out.resolve() == src.resolve():
         raise UsageError(f"--out {args.out}: is the --model directory; write the quantized checkpoint elsewhere")
-    if out.is_dir() and any(out.iterdir()):
-        raise UsageError(f"--out {args.out}: not empty; give a new or empty directory")
     t0 = time.perf_counter()
-    summary = quantize_checkpoint(src, out, args.format, exclude=args.exclude or ())
+    summary = quantize_checkpoint(src, out, args.format, exclude=args.exclude or (), overwrite=args.overwrite)
     excluded = ", ".join(summary["exclude_modules"]) or "none"
     print(f"{src} -> {out}: {summary['quantized_modules']} linear modules in {args.format} "
           f"({summary['method']}), excluded: {excluded}; {len(summary['files'])} file(s), "
@@ -557,7 +555,10 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--format", required=True, choices=("fp8-block", "fp8", "nvfp4"),
                        help="fp8-block: E4M3 + f32 scale per 128x128 block; fp8: ModelOpt per-tensor FP8; "
                             "nvfp4: ModelOpt NVFP4 (E2M1 + E4M3 scale per 16 + global scale)")
-    quant.add_argument("--out", required=True, metavar="DIR", help="a new or empty folder for the checkpoint")
+    quant.add_argument("--out", required=True, metavar="DIR",
+                       help="the folder for the checkpoint (written whole, then moved into place)")
+    quant.add_argument("--overwrite", action="store_true",
+                       help="replace a checkpoint already in --out (its other files are kept)")
     quant.add_argument("--exclude", nargs="+", action="extend", metavar="PATTERN",
                        help="modules to keep dense (fnmatch patterns over module names; lm_head always is)")
     quant.set_defaults(func=cmd_quantize)

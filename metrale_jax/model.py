@@ -216,14 +216,16 @@ class NemotronH(nnx.Module):
             q = dataclasses.replace(q, exclude=(*q.exclude, EXPERTS_PATTERN))
         return q
 
-    def save_pretrained(self, directory: str | os.PathLike, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
+    def save_pretrained(self, directory: str | os.PathLike, *, max_shard_bytes: int = MAX_SHARD_BYTES,
+                        overwrite: bool = False) -> list[Path]:
         """config.json + model.safetensors (sharded with an index above max_shard_bytes) + the tokenizer; a
-        quantized model writes its quantized tensors and quantization config (loads back to the same weights)."""
-        files = write_checkpoint(directory, self.config, self.state_dict(), torch_dtype=self.dtype.name,
-                                 max_shard_bytes=max_shard_bytes, qcfg=self.checkpoint_quant_config())
-        if self.tokenizer is not None and hasattr(self.tokenizer, "save"):
-            self.tokenizer.save(directory)
-        return files
+        quantized model writes its quantized tensors and quantization config (loads back to the same weights).
+        Atomic (weights/checkpoint.write_checkpoint): a directory holding a checkpoint is replaced only with
+        overwrite=True; its other files are kept."""
+        tokenizer = self.tokenizer if hasattr(self.tokenizer, "save") else None
+        return write_checkpoint(directory, self.config, self.state_dict(), torch_dtype=self.dtype.name,
+                                max_shard_bytes=max_shard_bytes, qcfg=self.checkpoint_quant_config(),
+                                tokenizer=tokenizer, overwrite=overwrite)
 
     # ---- properties --------------------------------------------------------------------------
     @property

@@ -7,12 +7,11 @@ or `byte_tokenizer.json` (bytes); `load_tokenizer` picks whichever is there.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from metrale_jax.errors import ConfigError
-from metrale_jax.files import config_error, read_json, read_text
+from metrale_jax.files import config_error, read_json, read_text, replacing, write_json
 
 BYTE_TOKENIZER_FILE = "byte_tokenizer.json"
 
@@ -38,7 +37,7 @@ class ByteTokenizer:
     def save(self, directory: str | os.PathLike) -> None:
         spec = {"type": "bytes", "pad_id": self.pad_id, "bos_id": self.bos_id, "eos_id": self.eos_id,
                 "offset": self.offset, "vocab_size": self.vocab_size}
-        (Path(directory) / BYTE_TOKENIZER_FILE).write_text(json.dumps(spec, indent=2) + "\n")
+        write_json(Path(directory) / BYTE_TOKENIZER_FILE, spec)
 
     def __repr__(self) -> str:
         return "ByteTokenizer(vocab_size=259)"
@@ -94,7 +93,8 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def save(self, directory: str | os.PathLike) -> None:
-        self._tok.save(str(Path(directory) / "tokenizer.json"))
+        with replacing(Path(directory) / "tokenizer.json") as fh:
+            fh.write(self._tok.to_str(pretty=True).encode())
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.path}, vocab_size={self.vocab_size})"

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from metrale_jax import files
 from metrale_jax.config import ModelConfig
 from metrale_jax.errors import CheckpointError, ConfigError, WeightFormatError
 from metrale_jax.layers.attention import NemotronAttentionWeights
@@ -47,7 +48,8 @@ from metrale_jax.weights.containers import (DenseWeight, Fp8Weight, Nvfp4Weight,
                                             WeightQuantFormat, stack_experts)
 from metrale_jax.weights.quant_config import QuantConfig, load_linear, quant_config_from_dicts, read_quant_config
 from metrale_jax.weights.quantize import LINEAR_MODULES
-from metrale_jax.weights.safetensors_io import INDEX, CheckpointReader, SafetensorsFile, save_safetensors
+from metrale_jax.weights.safetensors_io import (INDEX, CheckpointReader, SafetensorsFile, is_checkpoint_file,
+                                               save_safetensors)
 
 log = logging.getLogger(__name__)
 
@@ -626,14 +628,14 @@ def checkpoint_tensors(tensors: Mapping[str, object], qcfg: QuantConfig) -> dict
 
 def write_checkpoint(directory: str | os.PathLike, config: ModelConfig, tensors: Mapping[str, object], *,
                      torch_dtype: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
-                     qcfg: QuantConfig | None = None) -> list[Path]:
+                     qcfg: QuantConfig | None = None, tokenizer=None, overwrite: bool = False) -> list[Path]:
     """config.json plus model.safetensors, or shards with model.safetensors.index.json when the tensors
-    exceed max_shard_bytes. Old model*.safetensors files, index and hf_quant_config.json in the directory
-    are replaced. qcfg: the quantization the tensors are in (their scale tensors sit beside the weights);
-    it is written to config.json's quantization_config (and hf_quant_config.json for ModelOpt)."""
+    exceed max_shard_bytes, plus the tokenizer's file when one is given. qcfg: the quantization the tensors are in
+    (their scale tensors sit beside the weights); it is written to config.json's quantization_config (and
+    hf_quant_config.json for ModelOpt). Written atomically (files.staged_directory): a directory that already
+    holds a checkpoint is replaced only with overwrite=True, and then whole (no old shard, index or config
+    survives); its other files are kept. Returns the weights files."""
     qcfg = qcfg or QuantConfig()
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
     expected = model_tensors(config, tensors)
     scales = {f"{m}.{s}" for m in filter(None, map(linear_module, expected)) for s in QUANTIZED_SUFFIXES} \
         if qcfg.method != "none" else set()
@@ -644,15 +646,22 @@ def write_checkpoint(directory: str | os.PathLike, config: ModelConfig, tensors:
                               + [f"{n}: not a tensor of this config" for n in extra])
     order = [*expected, *sorted(set(tensors) - set(expected))]
     arrays = {n: np.asarray(tensors[n]) for n in order}
-    for old in [*d.glob("model*.safetensors"), d / "model.safetensors.index.json", d / "hf_quant_config.json"]:
-        if old.is_file():
-            old.unlink()
     hf = dataclasses.replace(config, quantization_config=qcfg.quantization_config()).to_hf_dict()
     if torch_dtype is not None:
         hf["torch_dtype"] = torch_dtype
-    (d / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    if qcfg.hf_quant_config() is not None:
-        (d / "hf_quant_config.json").write_text(json.dumps(qcfg.hf_quant_config(), indent=2) + "\n")
+    with files.staged_directory(directory, overwrite=overwrite, replaces=is_checkpoint_file) as d:
+        files.write_json(d / "config.json", hf)
+        if qcfg.hf_quant_config() is not None:
+            files.write_json(d / "hf_quant_config.json", qcfg.hf_quant_config())
+        names = write_shards(d, arrays, max_shard_bytes)
+        if tokenizer is not None:
+            tokenizer.save(d)
+    return [Path(directory) / n for n in names]
+
+
+def write_shards(d: Path, arrays: Mapping[str, np.ndarray], max_shard_bytes: int) -> list[str]:
+    """model.safetensors, or model-0000k-of-0000n.safetensors shards (each up to max_shard_bytes, or one tensor)
+    and model.safetensors.index.json, written in the new directory d. Returns the weights files' names."""
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, arr in arrays.items():
@@ -663,13 +672,13 @@ def write_checkpoint(directory: str | os.PathLike, config: ModelConfig, tensors:
         size += arr.nbytes
     if len(shards) == 1:
         save_safetensors(d / "model.safetensors", shards[0], metadata={"format": "pt"})
-        return [d / "model.safetensors"]
-    files, weight_map = [], {}
+        return ["model.safetensors"]
+    names, weight_map = [], {}
     for k, shard in enumerate(shards, 1):
-        f = d / f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_safetensors(f, shard, metadata={"format": "pt"})
-        files.append(f)
-        weight_map.update({n: f.name for n in shard})
-    index = {"metadata": {"total_size": int(sum(a.nbytes for a in arrays.values()))}, "weight_map": weight_map}
-    (d / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return files
+        name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        save_safetensors(d / name, shard, metadata={"format": "pt"})
+        names.append(name)
+        weight_map.update(dict.fromkeys(shard, name))
+    total = int(sum(a.nbytes for a in arrays.values()))
+    files.write_json(d / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return names

@@ -20,7 +20,9 @@ import numpy as np
 import safetensors
 
 from metrale_jax.errors import CheckpointError
+from metrale_jax import files
 from metrale_jax.files import open_regular, read_json
+from metrale_jax.tokenizer import BYTE_TOKENIZER_FILE
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -138,6 +140,14 @@ def _check_listing(path: Path, header: dict, listing: dict) -> None:
 
 
 INDEX = "model.safetensors.index.json"
+# the files of a checkpoint directory besides its model*.safetensors (see is_checkpoint_file)
+CHECKPOINT_FILES = ("config.json", "hf_quant_config.json", INDEX, "tokenizer.json", BYTE_TOKENIZER_FILE)
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """Whether a directory entry belongs to the checkpoint the loader reads (weights, index, configs, tokenizer):
+    what writing a new checkpoint over a directory replaces (files.staged_directory)."""
+    return name in CHECKPOINT_FILES or (name.startswith("model") and name.endswith(".safetensors"))
 
 
 def read_index(directory: Path) -> dict[str, Path]:
@@ -242,10 +252,8 @@ def save_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    tmp = Path(str(path) + ".tmp")
-    with open(tmp, "wb") as fh:
+    with files.replacing(path) as fh:                      # `path` is the old file or the whole new one
         fh.write(struct.pack("<Q", len(blob)))
         fh.write(blob)
         for arr in arrays:
             fh.write(arr.tobytes())
-    os.replace(tmp, path)
