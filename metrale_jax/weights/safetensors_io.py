@@ -159,10 +159,14 @@ def read_index(directory: Path) -> dict[str, Path]:
     if not isinstance(weight_map, dict):
         raise CheckpointError(f"{index}: weight_map: expected an object {{tensor: shard file}}, got "
                               f"{type(weight_map).__name__}")
-    problems = [f"{index}: weight_map[{k!r}]: {why}" for k, v in weight_map.items()
-                if (why := shard_name_problem(v)) is not None]
-    if problems:
-        raise CheckpointError(problems)
+    bad: dict[str, list[str]] = {}                              # one problem per bad shard name, not per tensor
+    for tensor, name in weight_map.items():
+        if (why := shard_name_problem(name)) is not None:
+            bad.setdefault(why, []).append(tensor)
+    if bad:
+        raise CheckpointError([f"{index}: weight_map gives {len(ts)} tensor(s) ({ts[0]}, ...) a shard name that "
+                               f"is not usable: {why}" for why, ts in bad.items()])
+    problems = []
     for name in sorted(set(weight_map.values())):
         if not os.path.lexists(directory / name):
             problems.append(f"{index}: names shard {name}, which does not exist")
