@@ -279,7 +279,8 @@ class NemotronH(nnx.Module):
 
         New sequences start at position 0; with continue_from_cache they continue from each slot's
         cached length (chunked prefill). Returns the logits of each row's last real token [B, V]
-        (all_logits: [B, T, V]) and the new cache. A row of the padding slot (length 0) is a no-op row.
+        (all_logits: [B, T, V]) and the new cache. A row of the padding slot must have length 0 (a no-op row);
+        a row of a live slot at least 1 token (SlotError / ShapeError otherwise).
         """
         ids = self._check_ids(ids)
         B, T = ids.shape
@@ -287,17 +288,22 @@ class NemotronH(nnx.Module):
         if lengths.min() < 0 or lengths.max() > T:
             raise ShapeError(f"lengths: each must lie in [0, {T}], got {lengths.tolist()}")
         slots = self._check_slots(cache, slots, B)
+        _check_prefill_rows(slots, lengths, cache.padding_slot)
         starts = np.asarray(cache.seq_lens)[slots] if continue_from_cache else np.zeros(B, np.int64)
         self._check_room(cache, slots, starts + lengths)
         return self._step("prefill")(self, cache, jnp.asarray(slots), jnp.asarray(ids), jnp.asarray(lengths),
                                      all_logits=all_logits, continue_=continue_from_cache)
 
     def decode(self, cache: ModelCache, slots, tokens) -> tuple[jax.Array, ModelCache]:
-        """One token per sequence (tokens [B]) at each slot's cached length.  Returns ([B, V], cache)."""
+        """One token per sequence (tokens [B]) at each slot's cached length.  Returns ([B, V], cache). Every row
+        decodes a token, so every slot must be a live one: the padding slot is a SlotError."""
         tokens = self._check_ids(np.asarray(tokens)[:, None] if np.ndim(tokens) == 1 else tokens)
         if tokens.shape[1] != 1:
             raise ShapeError(f"tokens: expected [B], got {list(np.shape(tokens))}")
         slots = self._check_slots(cache, slots, tokens.shape[0])
+        if (slots == cache.padding_slot).any():
+            raise SlotError(f"slots: {slots.tolist()} holds the padding slot {cache.padding_slot}, which holds no "
+                            f"sequence to decode; decode live slots only")
         self._check_room(cache, slots, np.asarray(cache.seq_lens)[slots] + 1)
         return self._step("decode")(self, cache, jnp.asarray(slots), jnp.asarray(tokens[:, 0]))
 
@@ -357,10 +363,8 @@ class NemotronH(nnx.Module):
             raise ShapeError("prompts: mix of strings and token lists")
         if as_text and self.tokenizer is None:
             raise ConfigError("tokenizer", "string prompts need a tokenizer; this model has none (pass token ids)")
-        if max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
-            raise ConfigError("generate", f"need max_new_tokens >= 0, temperature >= 0, 0 < top_p <= 1; got "
-                                          f"{max_new_tokens}, {temperature}, {top_p}")
-        seqs = [self.tokenizer.encode(p) if as_text else [int(t) for t in p] for p in prompts]
+        _check_sampling(max_new_tokens, temperature, top_p, seed)
+        seqs = [_encode(self.tokenizer, i, p) if as_text else _prompt_ids(i, p) for i, p in enumerate(prompts)]
         for i, s in enumerate(seqs):
             if not s:
                 raise ShapeError(f"prompts[{i}]: empty")
@@ -652,6 +656,66 @@ def _mamba_layer(norm, w, config: ModelConfig, i: int, levers: ModelLevers, dtyp
     if nvfp4:
         layer.set_prefill_weights(*(nvfp4[k].transposed() if k in nvfp4 else None for k in names))
     return layer
+
+
+def _check_prefill_rows(slots: np.ndarray, lengths: np.ndarray, padding_slot: int) -> None:
+    """A padding-slot row is a no-op row, so it has no tokens; a live slot's row has at least one (a live slot
+    prefilled with nothing would return logits of no token)."""
+    pad = slots == padding_slot
+    if (lengths[pad] > 0).any():
+        raise SlotError(f"slots: the padding slot {padding_slot} is not a live slot; its rows must have length 0, "
+                        f"got lengths {lengths[pad].tolist()}")
+    if (lengths[~pad] == 0).any():
+        empty = slots[~pad & (lengths == 0)].tolist()
+        raise ShapeError(f"lengths: live slots {empty} are given 0 tokens; a live row needs at least 1 (rows with "
+                         f"nothing to prefill go to the padding slot)")
+
+
+def _check_sampling(max_new_tokens, temperature, top_p, seed) -> None:
+    """generate's scalar arguments: an integer count >= 0, a finite temperature >= 0, top_p in (0, 1], and a seed
+    jax.random.key takes (int64)."""
+    _integer("max_new_tokens", max_new_tokens, 0)
+    _integer("seed", seed, -2 ** 63, 2 ** 63 - 1)
+    for name, value, ok, want in (("temperature", temperature, lambda v: v >= 0, "a finite number >= 0"),
+                                  ("top_p", top_p, lambda v: 0 < v <= 1, "a number in (0, 1]")):
+        if not _is_real(value) or not math.isfinite(value) or not ok(value):
+            raise ConfigError(name, f"expected {want}, got {value!r:.60}")
+
+
+def _integer(name: str, value, lo: int, hi: int | None = None) -> int:
+    """value as an int in [lo, hi] (hi None: no upper bound), else ConfigError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < lo or \
+            (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ConfigError(name, f"expected an integer {bound}, got {value!r:.60}")
+    return int(value)
+
+
+def _encode(tokenizer, i: int, text: str) -> list[int]:
+    """prompts[i], a string, as token ids; a lone surrogate (not encodable text) is a ShapeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeError:
+        raise ShapeError(f"prompts[{i}]: not valid Unicode text (a lone surrogate)") from None
+    return tokenizer.encode(text)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def _prompt_ids(i: int, prompt) -> list[int]:
+    """prompts[i] as token ids: a list / tuple / 1-D array of integers. Floats, strings and bytes are refused, not
+    converted (bytes would otherwise pass as a sequence of small ints)."""
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise ShapeError(f"prompts[{i}]: bytes are not token ids; pass a list of ints, or a string (with a tokenizer)")
+    if isinstance(prompt, (list, tuple)) and any(isinstance(t, (bool, np.bool_)) for t in prompt):
+        raise ShapeError(f"prompts[{i}]: expected a list of integer token ids, got a {type(prompt).__name__} of bool")
+    arr = np.asarray(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
+    if arr is None or arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+        shown = f"{type(prompt).__name__}" + (f" of {arr.dtype}{list(arr.shape)}" if arr is not None else "")
+        raise ShapeError(f"prompts[{i}]: expected a list of integer token ids, got {shown}")
+    return arr.astype(np.int64).tolist()
 
 
 def _vector(name: str, value, n: int) -> np.ndarray:
