@@ -158,9 +158,13 @@ def run_generation(model, prompt: list[int], max_new_tokens: int, *, temperature
 
     pick = _sampler()
     T = len(prompt)
+    limit = model.config.max_position_embeddings
+    if T + max_new_tokens > limit:                 # refused before the cache is allocated
+        raise UsageError(f"--max-new-tokens {max_new_tokens}: a prompt of {T} tokens + {max_new_tokens} new tokens "
+                         f"exceeds the model's max_position_embeddings {limit}")
     ids = np.zeros((1, _bucket(T, 8)), np.int32)
     ids[0, :T] = prompt
-    max_len = _bucket(T + max_new_tokens, 16)
+    max_len = min(_bucket(T + max_new_tokens, 16), limit)
 
     def prefill():
         cache = model.new_cache(1, max_len)
@@ -310,8 +314,9 @@ def cmd_generate(args) -> int:
 
 
 # ---- score ------------------------------------------------------------------------------------
-def read_examples(path: str, tokenizer, vocab_size: int) -> list[list[int]]:
-    """Token ids of each line of a JSONL file: {"text": ...} (needs a tokenizer) or {"ids": [...]}."""
+def read_examples(path: str, tokenizer, vocab_size: int, max_tokens: int | None = None) -> list[list[int]]:
+    """Token ids of each line of a JSONL file: {"text": ...} (needs a tokenizer) or {"ids": [...]}; a line of
+    more than max_tokens tokens (the model's max_position_embeddings) is refused before anything is computed."""
     from metrale_jax.files import parse_json_object
 
     p = Path(path)
@@ -345,6 +350,8 @@ def read_examples(path: str, tokenizer, vocab_size: int) -> list[list[int]]:
             raise UsageError(f'{where}: expected {{"text": "..."}} or {{"ids": [int, ...]}}')
         if len(ids) < 2:
             raise UsageError(f"{where}: needs at least 2 tokens to score, has {len(ids)}")
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise UsageError(f"{where}: {len(ids)} tokens exceed the model's max_position_embeddings {max_tokens}")
         examples.append(ids)
     if not examples:
         raise UsageError(f"--data {path}: no examples")
@@ -384,7 +391,7 @@ def cmd_score(args) -> int:
     if not Path(args.data).is_file():
         raise UsageError(f"--data {args.data}: no such file")
     model, path = _load(args)
-    examples = read_examples(args.data, model.tokenizer, model.config.vocab_size)
+    examples = read_examples(args.data, model.tokenizer, model.config.vocab_size, model.config.max_position_embeddings)
     print(_describe(model, path), file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     rows = score_examples(model, examples, args.batch_size)

@@ -247,7 +247,7 @@ class ModelConfig:
 
     # ---- validation ----------------------------------------------------------------
     def _validate(self):
-        for name in ("vocab_size", "hidden_size"):
+        for name in ("vocab_size", "hidden_size", "max_position_embeddings"):
             _parse_int(name, getattr(self, name), minimum=1)
         for name, value in _float_fields(self):
             _check_finite(name, value)

@@ -238,7 +238,10 @@ class NemotronH(nnx.Module):
 
     def new_cache(self, max_slots: int, max_len: int) -> ModelCache:
         """max_slots sequences (plus the padding slot) of up to max_len tokens each; on a sharded model, created
-        on its shards (SSM pool by head, conv pool by channel in device-major order, KV pool by kv head)."""
+        on its shards (SSM pool by head, conv pool by channel in device-major order, KV pool by kv head).
+        max_len is at most the config's max_position_embeddings (ConfigError before anything is allocated)."""
+        _integer("max_slots", max_slots, 1)
+        _integer("max_len", max_len, 1, self.config.max_position_embeddings, "the model's max_position_embeddings")
         if self.tp is not None:
             return sharding.new_cache(self.config, self.tp, max_slots, max_len, self.dtype)
         return ModelCache.for_config(self.config, max_slots, max_len, self.dtype)
@@ -311,6 +314,9 @@ class NemotronH(nnx.Module):
         ids = np.asarray(ids)
         if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
             raise ShapeError(f"ids: expected integer token ids [B, T], got {ids.dtype}{list(ids.shape)}")
+        if ids.shape[1] > self.config.max_position_embeddings:       # before any [T, T] or KV allocation
+            raise ShapeError(f"ids: {ids.shape[1]} tokens per row exceed the model's max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
         if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
             raise ShapeError(f"ids: token ids must lie in [0, {self.config.vocab_size}), "
                              f"got range [{ids.min()}, {ids.max()}]")
@@ -369,9 +375,13 @@ class NemotronH(nnx.Module):
             if not s:
                 raise ShapeError(f"prompts[{i}]: empty")
         B, Tmax = len(seqs), max(len(s) for s in seqs)
+        limit = self.config.max_position_embeddings
+        if Tmax + max_new_tokens > limit:                             # before the cache is allocated
+            raise ConfigError("max_new_tokens", f"a prompt of {Tmax} tokens + {max_new_tokens} new tokens exceeds "
+                                                f"the model's max_position_embeddings {limit}")
         ids = self._check_ids(np.array([s + [0] * (Tmax - len(s)) for s in seqs]))
         Bb, Tb = bucket(B), bucket(Tmax, 8)
-        cache = self.new_cache(Bb, bucket(Tmax + max_new_tokens, 16))
+        cache = self.new_cache(Bb, min(bucket(Tmax + max_new_tokens, 16), limit))
         slots = np.array(list(range(B)) + [cache.padding_slot] * (Bb - B), np.int32)
         padded = np.zeros((Bb, Tb), np.int32)
         padded[:B, :Tmax] = ids
@@ -682,11 +692,11 @@ def _check_sampling(max_new_tokens, temperature, top_p, seed) -> None:
             raise ConfigError(name, f"expected {want}, got {value!r:.60}")
 
 
-def _integer(name: str, value, lo: int, hi: int | None = None) -> int:
-    """value as an int in [lo, hi] (hi None: no upper bound), else ConfigError."""
+def _integer(name: str, value, lo: int, hi: int | None = None, hi_is: str = "") -> int:
+    """value as an int in [lo, hi] (hi None: no upper bound; hi_is: what hi is, for the message), else ConfigError."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < lo or \
             (hi is not None and value > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]" + (f" ({hi_is})" if hi_is else "")
         raise ConfigError(name, f"expected an integer {bound}, got {value!r:.60}")
     return int(value)
 

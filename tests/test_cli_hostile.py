@@ -170,3 +170,27 @@ def test_non_finite_scores_are_an_error(capsys, tmp_path, overflowing):
 def test_non_finite_logits_in_generation_are_an_error(capsys, overflowing):
     assert_one_line(*run(capsys, "generate", "--model", overflowing, "--prompt", "And", "--max-new-tokens", "3"),
                     "the logits of decode step 0 (prompt of 4 tokens) hold NaN or infinite values")
+
+
+# ---- lengths past what the model supports --------------------------------------------------------------------
+@pytest.fixture
+def no_allocation(monkeypatch):
+    from metrale_jax.state.cache import ModelCache
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cache was allocated")
+    monkeypatch.setattr(ModelCache, "for_config", classmethod(refuse))
+
+
+def test_generate_with_a_huge_max_new_tokens_is_refused_before_allocating(capsys, no_allocation):
+    assert_one_line(*run(capsys, "generate", "--prompt", "And", "--max-new-tokens", 100_000_000),
+                    "--max-new-tokens 100000000: a prompt of 4 tokens + 100000000 new tokens exceeds the model's "
+                    "max_position_embeddings 4096")
+
+
+def test_score_of_a_20k_token_line_is_refused_in_one_line(capsys, tmp_path, rng, no_allocation):
+    data = tmp_path / "d.jsonl"
+    ids = rng.integers(3, 259, 20_000).tolist()
+    data.write_text('{"text": "fine"}\n' + json.dumps({"ids": ids}) + "\n")
+    assert_one_line(*run(capsys, "score", "--data", data),
+                    "line 2: 20000 tokens exceed the model's max_position_embeddings 4096")

@@ -1,11 +1,13 @@
 """Hostile arguments to the model's entry points (host-side checks): the padding slot used as a live slot, a live
-slot prefilled with nothing, non-finite / non-integer sampling arguments, prompts that are not token ids."""
+slot prefilled with nothing, non-finite / non-integer sampling arguments, prompts that are not token ids, and
+lengths past max_position_embeddings, refused before anything is allocated."""
 
 import numpy as np
 import pytest
 
 from metrale_jax.builtin import load_builtin
 from metrale_jax.errors import ConfigError, ShapeError, SlotError
+from metrale_jax.state.cache import ModelCache
 
 
 @pytest.fixture(scope="module")
@@ -79,3 +81,37 @@ def test_prompts_that_are_not_token_ids_are_refused(model, prompt, shown):
 def test_a_text_prompt_that_is_not_unicode(model):
     with pytest.raises(ShapeError, match=r"prompts\[0\]: not valid Unicode text"):
         model.generate(["abc\udcff"], 2)
+
+
+# ---- lengths past what the model supports -----------------------------------------------------------------
+@pytest.fixture
+def no_allocation(monkeypatch):
+    """Fails the test if a cache is allocated."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cache was allocated")
+    monkeypatch.setattr(ModelCache, "for_config", classmethod(refuse))
+
+
+def test_generate_past_max_position_embeddings_is_refused_before_allocating(model, no_allocation, rng):
+    limit = model.config.max_position_embeddings
+    for prompt_len, new in ((5, 100_000_000), (5, limit - 4), (limit, 1)):
+        with pytest.raises(ConfigError, match=rf"max_new_tokens: a prompt of {prompt_len} tokens \+ {new} new tokens "
+                                              rf"exceeds the model's max_position_embeddings {limit}"):
+            model.generate([_ids(rng, model, prompt_len).tolist()], new)
+    with pytest.raises(ConfigError, match=rf"max_len: expected an integer in \[1, {limit}\] \(the model's "
+                                          r"max_position_embeddings\), got 100000000"):
+        model.new_cache(1, 100_000_000)
+
+
+def test_generate_right_at_the_limit_runs(model, rng):
+    """A prompt + new tokens of exactly max_position_embeddings: the cache is capped there, not at its bucket."""
+    limit = model.config.max_position_embeddings
+    out = model.generate([_ids(rng, model, limit - 2).tolist()], 2)
+    assert 1 <= len(out[0].tokens) + (out[0].finish_reason == "eos") <= 2
+
+
+@pytest.mark.parametrize("entry", ["score", "forward"])
+def test_rows_past_max_position_embeddings_are_refused(model, no_allocation, entry):
+    T = model.config.max_position_embeddings + 1
+    with pytest.raises(ShapeError, match=rf"ids: {T} tokens per row exceed the model's max_position_embeddings"):
+        getattr(model, entry)(np.ones((1, T), np.int32))
