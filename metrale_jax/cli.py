@@ -331,7 +331,7 @@ def read_examples(path: str, tokenizer, vocab_size: int, max_tokens: int | None 
         if not line.strip():
             continue
         where = f"--data {path} line {n}"
-        obj = parse_json_object(line, lambda why: UsageError(f"{where}: {why}"))   # deep nesting, huge numbers
+        obj = parse_json_object(line, lambda why, at=where: UsageError(f"{at}: {why}"))   # deep nesting, huge ints
         if isinstance(obj.get("text"), str):
             if tokenizer is None:
                 raise UsageError(f"{where}: has text, but the model has no tokenizer (give \"ids\")")

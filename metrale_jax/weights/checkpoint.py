@@ -24,7 +24,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import json
 import logging
 import os
 import re

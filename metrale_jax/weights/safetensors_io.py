@@ -19,8 +19,8 @@ import ml_dtypes
 import numpy as np
 import safetensors
 
-from metrale_jax.errors import CheckpointError
 from metrale_jax import files
+from metrale_jax.errors import CheckpointError
 from metrale_jax.files import open_regular, read_json
 from metrale_jax.tokenizer import BYTE_TOKENIZER_FILE
 

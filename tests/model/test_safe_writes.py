@@ -104,7 +104,7 @@ def test_no_stale_shard_or_index_survives_a_save(tmp_path, old_model, new_model,
     d = tmp_path / "ckpt"
     old_model.save_pretrained(d, max_shard_bytes=first)
     files_ = new_model.save_pretrained(d, max_shard_bytes=second, overwrite=True)
-    weights = sorted(n for n in os.listdir(d) if n.endswith(".safetensors") or n.endswith(".json"))
+    weights = sorted(n for n in os.listdir(d) if n.endswith((".safetensors", ".json")))
     assert weights == sorted([f.name for f in files_] + ["config.json", "byte_tokenizer.json"]
                              + (["model.safetensors.index.json"] if len(files_) > 1 else []))
     _same_weights(d, new_model)
