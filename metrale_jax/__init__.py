@@ -2,8 +2,8 @@
 
 from metrale_jax.config import ModelConfig, ModelLevers  # noqa: F401
 from metrale_jax.errors import (  # noqa: F401
-    CheckpointError, ConfigError, KernelUnavailableError, MetraleError, PoolExhaustedError, ShapeError, SlotError,
-    WeightFormatError)
+    CheckpointError, ConfigError, KernelUnavailableError, MetraleError, NonFiniteError, PoolExhaustedError, ShapeError,
+    SlotError, WeightFormatError)
 from metrale_jax.layers import (  # noqa: F401
     LayerCapabilities, LayerSlotState, NemotronMamba2Layer, NemotronSsmWeights, SsmPrefillBuffers, StepStates,
     combine_capabilities)

@@ -3,7 +3,6 @@ Bible by tools/train_tiny.py, shipped inside the package under metrale_jax/asset
 
 from __future__ import annotations
 
-import json
 import os
 from importlib import resources
 from pathlib import Path
@@ -12,6 +11,7 @@ import jax.numpy as jnp
 
 from metrale_jax.config import ModelLevers
 from metrale_jax.errors import CheckpointError, ConfigError
+from metrale_jax.files import config_error, read_json
 
 
 def builtin_model_dir() -> Path:
@@ -26,11 +26,7 @@ def builtin_model_dir() -> Path:
 def checkpoint_dtype(directory: str | os.PathLike):
     """The dtype a checkpoint was saved in (config.json's `dtype`, or `torch_dtype` as older
     transformers wrote it), else bfloat16."""
-    path = Path(directory) / "config.json"
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ConfigError("config.json", f"not valid JSON ({e})") from None
+    raw = read_json(Path(directory) / "config.json", config_error)
     key = "dtype" if raw.get("dtype") else "torch_dtype"
     name = raw.get(key) or "bfloat16"
     if name not in ("float32", "bfloat16", "float16"):

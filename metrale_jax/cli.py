@@ -40,12 +40,13 @@ class _Parser(argparse.ArgumentParser):
 def _number(parse, ok, expected: str):
     """An argparse type: parse the text, then check it; a bad value names what was expected."""
     def convert(text: str):
+        shown = text if len(text) <= 40 else text[:37] + "..."        # a 5000-digit number is not echoed whole
         try:
             value = parse(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {shown!r}") from None
         if not ok(value):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text}")
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {shown}")
         return value
     return convert
 
@@ -53,6 +54,7 @@ def _number(parse, ok, expected: str):
 _positive_int = _number(int, lambda v: v >= 1, "a positive integer")
 _non_negative_float = _number(float, lambda v: 0 <= v < math.inf, "a finite number >= 0")
 _top_p = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+_seed = _number(int, lambda v: 0 <= v < 2 ** 63, "an integer in [0, 2**63)")      # what jax.random.key takes
 
 
 def _token_ids(text: str) -> list[int]:
@@ -118,7 +120,11 @@ def _sampler():
 
     @functools.partial(jax.jit, static_argnames=("greedy",))
     def pick(logits, key, temperature, top_p, *, greedy):
-        """Next token [B] from logits [B, V]: argmax, or top-p sampling at `temperature`."""
+        """(next token [B], whether every logit is finite) from logits [B, V]: argmax, or top-p sampling at
+        `temperature`. The flag comes with the token, so checking it costs no extra sync."""
+        return _pick(logits, key, temperature, top_p, greedy=greedy), jnp.all(jnp.isfinite(logits))
+
+    def _pick(logits, key, temperature, top_p, *, greedy):
         if greedy:
             return jnp.argmax(logits, axis=-1).astype(jnp.int32)
         z = logits / temperature
@@ -148,11 +154,17 @@ def run_generation(model, prompt: list[int], max_new_tokens: int, *, temperature
     import numpy as np
     from tqdm.auto import tqdm
 
+    from metrale_jax.errors import NonFiniteError
+
     pick = _sampler()
     T = len(prompt)
+    limit = model.config.max_position_embeddings
+    if T + max_new_tokens > limit:                 # refused before the cache is allocated
+        raise UsageError(f"--max-new-tokens {max_new_tokens}: a prompt of {T} tokens + {max_new_tokens} new tokens "
+                         f"exceeds the model's max_position_embeddings {limit}")
     ids = np.zeros((1, _bucket(T, 8)), np.int32)
     ids[0, :T] = prompt
-    max_len = _bucket(T + max_new_tokens, 16)
+    max_len = min(_bucket(T + max_new_tokens, 16), limit)
 
     def prefill():
         cache = model.new_cache(1, max_len)
@@ -168,7 +180,13 @@ def run_generation(model, prompt: list[int], max_new_tokens: int, *, temperature
     eos = model.eos_ids()
     key = jax.random.key(seed)
     temp, p = jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p)
-    sample = lambda logits, step: pick(logits, jax.random.fold_in(key, step), temp, p, greedy=temperature == 0)
+
+    def sample(logits, step):
+        tok, finite = pick(logits, jax.random.fold_in(key, step), temp, p, greedy=temperature == 0)
+        if not finite:
+            raise NonFiniteError(f"the logits of decode step {step} (prompt of {T} tokens) hold NaN or infinite "
+                                 f"values: the weights are broken")
+        return tok
     slots = np.array([0])
     tokens: list[int] = []
     step_s: list[float] = []                  # one decode step + sampling each; the first compiles
@@ -220,15 +238,25 @@ def _prompt_ids(model, args) -> list[int]:
         ids = args.prompt_ids
         bad = [i for i in ids if not 0 <= i < model.config.vocab_size]
         if bad:
-            raise UsageError(f"--prompt-ids: ids {bad[:5]} outside the vocabulary [0, {model.config.vocab_size})")
+            raise UsageError(f"--prompt-ids: ids {_shown(bad)} outside the vocabulary [0, {model.config.vocab_size})")
         return ids
     if model.tokenizer is None:
         raise UsageError(f"--model {args.model}: has no tokenizer (tokenizer.json or byte_tokenizer.json); "
                          f"give the prompt as --prompt-ids")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeError:                        # argv bytes that are not UTF-8 arrive as lone surrogates
+        raise UsageError("--prompt: not valid UTF-8 text") from None
     ids = model.tokenizer.encode(args.prompt)
     if not ids:
         raise UsageError("--prompt: encodes to no tokens")
     return ids
+
+
+def _shown(ids: list[int]) -> str:
+    """The first few of `ids` for a message, each cut to 20 characters (an id may have thousands of digits)."""
+    return "[" + ", ".join(t if len(t := str(i)) <= 20 else t[:17] + "..." for i in ids[:5]) + \
+        (", ...]" if len(ids) > 5 else "]")
 
 
 def _text(model, ids: list[int]) -> str:
@@ -286,8 +314,11 @@ def cmd_generate(args) -> int:
 
 
 # ---- score ------------------------------------------------------------------------------------
-def read_examples(path: str, tokenizer, vocab_size: int) -> list[list[int]]:
-    """Token ids of each line of a JSONL file: {"text": ...} (needs a tokenizer) or {"ids": [...]}."""
+def read_examples(path: str, tokenizer, vocab_size: int, max_tokens: int | None = None) -> list[list[int]]:
+    """Token ids of each line of a JSONL file: {"text": ...} (needs a tokenizer) or {"ids": [...]}; a line of
+    more than max_tokens tokens (the model's max_position_embeddings) is refused before anything is computed."""
+    from metrale_jax.files import parse_json_object
+
     p = Path(path)
     if not p.is_file():
         raise UsageError(f"--data {path}: no such file")
@@ -300,24 +331,27 @@ def read_examples(path: str, tokenizer, vocab_size: int) -> list[list[int]]:
         if not line.strip():
             continue
         where = f"--data {path} line {n}"
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise UsageError(f"{where}: not valid JSON ({e.msg})") from None
-        if isinstance(obj, dict) and isinstance(obj.get("text"), str):
+        obj = parse_json_object(line, lambda why, at=where: UsageError(f"{at}: {why}"))   # deep nesting, huge ints
+        if isinstance(obj.get("text"), str):
             if tokenizer is None:
                 raise UsageError(f"{where}: has text, but the model has no tokenizer (give \"ids\")")
+            try:
+                obj["text"].encode("utf-8")
+            except UnicodeError:                # a JSON escape of a lone surrogate ("\ud800")
+                raise UsageError(f"{where}: text is not valid Unicode (a lone surrogate)") from None
             ids = tokenizer.encode(obj["text"])
-        elif isinstance(obj, dict) and isinstance(obj.get("ids"), list) and all(
+        elif isinstance(obj.get("ids"), list) and all(
                 isinstance(i, int) and not isinstance(i, bool) for i in obj["ids"]):
             ids = obj["ids"]
             bad = [i for i in ids if not 0 <= i < vocab_size]
             if bad:
-                raise UsageError(f"{where}: ids {bad[:5]} outside the vocabulary [0, {vocab_size})")
+                raise UsageError(f"{where}: ids {_shown(bad)} outside the vocabulary [0, {vocab_size})")
         else:
             raise UsageError(f'{where}: expected {{"text": "..."}} or {{"ids": [int, ...]}}')
         if len(ids) < 2:
             raise UsageError(f"{where}: needs at least 2 tokens to score, has {len(ids)}")
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise UsageError(f"{where}: {len(ids)} tokens exceed the model's max_position_embeddings {max_tokens}")
         examples.append(ids)
     if not examples:
         raise UsageError(f"--data {path}: no examples")
@@ -329,6 +363,8 @@ def score_examples(model, examples: list[list[int]], batch_size: int, progress: 
     similar length, each padded by model.score to its (batch, length) bucket."""
     import numpy as np
     from tqdm.auto import tqdm
+
+    from metrale_jax.errors import NonFiniteError
 
     order = sorted(range(len(examples)), key=lambda i: len(examples[i]))
     out: list[dict | None] = [None] * len(examples)
@@ -342,6 +378,9 @@ def score_examples(model, examples: list[list[int]], batch_size: int, progress: 
         logprobs = np.asarray(model.score(ids, lengths), np.float64)           # [B, T-1], 0 past each length
         for row, i in enumerate(batch):
             n = int(lengths[row]) - 1
+            if not np.isfinite(logprobs[row, :n]).all():
+                raise NonFiniteError(f"example {i}: its log-probs hold NaN or infinite values (the model's logits "
+                                     f"are not finite: the weights are broken)")
             total = float(logprobs[row, :n].sum())
             out[i] = {"example": i, "tokens": n, "sum_logprob": total, "mean_logprob": total / n,
                       "perplexity": math.exp(-total / n)}
@@ -352,7 +391,7 @@ def cmd_score(args) -> int:
     if not Path(args.data).is_file():
         raise UsageError(f"--data {args.data}: no such file")
     model, path = _load(args)
-    examples = read_examples(args.data, model.tokenizer, model.config.vocab_size)
+    examples = read_examples(args.data, model.tokenizer, model.config.vocab_size, model.config.max_position_embeddings)
     print(_describe(model, path), file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     rows = score_examples(model, examples, args.batch_size)
@@ -382,11 +421,12 @@ def checkpoint_summary(directory: Path) -> dict:
     """Layers, sizes and weight formats of a checkpoint from config.json and the safetensors headers
     (no tensor data is read)."""
     from metrale_jax.config import ModelConfig
+    from metrale_jax.files import config_error, read_json
     from metrale_jax.tokenizer import BYTE_TOKENIZER_FILE
     from metrale_jax.weights.checkpoint import open_checkpoint
 
     config = ModelConfig.from_hf(directory)
-    raw = json.loads((directory / "config.json").read_text())
+    raw = read_json(directory / "config.json", config_error)
     reader = open_checkpoint(directory)
     try:
         infos = {name: reader.info(name) for name in reader.keys()}
@@ -496,10 +536,8 @@ def cmd_quantize(args) -> int:
         raise UsageError(f"--out {args.out}: exists and is not a directory")
     if out.exists() and out.resolve() == src.resolve():
         raise UsageError(f"--out {args.out}: is the --model directory; write the quantized checkpoint elsewhere")
-    if out.is_dir() and any(out.iterdir()):
-        raise UsageError(f"--out {args.out}: not empty; give a new or empty directory")
     t0 = time.perf_counter()
-    summary = quantize_checkpoint(src, out, args.format, exclude=args.exclude or ())
+    summary = quantize_checkpoint(src, out, args.format, exclude=args.exclude or (), overwrite=args.overwrite)
     excluded = ", ".join(summary["exclude_modules"]) or "none"
     print(f"{src} -> {out}: {summary['quantized_modules']} linear modules in {args.format} "
           f"({summary['method']}), excluded: {excluded}; {len(summary['files'])} file(s), "
@@ -526,7 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--temperature", type=_non_negative_float, default=temperature,
                        help=f"0: greedy (default {temperature})")
         p.add_argument("--top-p", type=_top_p, default=top_p, help=f"nucleus sampling mass (default {top_p})")
-        p.add_argument("--seed", type=int, default=0)
+        p.add_argument("--seed", type=_seed, default=0)
 
     demo = sub.add_parser("demo", help="the built-in model continues a prompt; prints tokens/s")
     run_args(demo, DEMO_PROMPT, temperature=0.7, top_p=0.9)
@@ -556,7 +594,10 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--format", required=True, choices=("fp8-block", "fp8", "nvfp4"),
                        help="fp8-block: E4M3 + f32 scale per 128x128 block; fp8: ModelOpt per-tensor FP8; "
                             "nvfp4: ModelOpt NVFP4 (E2M1 + E4M3 scale per 16 + global scale)")
-    quant.add_argument("--out", required=True, metavar="DIR", help="a new or empty folder for the checkpoint")
+    quant.add_argument("--out", required=True, metavar="DIR",
+                       help="the folder for the checkpoint (written whole, then moved into place)")
+    quant.add_argument("--overwrite", action="store_true",
+                       help="replace a checkpoint already in --out (its other files are kept)")
     quant.add_argument("--exclude", nargs="+", action="extend", metavar="PATTERN",
                        help="modules to keep dense (fnmatch patterns over module names; lm_head always is)")
     quant.set_defaults(func=cmd_quantize)

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
+import numbers
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from metrale_jax.errors import ConfigError
+from metrale_jax.files import config_error, read_json
 
 # Block kinds by pattern character: M = Mamba-2, * = attention, - = MLP, E = MoE.
 BLOCK_KINDS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
@@ -55,6 +56,18 @@ def _parse_float(field: str, value: Any) -> float:
         except ValueError:
             pass
     raise ConfigError(field, f"expected a number (or an infinity), got {value!r}")
+
+
+def _float_fields(config: ModelConfig) -> list[tuple[str, float]]:
+    """(name, value) of every float the config holds that must be finite: each float field, and the low bound
+    of time_step_limit (its high bound may be +inf: no upper clamp)."""
+    out = [(f.name, getattr(config, f.name)) for f in dataclasses.fields(config) if isinstance(f.default, float)]
+    return out + [("time_step_limit", config.time_step_limit[0])]
+
+
+def _check_finite(field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ConfigError(field, f"expected a finite number, got {value!r}")
 
 
 def _parse_int(field: str, value: Any, *, minimum: int | None = None) -> int:
@@ -180,14 +193,9 @@ class ModelConfig:
             path = Path(source)
             if path.is_dir():
                 path = path / "config.json"
-            if not path.is_file():
-                raise ConfigError("config.json", f"no such file: {path}")
-            try:
-                raw = json.loads(path.read_text())
-            except json.JSONDecodeError as e:
-                raise ConfigError("config.json", f"not valid JSON ({e})") from None
-            if not isinstance(raw, dict):
-                raise ConfigError("config.json", "expected a JSON object at the top level")
+            elif not os.path.lexists(path):
+                raise ConfigError("config.json", f"no such file or directory: {path}")
+            raw = read_json(path, config_error)
         return cls._from_dict(raw)
 
     @classmethod
@@ -239,8 +247,13 @@ class ModelConfig:
 
     # ---- validation ----------------------------------------------------------------
     def _validate(self):
-        for name in ("vocab_size", "hidden_size"):
+        for name in ("vocab_size", "hidden_size", "max_position_embeddings"):
             _parse_int(name, getattr(self, name), minimum=1)
+        for name, value in _float_fields(self):
+            _check_finite(name, value)
+        if math.isnan(self.time_step_limit[1]) or self.time_step_limit[1] == -math.inf:
+            raise ConfigError("time_step_limit", f"expected a high bound that is a number or +inf, got "
+                                                 f"{self.time_step_limit[1]}")
         if not self.hybrid_override_pattern:
             raise ConfigError("hybrid_override_pattern", "the model has no layers")
         bad = sorted(set(self.hybrid_override_pattern) - set(BLOCK_KINDS))

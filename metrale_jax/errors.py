@@ -33,3 +33,7 @@ class PoolExhaustedError(MetraleError, RuntimeError):
 
 class SlotError(MetraleError, ValueError):
     """A slot index is out of range, reserved, or not allocated."""
+
+
+class NonFiniteError(MetraleError, ArithmeticError):
+    """A computed value (a logit, a log-prob) is NaN or infinite: the weights or the inputs are broken."""

@@ -154,15 +154,21 @@ class NemotronH(nnx.Module):
     # ---- construction ----------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, dtype=jnp.bfloat16, levers: ModelLevers | None = None,
-                        *, progress: bool | None = None, mesh=None) -> NemotronH:
+                        *, progress: bool | None = None, mesh=None, check_finite: bool = True) -> NemotronH:
         """Load config.json + model.safetensors (or a sharded index) and the tokenizer if one is there.
         A quantized checkpoint (ModelOpt FP8 / NVFP4, block FP8) keeps its linear weights quantized in the
         arms `_mamba_layer` and Projection.set_weight choose (levers.native_fp8_ssm for the Mamba ones).
         mesh: split the model over its devices, each tensor read from the memory map straight to its shards
-        (dense checkpoints only: a quantized one with a mesh is a ConfigError)."""
+        (dense checkpoints only: a quantized one with a mesh is a ConfigError).
+        check_finite: a weight holding a NaN or an infinity (as loaded, after the cast to `dtype`) is a
+        CheckpointError naming it, instead of a model whose every logit is NaN. It reads each weight once more,
+        where it lives (an elementwise test per tensor, one host sync): on the built-in model (57 tensors, 5 MB,
+        CPU) 5-9 ms of a 30-40 ms warm load; on a GPU the read runs at memory bandwidth. On by default: a silent
+        NaN model costs far more than that."""
         config = ModelConfig.from_hf(directory)
         qcfg = checkpoint_quantization(directory)
-        tensors, notes = read_checkpoint(directory, config, dtype, progress=progress, mesh=mesh, qcfg=qcfg)
+        tensors, notes = read_checkpoint(directory, config, dtype, progress=progress, mesh=mesh, qcfg=qcfg,
+                                         check_finite=check_finite)
         return cls(config, tensors, dtype=dtype, levers=levers, tokenizer=load_tokenizer(directory, config),
                    notes=notes, mesh=mesh, quant_config=qcfg)
 
@@ -210,14 +216,16 @@ class NemotronH(nnx.Module):
             q = dataclasses.replace(q, exclude=(*q.exclude, EXPERTS_PATTERN))
         return q
 
-    def save_pretrained(self, directory: str | os.PathLike, *, max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
+    def save_pretrained(self, directory: str | os.PathLike, *, max_shard_bytes: int = MAX_SHARD_BYTES,
+                        overwrite: bool = False) -> list[Path]:
         """config.json + model.safetensors (sharded with an index above max_shard_bytes) + the tokenizer; a
-        quantized model writes its quantized tensors and quantization config (loads back to the same weights)."""
-        files = write_checkpoint(directory, self.config, self.state_dict(), torch_dtype=self.dtype.name,
-                                 max_shard_bytes=max_shard_bytes, qcfg=self.checkpoint_quant_config())
-        if self.tokenizer is not None and hasattr(self.tokenizer, "save"):
-            self.tokenizer.save(directory)
-        return files
+        quantized model writes its quantized tensors and quantization config (loads back to the same weights).
+        Atomic (weights/checkpoint.write_checkpoint): a directory holding a checkpoint is replaced only with
+        overwrite=True; its other files are kept."""
+        tokenizer = self.tokenizer if hasattr(self.tokenizer, "save") else None
+        return write_checkpoint(directory, self.config, self.state_dict(), torch_dtype=self.dtype.name,
+                                max_shard_bytes=max_shard_bytes, qcfg=self.checkpoint_quant_config(),
+                                tokenizer=tokenizer, overwrite=overwrite)
 
     # ---- properties --------------------------------------------------------------------------
     @property
@@ -231,9 +239,12 @@ class NemotronH(nnx.Module):
     def new_cache(self, max_slots: int, max_len: int, *, ssm_state_dtype: str | None = None) -> ModelCache:
         """max_slots sequences (plus the padding slot) of up to max_len tokens each; on a sharded model, created
         on its shards (SSM pool by head, conv pool by channel in device-major order, KV pool by kv head).
+        max_len is at most the config's max_position_embeddings (ConfigError before anything is allocated).
         ssm_state_dtype: the Mamba state's dtype ('float32', 'bfloat16', 'float16'; default the config's
         mamba_ssm_cache_dtype). bfloat16 halves the state's bytes, which dominate large decode batches, at the
-        cost of rounding the state after every step (benchmarks/notes/e2e_decode.md)."""
+        cost of rounding the state after every step (benchmarks/notes/runtime.md)."""
+        _integer("max_slots", max_slots, 1)
+        _integer("max_len", max_len, 1, self.config.max_position_embeddings, "the model's max_position_embeddings")
         config = self.config
         if ssm_state_dtype is not None:
             config = dataclasses.replace(config, mamba_ssm_cache_dtype=str(ssm_state_dtype))
@@ -277,7 +288,8 @@ class NemotronH(nnx.Module):
 
         New sequences start at position 0; with continue_from_cache they continue from each slot's
         cached length (chunked prefill). Returns the logits of each row's last real token [B, V]
-        (all_logits: [B, T, V]) and the new cache. A row of the padding slot (length 0) is a no-op row.
+        (all_logits: [B, T, V]) and the new cache. A row of the padding slot must have length 0 (a no-op row);
+        a row of a live slot at least 1 token (SlotError / ShapeError otherwise).
         """
         ids = self._check_ids(ids)
         B, T = ids.shape
@@ -285,17 +297,22 @@ class NemotronH(nnx.Module):
         if lengths.min() < 0 or lengths.max() > T:
             raise ShapeError(f"lengths: each must lie in [0, {T}], got {lengths.tolist()}")
         slots = self._check_slots(cache, slots, B)
+        _check_prefill_rows(slots, lengths, cache.padding_slot)
         starts = np.asarray(cache.seq_lens)[slots] if continue_from_cache else np.zeros(B, np.int64)
         self._check_room(cache, slots, starts + lengths)
         return self._step("prefill")(self, cache, jnp.asarray(slots), jnp.asarray(ids), jnp.asarray(lengths),
                                      all_logits=all_logits, continue_=continue_from_cache)
 
     def decode(self, cache: ModelCache, slots, tokens) -> tuple[jax.Array, ModelCache]:
-        """One token per sequence (tokens [B]) at each slot's cached length.  Returns ([B, V], cache)."""
+        """One token per sequence (tokens [B]) at each slot's cached length.  Returns ([B, V], cache). Every row
+        decodes a token, so every slot must be a live one: the padding slot is a SlotError."""
         tokens = self._check_ids(np.asarray(tokens)[:, None] if np.ndim(tokens) == 1 else tokens)
         if tokens.shape[1] != 1:
             raise ShapeError(f"tokens: expected [B], got {list(np.shape(tokens))}")
         slots = self._check_slots(cache, slots, tokens.shape[0])
+        if (slots == cache.padding_slot).any():
+            raise SlotError(f"slots: {slots.tolist()} holds the padding slot {cache.padding_slot}, which holds no "
+                            f"sequence to decode; decode live slots only")
         self._check_room(cache, slots, np.asarray(cache.seq_lens)[slots] + 1)
         return self._step("decode")(self, cache, jnp.asarray(slots), jnp.asarray(tokens[:, 0]))
 
@@ -303,6 +320,9 @@ class NemotronH(nnx.Module):
         ids = np.asarray(ids)
         if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
             raise ShapeError(f"ids: expected integer token ids [B, T], got {ids.dtype}{list(ids.shape)}")
+        if ids.shape[1] > self.config.max_position_embeddings:       # before any [T, T] or KV allocation
+            raise ShapeError(f"ids: {ids.shape[1]} tokens per row exceed the model's max_position_embeddings "
+                             f"{self.config.max_position_embeddings}")
         if ids.size and (ids.min() < 0 or ids.max() >= self.config.vocab_size):
             raise ShapeError(f"ids: token ids must lie in [0, {self.config.vocab_size}), "
                              f"got range [{ids.min()}, {ids.max()}]")
@@ -355,17 +375,19 @@ class NemotronH(nnx.Module):
             raise ShapeError("prompts: mix of strings and token lists")
         if as_text and self.tokenizer is None:
             raise ConfigError("tokenizer", "string prompts need a tokenizer; this model has none (pass token ids)")
-        if max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
-            raise ConfigError("generate", f"need max_new_tokens >= 0, temperature >= 0, 0 < top_p <= 1; got "
-                                          f"{max_new_tokens}, {temperature}, {top_p}")
-        seqs = [self.tokenizer.encode(p) if as_text else [int(t) for t in p] for p in prompts]
+        _check_sampling(max_new_tokens, temperature, top_p, seed)
+        seqs = [_encode(self.tokenizer, i, p) if as_text else _prompt_ids(i, p) for i, p in enumerate(prompts)]
         for i, s in enumerate(seqs):
             if not s:
                 raise ShapeError(f"prompts[{i}]: empty")
         B, Tmax = len(seqs), max(len(s) for s in seqs)
+        limit = self.config.max_position_embeddings
+        if Tmax + max_new_tokens > limit:                             # before the cache is allocated
+            raise ConfigError("max_new_tokens", f"a prompt of {Tmax} tokens + {max_new_tokens} new tokens exceeds "
+                                                f"the model's max_position_embeddings {limit}")
         ids = self._check_ids(np.array([s + [0] * (Tmax - len(s)) for s in seqs]))
         Bb, Tb = bucket(B), bucket(Tmax, 8)
-        cache = self.new_cache(Bb, bucket(Tmax + max_new_tokens, 16))
+        cache = self.new_cache(Bb, min(bucket(Tmax + max_new_tokens, 16), limit))
         slots = np.array(list(range(B)) + [cache.padding_slot] * (Bb - B), np.int32)
         padded = np.zeros((Bb, Tb), np.int32)
         padded[:B, :Tmax] = ids
@@ -612,6 +634,66 @@ def _mamba_layer(norm, w, config: ModelConfig, i: int, levers: ModelLevers, dtyp
     if nvfp4:
         layer.set_prefill_weights(*(nvfp4[k].transposed() if k in nvfp4 else None for k in names))
     return layer
+
+
+def _check_prefill_rows(slots: np.ndarray, lengths: np.ndarray, padding_slot: int) -> None:
+    """A padding-slot row is a no-op row, so it has no tokens; a live slot's row has at least one (a live slot
+    prefilled with nothing would return logits of no token)."""
+    pad = slots == padding_slot
+    if (lengths[pad] > 0).any():
+        raise SlotError(f"slots: the padding slot {padding_slot} is not a live slot; its rows must have length 0, "
+                        f"got lengths {lengths[pad].tolist()}")
+    if (lengths[~pad] == 0).any():
+        empty = slots[~pad & (lengths == 0)].tolist()
+        raise ShapeError(f"lengths: live slots {empty} are given 0 tokens; a live row needs at least 1 (rows with "
+                         f"nothing to prefill go to the padding slot)")
+
+
+def _check_sampling(max_new_tokens, temperature, top_p, seed) -> None:
+    """generate's scalar arguments: an integer count >= 0, a finite temperature >= 0, top_p in (0, 1], and a seed
+    jax.random.key takes (int64)."""
+    _integer("max_new_tokens", max_new_tokens, 0)
+    _integer("seed", seed, -2 ** 63, 2 ** 63 - 1)
+    for name, value, ok, want in (("temperature", temperature, lambda v: v >= 0, "a finite number >= 0"),
+                                  ("top_p", top_p, lambda v: 0 < v <= 1, "a number in (0, 1]")):
+        if not _is_real(value) or not math.isfinite(value) or not ok(value):
+            raise ConfigError(name, f"expected {want}, got {value!r:.60}")
+
+
+def _integer(name: str, value, lo: int, hi: int | None = None, hi_is: str = "") -> int:
+    """value as an int in [lo, hi] (hi None: no upper bound; hi_is: what hi is, for the message), else ConfigError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < lo or \
+            (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]" + (f" ({hi_is})" if hi_is else "")
+        raise ConfigError(name, f"expected an integer {bound}, got {value!r:.60}")
+    return int(value)
+
+
+def _encode(tokenizer, i: int, text: str) -> list[int]:
+    """prompts[i], a string, as token ids; a lone surrogate (not encodable text) is a ShapeError."""
+    try:
+        text.encode("utf-8")
+    except UnicodeError:
+        raise ShapeError(f"prompts[{i}]: not valid Unicode text (a lone surrogate)") from None
+    return tokenizer.encode(text)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def _prompt_ids(i: int, prompt) -> list[int]:
+    """prompts[i] as token ids: a list / tuple / 1-D array of integers. Floats, strings and bytes are refused, not
+    converted (bytes would otherwise pass as a sequence of small ints)."""
+    if isinstance(prompt, (bytes, bytearray, memoryview)):
+        raise ShapeError(f"prompts[{i}]: bytes are not token ids; pass a list of ints, or a string (with a tokenizer)")
+    if isinstance(prompt, (list, tuple)) and any(isinstance(t, (bool, np.bool_)) for t in prompt):
+        raise ShapeError(f"prompts[{i}]: expected a list of integer token ids, got a {type(prompt).__name__} of bool")
+    arr = np.asarray(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
+    if arr is None or arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
+        shown = f"{type(prompt).__name__}" + (f" of {arr.dtype}{list(arr.shape)}" if arr is not None else "")
+        raise ShapeError(f"prompts[{i}]: expected a list of integer token ids, got {shown}")
+    return arr.astype(np.int64).tolist()
 
 
 def _vector(name: str, value, n: int) -> np.ndarray:

@@ -7,11 +7,11 @@ or `byte_tokenizer.json` (bytes); `load_tokenizer` picks whichever is there.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 from metrale_jax.errors import ConfigError
+from metrale_jax.files import config_error, read_json, read_text, replacing, write_json
 
 BYTE_TOKENIZER_FILE = "byte_tokenizer.json"
 
@@ -37,7 +37,7 @@ class ByteTokenizer:
     def save(self, directory: str | os.PathLike) -> None:
         spec = {"type": "bytes", "pad_id": self.pad_id, "bos_id": self.bos_id, "eos_id": self.eos_id,
                 "offset": self.offset, "vocab_size": self.vocab_size}
-        (Path(directory) / BYTE_TOKENIZER_FILE).write_text(json.dumps(spec, indent=2) + "\n")
+        write_json(Path(directory) / BYTE_TOKENIZER_FILE, spec)
 
     def __repr__(self) -> str:
         return "ByteTokenizer(vocab_size=259)"
@@ -59,8 +59,9 @@ class HFTokenizer:
         from tokenizers import Tokenizer
 
         self.path = Path(path)
+        text = read_text(self.path, config_error)            # a regular file, read here: never a blocking open
         try:
-            self._tok = Tokenizer.from_file(str(self.path))
+            self._tok = Tokenizer.from_str(text)
         except Exception as e:  # the Rust side raises a bare Exception
             raise ConfigError(str(self.path), f"cannot load tokenizer ({e})") from None
         self.bos_id = bos_id if bos_id is not None else self._find("<s>", "<|begin_of_text|>", "<bos>")
@@ -92,7 +93,8 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
     def save(self, directory: str | os.PathLike) -> None:
-        self._tok.save(str(Path(directory) / "tokenizer.json"))
+        with replacing(Path(directory) / "tokenizer.json") as fh:
+            fh.write(self._tok.to_str(pretty=True).encode())
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self.path}, vocab_size={self.vocab_size})"
@@ -101,16 +103,13 @@ class HFTokenizer:
 def load_tokenizer(directory: str | os.PathLike, config=None):
     """The tokenizer a model directory ships: tokenizer.json, else byte_tokenizer.json, else None."""
     d = Path(directory)
-    if (d / "tokenizer.json").is_file():
+    if os.path.lexists(d / "tokenizer.json"):
         first = lambda v: v[0] if isinstance(v, tuple) else v
         kw = {} if config is None else dict(bos_id=config.bos_token_id, eos_id=first(config.eos_token_id),
                                             pad_id=config.pad_token_id)
         return HFTokenizer(d / "tokenizer.json", **kw)
-    if (d / BYTE_TOKENIZER_FILE).is_file():
-        try:
-            spec = json.loads((d / BYTE_TOKENIZER_FILE).read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(BYTE_TOKENIZER_FILE, f"not valid JSON ({e})") from None
+    if os.path.lexists(d / BYTE_TOKENIZER_FILE):
+        spec = read_json(d / BYTE_TOKENIZER_FILE, config_error)
         tok = ByteTokenizer()
         want = {"type": "bytes", "pad_id": tok.pad_id, "bos_id": tok.bos_id, "eos_id": tok.eos_id,
                 "offset": tok.offset}

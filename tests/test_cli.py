@@ -223,7 +223,7 @@ def test_quantize_writes_a_checkpoint_info_reads_and_bad_input_is_one_line(capsy
     for argv, message in [
         (["--format", "int4", "--out", str(tmp_path / "x")], "argument --format: invalid choice: 'int4'"),
         (["--out", str(tmp_path / "x")], "the following arguments are required: --format"),
-        (["--format", "fp8", "--out", str(out)], f"--out {out}: not empty"),
+        (["--format", "fp8", "--out", str(out)], f"{out}: already holds a checkpoint"),
         (["--format", "fp8", "--out", str(tmp_path / "y"), "--model", str(out)], "already quantized"),
         (["--format", "fp8", "--out", str(out), "--model", str(out)], "is the --model directory"),
     ]:

@@ -192,7 +192,7 @@ def finish(model: NemotronH, args, log: dict, held_eval: np.ndarray) -> dict:
     dtype = jnp.dtype(args.save_dtype)
     saved = NemotronH(model.config, model.state_dict(), dtype=dtype, tokenizer=ByteTokenizer())
     args.out.mkdir(parents=True, exist_ok=True)
-    files = saved.save_pretrained(args.out)
+    files = saved.save_pretrained(args.out, overwrite=True)
     loaded = NemotronH.from_pretrained(args.out, dtype=dtype, progress=False)
     logprobs = np.asarray(loaded.score(held_eval), np.float64)
     log["saved"] = {"dtype": dtype.name, "bytes": sum(f.stat().st_size for f in files),
@@ -336,7 +336,7 @@ def finish_mtp(model: NemotronH, args, log: dict) -> dict:
     saved = NemotronH(model.config, {**main, **head}, dtype=dtype, tokenizer=ByteTokenizer())
     args.out.mkdir(parents=True, exist_ok=True)
     train_log = json.loads((args.base / "train_log.json").read_text())
-    saved.save_pretrained(args.out)
+    saved.save_pretrained(args.out, overwrite=True)
     after = read_raw_tensors(args.out / "model.safetensors")
     changed = [n for n in before if after.get(n) != before[n]]
     if changed or set(after) - set(before) != set(head):

@@ -23,17 +23,19 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import json
+import functools
 import logging
 import os
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from metrale_jax import files
 from metrale_jax.config import ModelConfig
 from metrale_jax.errors import CheckpointError, ConfigError, WeightFormatError
 from metrale_jax.layers.attention import NemotronAttentionWeights
@@ -45,7 +47,8 @@ from metrale_jax.weights.containers import (DenseWeight, Fp8Weight, Nvfp4Weight,
                                             WeightQuantFormat, stack_experts)
 from metrale_jax.weights.quant_config import QuantConfig, load_linear, quant_config_from_dicts, read_quant_config
 from metrale_jax.weights.quantize import LINEAR_MODULES
-from metrale_jax.weights.safetensors_io import CheckpointReader, SafetensorsFile, save_safetensors
+from metrale_jax.weights.safetensors_io import (INDEX, CheckpointReader, SafetensorsFile, is_checkpoint_file,
+                                               save_safetensors)
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +65,7 @@ _MTP = re.compile(r"^mtp\.")
 _KV_SCALE = re.compile(r"\.[kv]_scale$")          # ModelOpt FP8 KV-cache scales: the KV pool is not quantized
 # A routed expert's weight; the loader stacks a layer's experts into one [E, ...] array under
 # "<mixer>.experts.up_proj" / ".experts.down_proj" (HF's in-memory fused names).
+_STACKED = re.compile(r"^(?P<mixer>(?:backbone|mtp)\.layers\.\d+\.mixer\.)experts\.(?P<proj>up|down)_proj$")
 _EXPERT = re.compile(r"^(?P<mixer>(?:backbone|mtp)\.layers\.\d+\.mixer\.)"
                      r"experts\.(?P<e>\d+)\.(?P<proj>up|down)_proj\.weight$")
 
@@ -450,17 +454,18 @@ class _SingleFileReader:
 def open_checkpoint(directory: str | os.PathLike):
     """HF's order: model.safetensors.index.json, else model.safetensors, else every *.safetensors."""
     d = Path(directory)
-    if not (d / "model.safetensors.index.json").is_file() and (d / "model.safetensors").is_file():
-        return _SingleFileReader(d / "model.safetensors")
+    if d.is_dir() and not os.path.lexists(d / INDEX) and os.path.lexists(d / "model.safetensors"):
+        return _SingleFileReader(d / "model.safetensors")   # refused there unless a regular file
     return CheckpointReader(d)
 
 
 def read_checkpoint(directory: str | os.PathLike, config: ModelConfig, dtype=jnp.bfloat16, *,
-                    progress: bool | None = None, mesh=None,
-                    qcfg: QuantConfig | None = None) -> tuple[dict[str, object], list[str]]:
+                    progress: bool | None = None, mesh=None, qcfg: QuantConfig | None = None,
+                    check_finite: bool = True) -> tuple[dict[str, object], list[str]]:
     """All tensors of an HF checkpoint, validated, cast and in HF names: (tensors, notes). A quantized
     checkpoint (qcfg, default: read from the directory) gives a container per quantized linear module.
-    mesh: each tensor goes from the memory map straight to its shards (a sharding.ShardedTensors); dense only."""
+    mesh: each tensor goes from the memory map straight to its shards (a sharding.ShardedTensors); dense only.
+    check_finite: a tensor holding a NaN or an infinity once loaded is a CheckpointError (see nonfinite_tensors)."""
     qcfg = checkpoint_quantization(directory) if qcfg is None else qcfg
     quantized_ckpt = qcfg.method != "none"
     if quantized_ckpt and mesh is not None:
@@ -519,6 +524,8 @@ def read_checkpoint(directory: str | os.PathLike, config: ModelConfig, dtype=jnp
             members.setdefault(key, [None] * E)[int(m["e"])] = arr
             if int(m["e"]) == E - 1:
                 tensors[key] = stack_layer_experts(key, members.pop(key), target, dequantized_experts)
+        if check_finite:
+            problems.extend(nonfinite_tensors(tensors))
         if problems:
             raise CheckpointError(problems)
         if dequantized_experts:
@@ -530,6 +537,27 @@ def read_checkpoint(directory: str | os.PathLike, config: ModelConfig, dtype=jnp
         return tensors, notes
     finally:
         reader.close()
+
+
+def nonfinite_tensors(tensors: Mapping[str, object]) -> list[str]:
+    """A problem for each tensor holding a NaN or an infinity: every floating array of it (a quantized container's
+    weights and scales too), as loaded, so that a value the cast to the model dtype overflowed counts as well; a
+    layer's stacked routed experts are named one by one. Tested where the tensors live (on the device: an
+    elementwise read), fetched to the host once for all."""
+    flags = {}
+    for name, value in tensors.items():
+        leaves = [x for x in jax.tree.leaves(value) if jnp.issubdtype(x.dtype, jnp.floating)]
+        per_expert = _STACKED.match(name) is not None          # flag each expert [E]: leaves lead with E
+        bad = [jnp.any(~jnp.isfinite(x), axis=tuple(range(1 if per_expert else 0, x.ndim))) for x in leaves]
+        if bad:
+            flags[name] = functools.reduce(jnp.logical_or, bad)
+    problems = []
+    for name, bad in jax.device_get(flags).items():
+        m = _STACKED.match(name)
+        names = [f"{m['mixer']}experts.{e}.{m['proj']}_proj.weight" for e in np.flatnonzero(bad)] if m else \
+            [name] if bad else []
+        problems.extend(f"{n}: holds NaN or infinite values" for n in names)
+    return problems
 
 
 def _format_name(w) -> str:
@@ -599,14 +627,14 @@ def checkpoint_tensors(tensors: Mapping[str, object], qcfg: QuantConfig) -> dict
 
 def write_checkpoint(directory: str | os.PathLike, config: ModelConfig, tensors: Mapping[str, object], *,
                      torch_dtype: str | None = None, max_shard_bytes: int = MAX_SHARD_BYTES,
-                     qcfg: QuantConfig | None = None) -> list[Path]:
+                     qcfg: QuantConfig | None = None, tokenizer=None, overwrite: bool = False) -> list[Path]:
     """config.json plus model.safetensors, or shards with model.safetensors.index.json when the tensors
-    exceed max_shard_bytes. Old model*.safetensors files, index and hf_quant_config.json in the directory
-    are replaced. qcfg: the quantization the tensors are in (their scale tensors sit beside the weights);
-    it is written to config.json's quantization_config (and hf_quant_config.json for ModelOpt)."""
+    exceed max_shard_bytes, plus the tokenizer's file when one is given. qcfg: the quantization the tensors are in
+    (their scale tensors sit beside the weights); it is written to config.json's quantization_config (and
+    hf_quant_config.json for ModelOpt). Written atomically (files.staged_directory): a directory that already
+    holds a checkpoint is replaced only with overwrite=True, and then whole (no old shard, index or config
+    survives); its other files are kept. Returns the weights files."""
     qcfg = qcfg or QuantConfig()
-    d = Path(directory)
-    d.mkdir(parents=True, exist_ok=True)
     expected = model_tensors(config, tensors)
     scales = {f"{m}.{s}" for m in filter(None, map(linear_module, expected)) for s in QUANTIZED_SUFFIXES} \
         if qcfg.method != "none" else set()
@@ -617,15 +645,22 @@ def write_checkpoint(directory: str | os.PathLike, config: ModelConfig, tensors:
                               + [f"{n}: not a tensor of this config" for n in extra])
     order = [*expected, *sorted(set(tensors) - set(expected))]
     arrays = {n: np.asarray(tensors[n]) for n in order}
-    for old in [*d.glob("model*.safetensors"), d / "model.safetensors.index.json", d / "hf_quant_config.json"]:
-        if old.is_file():
-            old.unlink()
     hf = dataclasses.replace(config, quantization_config=qcfg.quantization_config()).to_hf_dict()
     if torch_dtype is not None:
         hf["torch_dtype"] = torch_dtype
-    (d / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
-    if qcfg.hf_quant_config() is not None:
-        (d / "hf_quant_config.json").write_text(json.dumps(qcfg.hf_quant_config(), indent=2) + "\n")
+    with files.staged_directory(directory, overwrite=overwrite, replaces=is_checkpoint_file) as d:
+        files.write_json(d / "config.json", hf)
+        if qcfg.hf_quant_config() is not None:
+            files.write_json(d / "hf_quant_config.json", qcfg.hf_quant_config())
+        names = write_shards(d, arrays, max_shard_bytes)
+        if tokenizer is not None:
+            tokenizer.save(d)
+    return [Path(directory) / n for n in names]
+
+
+def write_shards(d: Path, arrays: Mapping[str, np.ndarray], max_shard_bytes: int) -> list[str]:
+    """model.safetensors, or model-0000k-of-0000n.safetensors shards (each up to max_shard_bytes, or one tensor)
+    and model.safetensors.index.json, written in the new directory d. Returns the weights files' names."""
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, arr in arrays.items():
@@ -636,13 +671,13 @@ def write_checkpoint(directory: str | os.PathLike, config: ModelConfig, tensors:
         size += arr.nbytes
     if len(shards) == 1:
         save_safetensors(d / "model.safetensors", shards[0], metadata={"format": "pt"})
-        return [d / "model.safetensors"]
-    files, weight_map = [], {}
+        return ["model.safetensors"]
+    names, weight_map = [], {}
     for k, shard in enumerate(shards, 1):
-        f = d / f"model-{k:05d}-of-{len(shards):05d}.safetensors"
-        save_safetensors(f, shard, metadata={"format": "pt"})
-        files.append(f)
-        weight_map.update({n: f.name for n in shard})
-    index = {"metadata": {"total_size": int(sum(a.nbytes for a in arrays.values()))}, "weight_map": weight_map}
-    (d / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return files
+        name = f"model-{k:05d}-of-{len(shards):05d}.safetensors"
+        save_safetensors(d / name, shard, metadata={"format": "pt"})
+        names.append(name)
+        weight_map.update(dict.fromkeys(shard, name))
+    total = int(sum(a.nbytes for a in arrays.values()))
+    files.write_json(d / INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+    return names

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import json
 import os
 from pathlib import Path
 
 import jax.numpy as jnp
 
 from metrale_jax.errors import CheckpointError
+from metrale_jax.files import read_json
 from metrale_jax.weights.containers import DenseWeight
 from metrale_jax.weights.fp8 import _has, read_fp8_block, read_fp8_tensor
 from metrale_jax.weights.nvfp4 import read_nvfp4
@@ -76,12 +76,14 @@ class QuantConfig:
 def quant_config_from_dicts(hf_quant: dict | None, config_json: dict | None, source: str = "") -> QuantConfig:
     """Pure form of `read_quant_config`: hf_quant_config.json's content and config.json's content."""
     if hf_quant is not None:
-        q = hf_quant.get("quantization", hf_quant)
-        return _modelopt(q, f"{source}hf_quant_config.json")
-    qc = (config_json or {}).get("quantization_config")
+        where = f"{source}hf_quant_config.json"
+        q = _object(_object(hf_quant, where).get("quantization", hf_quant), f"{where}: quantization")
+        return _modelopt(q, where)
+    qc = _object(config_json or {}, f"{source}config.json").get("quantization_config")
     if not qc:
         return QuantConfig(source=source or "none")
     where = f"{source}config.json: quantization_config"
+    qc = _object(qc, where)
     method = str(qc.get("quant_method", "")).lower()
     if method == "modelopt":
         return _modelopt(qc, where)
@@ -90,39 +92,45 @@ def quant_config_from_dicts(hf_quant: dict | None, config_json: dict | None, sou
         if block is None:
             raise CheckpointError(f"{where}: quant_method 'fp8' without weight_block_size (per-tensor FP8 "
                                   "checkpoints come as ModelOpt FP8)")
-        if list(block) != [128, 128]:
-            raise CheckpointError(f"{where}.weight_block_size: {block}, only [128, 128] is supported")
-        excl = qc.get("modules_to_not_convert") or qc.get("ignored_layers") or []
-        return QuantConfig("fp8_block", tuple(excl), block_size=(128, 128), source=where)
-    raise CheckpointError(f"{where}.quant_method: {qc.get('quant_method')!r} is not supported "
+        if block != [128, 128]:
+            raise CheckpointError(f"{where}.weight_block_size: {block!r:.100}, only [128, 128] is supported")
+        excl = _patterns(qc.get("modules_to_not_convert") or qc.get("ignored_layers"), f"{where}.modules_to_not_convert")
+        return QuantConfig("fp8_block", excl, block_size=(128, 128), source=where)
+    raise CheckpointError(f"{where}.quant_method: {qc.get('quant_method')!r:.100} is not supported "
                           "(supported: 'modelopt' FP8 / NVFP4, 'fp8' with 128x128 blocks)")
+
+
+def _object(value, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise CheckpointError(f"{where}: expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _patterns(value, where: str) -> tuple[str, ...]:
+    """An exclusion list: a list of module-name patterns (None: none)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(p, str) for p in value):
+        raise CheckpointError(f"{where}: expected a list of module-name patterns, got {value!r:.100}")
+    return tuple(value)
 
 
 def _modelopt(q: dict, where: str) -> QuantConfig:
     algo = str(q.get("quant_algo", "")).upper()
     method = {"FP8": "fp8", "NVFP4": "nvfp4"}.get(algo)
     if method is None:
-        raise CheckpointError(f"{where}: quant_algo {q.get('quant_algo')!r} is not supported (FP8, NVFP4)")
-    group = int(q.get("group_size", 16))
+        raise CheckpointError(f"{where}: quant_algo {q.get('quant_algo')!r:.100} is not supported (FP8, NVFP4)")
+    group = q.get("group_size", 16)
     if method == "nvfp4" and group != 16:
-        raise CheckpointError(f"{where}: group_size {group}, NVFP4 uses 16")
-    excl = q.get("exclude_modules") or q.get("ignore") or []
-    return QuantConfig(method, tuple(excl), group_size=group, source=where)
+        raise CheckpointError(f"{where}: group_size {group!r:.100}, NVFP4 uses 16")
+    excl = _patterns(q.get("exclude_modules") or q.get("ignore"), f"{where}: exclude_modules")
+    return QuantConfig(method, excl, source=where)          # group_size: 16, the only one NVFP4 has
 
 
 def read_quant_config(directory: str | os.PathLike) -> QuantConfig:
     """The quantization of the checkpoint in `directory` (QuantConfig('none') when unquantized)."""
     d = Path(directory)
-
-    def load(name):
-        p = d / name
-        if not p.is_file():
-            return None
-        try:
-            return json.loads(p.read_text())
-        except json.JSONDecodeError as e:
-            raise CheckpointError(f"{p}: not valid JSON ({e})") from None
-
+    load = lambda name: read_json(d / name) if os.path.lexists(d / name) else None
     return quant_config_from_dicts(load("hf_quant_config.json"), load("config.json"), source=f"{d}/")
 
 

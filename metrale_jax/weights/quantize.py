@@ -7,7 +7,6 @@ everything else (embeddings, lm_head, norms, conv1d, router, A_log, D, dt_bias) 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Iterable, Mapping
@@ -15,12 +14,14 @@ from pathlib import Path
 
 import numpy as np
 
+from metrale_jax import files
 from metrale_jax.errors import CheckpointError
+from metrale_jax.files import open_regular, read_json
 from metrale_jax.weights import quant_formats as qf
 from metrale_jax.weights.fp8 import write_fp8_block, write_fp8_tensor
 from metrale_jax.weights.nvfp4 import write_nvfp4
 from metrale_jax.weights.quant_config import QuantConfig, read_quant_config
-from metrale_jax.weights.safetensors_io import DTYPES, CheckpointReader, save_safetensors
+from metrale_jax.weights.safetensors_io import DTYPES, INDEX, CheckpointReader, is_checkpoint_file, save_safetensors
 
 FORMATS = {"fp8-block": "fp8_block", "fp8": "fp8", "nvfp4": "nvfp4"}
 LINEAR_MODULES = ("in_proj", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj",
@@ -91,24 +92,38 @@ def _quantized_bytes(method: str, dtype: str, shape) -> int:
 
 
 def quantize_checkpoint(src_dir: str | os.PathLike, out_dir: str | os.PathLike, format: str, *,
-                        exclude: Iterable[str] = (), shard_bytes: int = SHARD_BYTES) -> dict:
+                        exclude: Iterable[str] = (), shard_bytes: int = SHARD_BYTES, overwrite: bool = False) -> dict:
     """Read the dense checkpoint in src_dir, write out_dir in `format` ('fp8-block' | 'fp8' | 'nvfp4'):
     model.safetensors (or shards + model.safetensors.index.json), config.json with quantization_config,
     hf_quant_config.json for the ModelOpt formats, and every other file of src_dir (tokenizer, generation
-    config) copied. Returns a summary."""
+    config) copied. Written atomically (files.staged_directory): an out_dir that already holds a checkpoint is
+    replaced only with overwrite=True, and then whole (no old shard or index survives); its other files are
+    kept. Returns a summary."""
     src, out = Path(src_dir), Path(out_dir)
     if src.resolve() == out.resolve():
         raise CheckpointError(f"{out}: the output directory must differ from the source")
     if read_quant_config(src).method != "none":
         raise CheckpointError(f"{src}: already quantized ({read_quant_config(src).source})")
+    config = read_json(src / "config.json")
     reader = CheckpointReader(src)
-    entries = [(n, *reader.info(n)) for n in sorted(reader.keys())]
-    bad = [f"{n}: {d}" for n, d, _ in entries if d in ("F8_E4M3", "F8_E5M2", "U8")]
-    if bad:
-        raise CheckpointError([f"{src}: holds quantized tensors; quantize a dense checkpoint"] + bad[:8])
-    qcfg, todo = plan(entries, format, exclude)
-    out.mkdir(parents=True, exist_ok=True)
-    # shards planned from the headers, so names are final before anything is written
+    try:
+        entries = [(n, *reader.info(n)) for n in sorted(reader.keys())]
+        bad = [f"{n}: {d}" for n, d, _ in entries if d in ("F8_E4M3", "F8_E5M2", "U8")]
+        if bad:
+            raise CheckpointError([f"{src}: holds quantized tensors; quantize a dense checkpoint"] + bad[:8])
+        qcfg, todo = plan(entries, format, exclude)
+        with files.staged_directory(out, overwrite=overwrite, replaces=is_checkpoint_file) as tmp:
+            names = _write_quantized(reader, tmp, entries, qcfg, todo, shard_bytes)
+            _write_configs(src, tmp, config, qcfg)
+    finally:
+        reader.close()
+    return {"format": format, "method": qcfg.method, "quantized_modules": len(todo), "files": names,
+            "exclude_modules": list(qcfg.exclude), "out_dir": str(out)}
+
+
+def _write_quantized(reader, out: Path, entries, qcfg: QuantConfig, todo: set[str], shard_bytes: int) -> list[str]:
+    """The quantized weights files in the new directory `out`, sharded from the headers (so that names are final
+    before anything is written): model.safetensors, or shards and model.safetensors.index.json."""
     shards: list[list[str]] = [[]]
     size = 0
     for name, dtype, shape in entries:
@@ -120,39 +135,33 @@ def quantize_checkpoint(src_dir: str | os.PathLike, out_dir: str | os.PathLike, 
             size = 0
         shards[-1].append(name)
         size += nbytes
-    files = (["model.safetensors"] if len(shards) == 1 else
+    names = (["model.safetensors"] if len(shards) == 1 else
              [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
     weight_map: dict[str, str] = {}
-    for fname, names in zip(files, shards):
+    for fname, part in zip(names, shards):
         tensors: dict[str, np.ndarray] = {}
-        for name in names:
+        for name in part:
             module = name[:-len(".weight")]
             if module in todo:
                 tensors.update(_WRITERS[qcfg.method](module, np.asarray(reader.get(name), np.float32)))
             else:
                 tensors[name] = reader.get(name)
         save_safetensors(out / fname, tensors, metadata={"format": "pt"})
-        weight_map.update({k: fname for k in tensors})
-    reader.close()
-    if len(files) > 1:
-        (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map},
-                                                                     indent=2))
-    _write_configs(src, out, qcfg)
-    return {"format": format, "method": qcfg.method, "quantized_modules": len(todo), "files": files,
-            "exclude_modules": list(qcfg.exclude), "out_dir": str(out)}
+        weight_map.update(dict.fromkeys(tensors, fname))
+    if len(names) > 1:
+        files.write_json(out / INDEX, {"metadata": {}, "weight_map": weight_map})
+    return names
 
 
-def _write_configs(src: Path, out: Path, qcfg: QuantConfig) -> None:
-    skip = {"config.json", "hf_quant_config.json", "model.safetensors.index.json"}
+def _write_configs(src: Path, out: Path, config: dict, qcfg: QuantConfig) -> None:
+    """config.json (src's, with quantization_config), hf_quant_config.json for ModelOpt, and src's other regular
+    files (tokenizer, generation config; not its weights, index or configs) copied into the new directory out."""
+    skip = {"config.json", "hf_quant_config.json", INDEX}
     for f in src.iterdir():
         if f.is_file() and f.name not in skip and not f.name.endswith(".safetensors"):
-            shutil.copy2(f, out / f.name)
-    cfg_path = src / "config.json"
-    if not cfg_path.is_file():
-        raise CheckpointError(f"{cfg_path}: missing")
-    cfg = json.loads(cfg_path.read_text())
-    cfg["quantization_config"] = qcfg.quantization_config()
-    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+            with open_regular(f) as fh, files.replacing(out / f.name) as dst:
+                shutil.copyfileobj(fh, dst)
+    files.write_json(out / "config.json", {**config, "quantization_config": qcfg.quantization_config()})
     hq = qcfg.hf_quant_config()
     if hq is not None:
-        (out / "hf_quant_config.json").write_text(json.dumps(hq, indent=2))
+        files.write_json(out / "hf_quant_config.json", hq)

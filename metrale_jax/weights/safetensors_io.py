@@ -8,6 +8,7 @@ bfloat16 / float8), so no whole-file copy is made. A directory is read through i
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -16,8 +17,12 @@ from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+import safetensors
 
+from metrale_jax import files
 from metrale_jax.errors import CheckpointError
+from metrale_jax.files import open_regular, read_json
+from metrale_jax.tokenizer import BYTE_TOKENIZER_FILE
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -30,37 +35,30 @@ _NAMES = {v: k for k, v in DTYPES.items()}
 
 
 class SafetensorsFile:
-    """One .safetensors file, memory-mapped; tensors come out as read-only numpy views."""
+    """One .safetensors file, memory-mapped; tensors come out as read-only numpy views.
+
+    The header is checked by the `safetensors` library itself (header-only: it maps the file, reads no tensor
+    data): valid UTF-8 JSON of the right structure, known dtypes, offsets that are non-negative integers, do
+    not overlap, leave no gap and cover the data exactly. Its problems come out as CheckpointError naming the
+    file (and the tensor, where the library names it)."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
+        self._fh = open_regular(self.path)                 # a FIFO / device / directory is refused, unopened
         try:
-            self._fh = open(self.path, "rb")
-        except OSError as e:
-            raise CheckpointError(f"{self.path}: cannot open ({e.strerror})") from None
-        size = os.fstat(self._fh.fileno()).st_size
-        head = self._fh.read(8)
-        if len(head) < 8:
-            raise CheckpointError(f"{self.path}: too short to be a safetensors file")
-        (n,) = struct.unpack("<Q", head)
-        if n > size - 8:
-            raise CheckpointError(f"{self.path}: header length {n} runs past the end of the file")
-        try:
-            header = json.loads(self._fh.read(n))
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise CheckpointError(f"{self.path}: header is not valid JSON ({e})") from None
-        self.metadata = header.pop("__metadata__", {}) or {}
+            listing, metadata = _library_listing(self.path)
+            size = os.fstat(self._fh.fileno()).st_size
+            (n,) = struct.unpack("<Q", self._fh.read(8))
+            header = json.loads(self._fh.read(n))          # the same bytes the library just validated
+        except BaseException:
+            self._fh.close()
+            raise
+        header.pop("__metadata__", None)
+        self.metadata = metadata or {}
         self._header = header
         self._base = 8 + n
+        _check_listing(self.path, header, listing)
         self._map = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ) if size > 0 else None
-        for name, info in header.items():
-            if info.get("dtype") not in DTYPES:
-                raise CheckpointError(f"{self.path}: tensor {name} has unsupported dtype {info.get('dtype')!r}")
-            begin, end = info["data_offsets"]
-            want = int(np.prod(info["shape"], dtype=np.int64)) * DTYPES[info["dtype"]].itemsize
-            if end - begin != want or self._base + end > size:
-                raise CheckpointError(f"{self.path}: tensor {name} has data offsets {info['data_offsets']} that do "
-                                      f"not fit its shape {info['shape']} and dtype {info['dtype']}")
 
     def keys(self) -> list[str]:
         return list(self._header)
@@ -84,6 +82,110 @@ class SafetensorsFile:
         self._fh.close()
 
 
+def _library_listing(path: Path) -> tuple[dict[str, tuple[str, tuple[int, ...]]], dict | None]:
+    """{name: (dtype, shape)} and the metadata of a safetensors file, as the `safetensors` library reads its
+    header (which validates it: see SafetensorsFile). Only the header is parsed; the data stays unread."""
+    try:
+        with safetensors.safe_open(str(path), framework="numpy") as f:
+            listing = {k: (f.get_slice(k).get_dtype(), tuple(f.get_slice(k).get_shape())) for k in f.keys()}
+            return listing, f.metadata()
+    except (safetensors.SafetensorError, OSError, ValueError) as e:
+        why = " ".join(str(e).split()) or type(e).__name__
+        suspect = _malformed_entry(path)
+        raise CheckpointError(f"{path}: not a valid safetensors file ({why})"
+                              + (f"; tensor {suspect}" if suspect else "")) from None
+
+
+def _malformed_entry(path: Path) -> str | None:
+    """For the message only, once the library has refused a header: the first entry that is not of the form
+    {"dtype": name, "shape": [n, ...], "data_offsets": [begin, end]} with end - begin the shape's bytes, as
+    'name: why' (None when every entry has that form, or the header is not a JSON object at all)."""
+    try:
+        with open_regular(path) as fh:
+            head = fh.read(8)
+            header = json.loads(fh.read(min(struct.unpack("<Q", head)[0], 100 * 1024 ** 2)))
+    except (CheckpointError, OSError, ValueError, RecursionError, struct.error):
+        return None
+    if not isinstance(header, dict):
+        return None
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+            return f"{name}: expected {{dtype, shape, data_offsets}}, got {info!r:.80}"
+        shape, offsets = info["shape"], info["data_offsets"]
+        if not _naturals(shape) or not _naturals(offsets) or len(offsets) != 2:
+            return f"{name}: shape {shape!r:.40} and data_offsets {offsets!r:.40} must be non-negative integers"
+        if info["dtype"] not in DTYPES:
+            return f"{name}: unsupported dtype {info['dtype']!r:.40}"
+        if offsets[1] - offsets[0] != math.prod(shape) * DTYPES[info["dtype"]].itemsize:
+            return f"{name}: data_offsets {offsets} do not hold shape {shape} of {info['dtype']}"
+    return None
+
+
+def _naturals(value) -> bool:
+    return isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+
+
+def _check_listing(path: Path, header: dict, listing: dict) -> None:
+    """Our reading of the header agrees with the library's (names, dtypes, shapes), and every dtype is one
+    this module maps to numpy."""
+    ours = {k: (v["dtype"], tuple(v["shape"])) for k, v in header.items()}
+    if ours != listing:
+        raise CheckpointError(f"{path}: the header reads differently here than in the safetensors library")
+    for name, (dtype, _) in ours.items():
+        if dtype not in DTYPES:
+            raise CheckpointError(f"{path}: tensor {name} has unsupported dtype {dtype!r}; expected one of "
+                                  f"{', '.join(DTYPES)}")
+
+
+INDEX = "model.safetensors.index.json"
+# the files of a checkpoint directory besides its model*.safetensors (see is_checkpoint_file)
+CHECKPOINT_FILES = ("config.json", "hf_quant_config.json", INDEX, "tokenizer.json", BYTE_TOKENIZER_FILE)
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """Whether a directory entry belongs to the checkpoint the loader reads (weights, index, configs, tokenizer):
+    what writing a new checkpoint over a directory replaces (files.staged_directory)."""
+    return name in CHECKPOINT_FILES or (name.startswith("model") and name.endswith(".safetensors"))
+
+
+def read_index(directory: Path) -> dict[str, Path]:
+    """{tensor: shard path} from directory's model.safetensors.index.json. Each shard must be named by a plain
+    file name (no directory part, no "..", not absolute), so that nothing outside the directory is opened by
+    name; the file it names may be a symlink (as the HF cache makes them), and must be a regular file."""
+    index = directory / INDEX
+    weight_map = read_json(index).get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise CheckpointError(f"{index}: weight_map: expected an object {{tensor: shard file}}, got "
+                              f"{type(weight_map).__name__}")
+    bad: dict[str, list[str]] = {}                              # one problem per bad shard name, not per tensor
+    for tensor, name in weight_map.items():
+        if (why := shard_name_problem(name)) is not None:
+            bad.setdefault(why, []).append(tensor)
+    if bad:
+        raise CheckpointError([f"{index}: weight_map gives {len(ts)} tensor(s) ({ts[0]}, ...) a shard name that "
+                               f"is not usable: {why}" for why, ts in bad.items()])
+    problems = []
+    for name in sorted(set(weight_map.values())):
+        if not os.path.lexists(directory / name):
+            problems.append(f"{index}: names shard {name}, which does not exist")
+        elif not (directory / name).is_file():
+            problems.append(f"{index}: names shard {name}, which is not a regular file")
+    if problems:
+        raise CheckpointError(problems)
+    return {k: directory / f for k, f in weight_map.items()}
+
+
+def shard_name_problem(name) -> str | None:
+    """Why `name` is not a plain file name of the directory (None when it is one)."""
+    if not isinstance(name, str):
+        return f"expected a file name, got {type(name).__name__} {name!r}"[:200]
+    if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name or os.path.isabs(name):
+        return f"{name!r} is not a plain file name inside the checkpoint directory"
+    return None
+
+
 class CheckpointReader:
     """All tensors of a checkpoint directory (sharded or not) by name."""
 
@@ -91,25 +193,19 @@ class CheckpointReader:
         self.directory = Path(directory)
         if not self.directory.is_dir():
             raise CheckpointError(f"{self.directory}: not a directory")
-        index = self.directory / "model.safetensors.index.json"
+        index = self.directory / INDEX
         self._where: dict[str, Path] = {}
-        if index.is_file():
-            try:
-                weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError) as e:
-                raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from None
-            missing = sorted({f for f in weight_map.values() if not (self.directory / f).is_file()})
-            if missing:
-                raise CheckpointError([f"{index}: names shard {f}, which does not exist" for f in missing])
-            self._where = {k: self.directory / f for k, f in weight_map.items()}
+        if os.path.lexists(index):
+            self._where = read_index(self.directory)
         else:
             single = self.directory / "model.safetensors"
-            files = [single] if single.is_file() else sorted(self.directory.glob("*.safetensors"))
+            files = [single] if os.path.lexists(single) else sorted(self.directory.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"{self.directory}: no model.safetensors or *.safetensors files")
             for f in files:
-                for k in SafetensorsFile(f).keys():
-                    self._where[k] = f
+                st = SafetensorsFile(f)
+                self._where.update(dict.fromkeys(st.keys(), f))
+                st.close()
         self._open: dict[Path, SafetensorsFile] = {}
 
     def _file(self, path: Path) -> SafetensorsFile:
@@ -160,10 +256,8 @@ def save_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    tmp = Path(str(path) + ".tmp")
-    with open(tmp, "wb") as fh:
+    with files.replacing(path) as fh:                      # `path` is the old file or the whole new one
         fh.write(struct.pack("<Q", len(blob)))
         fh.write(blob)
         for arr in arrays:
             fh.write(arr.tobytes())
-    os.replace(tmp, path)

@@ -87,6 +87,7 @@ def test_legacy_and_current_name_must_agree():
     ({"conv_kernel": 1}, "conv_kernel"),
     ({"mamba_ssm_cache_dtype": "float8"}, "mamba_ssm_cache_dtype"),
     ({"norm_topk_prob": "yes"}, "norm_topk_prob"),
+    ({"max_position_embeddings": 0}, "max_position_embeddings"),     # bounds every length check
 ])
 def test_broken_configs_name_the_field(patch, field):
     raw = _load("hf_written.json") | patch

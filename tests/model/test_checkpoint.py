@@ -68,8 +68,8 @@ def test_save_then_load_is_bit_exact(tmp_path, dtype):
 
 def test_sharded_save_and_load(tmp_path):
     model = NemotronH.from_config(CFG, jax.random.key(4), dtype=jnp.float32)
-    (tmp_path / "model.safetensors").write_bytes(b"stale")           # an old single file is replaced
-    files = model.save_pretrained(tmp_path, max_shard_bytes=4096)
+    (tmp_path / "model.safetensors").write_bytes(b"stale")           # an old single file is replaced, on request
+    files = model.save_pretrained(tmp_path, max_shard_bytes=4096, overwrite=True)
     assert len(files) > 2 and not (tmp_path / "model.safetensors").exists()
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(expected_tensors(CFG))
@@ -77,7 +77,7 @@ def test_sharded_save_and_load(tmp_path):
     assert files[0].name == f"model-00001-of-{len(files):05d}.safetensors"
     again = NemotronH.from_pretrained(tmp_path, dtype=jnp.float32)
     _assert_same_state(model.state_dict(), again.state_dict())
-    model.save_pretrained(tmp_path)                                   # back to one file: index removed
+    model.save_pretrained(tmp_path, overwrite=True)                   # back to one file: index removed
     assert not (tmp_path / "model.safetensors.index.json").exists()
     assert [p.name for p in tmp_path.glob("model*.safetensors")] == ["model.safetensors"]
 

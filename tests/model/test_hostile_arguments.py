@@ -1,0 +1,117 @@
+"""Hostile arguments to the model's entry points (host-side checks): the padding slot used as a live slot, a live
+slot prefilled with nothing, non-finite / non-integer sampling arguments, prompts that are not token ids, and
+lengths past max_position_embeddings, refused before anything is allocated."""
+
+import numpy as np
+import pytest
+
+from metrale_jax.builtin import load_builtin
+from metrale_jax.errors import ConfigError, ShapeError, SlotError
+from metrale_jax.state.cache import ModelCache
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_builtin()
+
+
+def _ids(rng, model, *shape):
+    return rng.integers(3, model.config.vocab_size, shape).astype(np.int32)
+
+
+# ---- slots ------------------------------------------------------------------------------------------------
+def test_the_padding_slot_is_not_a_live_slot(model, rng):
+    cache = model.new_cache(2, 32)
+    pad = cache.padding_slot
+    ids = _ids(rng, model, 2, 5)
+    with pytest.raises(SlotError, match=rf"the padding slot {pad} is not a live slot; its rows must have length 0, "
+                                        r"got lengths \[4\]"):
+        model.prefill(cache, [0, pad], ids, [5, 4])
+    logits, cache = model.prefill(cache, [0, pad], ids, [5, 0])          # as a no-op row it is fine
+    assert logits.shape == (2, model.vocab_size) and np.asarray(cache.seq_lens)[0] == 5
+    with pytest.raises(SlotError, match=rf"holds the padding slot {pad}, which holds no sequence to decode"):
+        model.decode(cache, [0, pad], ids[:, 0])
+    with pytest.raises(SlotError, match="padding slot"):
+        model.decode(cache, [pad], ids[:1, 0])
+
+
+@pytest.mark.parametrize("continue_from_cache", [False, True])
+def test_a_live_slot_prefilled_with_nothing_is_an_error(model, rng, continue_from_cache):
+    cache = model.new_cache(3, 32)
+    _, cache = model.prefill(cache, [0, 1], _ids(rng, model, 2, 4))
+    with pytest.raises(ShapeError, match=r"lengths: live slots \[1\] are given 0 tokens"):
+        model.prefill(cache, [0, 1], _ids(rng, model, 2, 4), [3, 0], continue_from_cache=continue_from_cache)
+
+
+# ---- generate's arguments ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("field, kwargs", [
+    ("temperature", {"temperature": float("nan")}), ("temperature", {"temperature": float("inf")}),
+    ("temperature", {"temperature": -0.5}), ("temperature", {"temperature": "0.5"}),
+    ("temperature", {"temperature": None}), ("top_p", {"top_p": float("nan")}), ("top_p", {"top_p": 1.5}),
+    ("max_new_tokens", {"max_new_tokens": 2.5}), ("max_new_tokens", {"max_new_tokens": "3"}),
+    ("max_new_tokens", {"max_new_tokens": True}), ("max_new_tokens", {"max_new_tokens": -1}),
+    ("max_new_tokens", {"max_new_tokens": np.float64(2.0)}), ("seed", {"seed": 2 ** 63}), ("seed", {"seed": 1.5}),
+])
+def test_generate_refuses_bad_sampling_arguments_by_name(model, field, kwargs):
+    args = {"max_new_tokens": 2, **kwargs}
+    with pytest.raises(ConfigError) as e:
+        model.generate([[1, 40, 50]], **args)
+    assert e.value.field == field and str(e.value).startswith(f"{field}: expected")
+
+
+def test_numpy_scalars_are_fine_arguments(model, rng):
+    prompt = _ids(rng, model, 6)
+    got = model.generate([prompt], np.int64(3), temperature=np.float32(0.0), seed=np.int32(4))
+    want = model.generate([prompt.tolist()], 3)
+    assert got[0].tokens == want[0].tokens
+
+
+@pytest.mark.parametrize("prompt, shown", [
+    ([1.0, 2.0], "list of float64[2]"), (["1", "2"], "list of <U1[2]"), (b"\x05\x06", "bytes are not token ids"),
+    (bytearray(b"\x05\x06"), "bytes are not token ids"), ([[1, 2]], "list of int64[1, 2]"),
+    (np.array([1.5, 2.0]), "ndarray of float64[2]"), ([1, True], "list of bool"), ((1, 2 ** 70), "tuple of object"),
+    ({1, 2}, "got set"),
+])
+def test_prompts_that_are_not_token_ids_are_refused(model, prompt, shown):
+    with pytest.raises(ShapeError) as e:
+        model.generate([[1, 40], prompt], 2)
+    assert str(e.value).startswith("prompts[1]: ") and shown in str(e.value), str(e.value)
+
+
+def test_a_text_prompt_that_is_not_unicode(model):
+    with pytest.raises(ShapeError, match=r"prompts\[0\]: not valid Unicode text"):
+        model.generate(["abc\udcff"], 2)
+
+
+# ---- lengths past what the model supports -----------------------------------------------------------------
+@pytest.fixture
+def no_allocation(monkeypatch):
+    """Fails the test if a cache is allocated."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a cache was allocated")
+    monkeypatch.setattr(ModelCache, "for_config", classmethod(refuse))
+
+
+def test_generate_past_max_position_embeddings_is_refused_before_allocating(model, no_allocation, rng):
+    limit = model.config.max_position_embeddings
+    for prompt_len, new in ((5, 100_000_000), (5, limit - 4), (limit, 1)):
+        with pytest.raises(ConfigError, match=rf"max_new_tokens: a prompt of {prompt_len} tokens \+ {new} new tokens "
+                                              rf"exceeds the model's max_position_embeddings {limit}"):
+            model.generate([_ids(rng, model, prompt_len).tolist()], new)
+    with pytest.raises(ConfigError, match=rf"max_len: expected an integer in \[1, {limit}\] \(the model's "
+                                          r"max_position_embeddings\), got 100000000"):
+        model.new_cache(1, 100_000_000)
+
+
+def test_generate_right_at_the_limit_runs(model, rng):
+    """A prompt + new tokens of exactly max_position_embeddings: the cache is capped there, not at its bucket."""
+    limit = model.config.max_position_embeddings
+    out = model.generate([_ids(rng, model, limit - 2).tolist()], 2)
+    assert 1 <= len(out[0].tokens) + (out[0].finish_reason == "eos") <= 2
+
+
+@pytest.mark.parametrize("entry", ["score", "forward"])
+def test_rows_past_max_position_embeddings_are_refused(model, no_allocation, entry):
+    T = model.config.max_position_embeddings + 1
+    with pytest.raises(ShapeError, match=rf"ids: {T} tokens per row exceed the model's max_position_embeddings"):
+        getattr(model, entry)(np.ones((1, T), np.int32))
