@@ -86,7 +86,7 @@ def chained_steps(eng: Engine, batch: int, chain: int):
     return run
 
 
-def bench_rows(model, weights: str, state: str, batches, sz, bw, exe, rows: list) -> None:
+def bench_rows(model, weights: str, state: str, batches, sz, bw, exe, rows: list, save) -> None:
     prompt, new, chain = sz["prompt"], sz["new"], sz["chain"]
     bmax = max(batches)
     pre = min(32, bmax)                                  # prefill rows per step: one prefill executable
@@ -109,6 +109,7 @@ def bench_rows(model, weights: str, state: str, batches, sz, bw, exe, rows: list
                "step_bytes": int(floor_s * bw), "idle_us_per_step": prof.get("idle_us_per_step"),
                "by_class_us": {k: round(v["us_per_step"], 1) for k, v in prof.get("by_class", {}).items()}}
         rows.append(row)
+        save()                                           # a run cut short keeps the rows it finished
         log(f"{weights} / {state} B={B}: engine {engine_tok_s:,.0f} tok/s ({row['engine_vs_device']:.0%} of the "
             f"device step), device {B / dev_s:,.0f} ({row['device_vs_floor']:.0%} of the floor "
             f"{B / floor_s:,.0f}), {row['kernels_per_step']} kernels")
@@ -134,21 +135,25 @@ def main():
     out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": str(jax.devices()[0]),
            "jax": jax.__version__, "python": platform.python_version(), "copy_bytes_per_s": bw,
            "config": "tiny" if args.tiny else "nemotron_h_8b", "sizes": sz, "rows": [], "errors": {}}
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+
+    def save():
+        out["wall_s"] = time.time() - T0
+        with open(args.out, "w") as fh:
+            json.dump(out, fh, indent=1, default=str)
+
     for weights in args.weights.split(","):
         exe = Executables()
         try:
             log(f"building the {weights} model")
             model = random_model(config, jnp.bfloat16, weights=weights)
             for state in args.states.split(","):
-                bench_rows(model, weights, state, batches, sz, bw, exe, out["rows"])
+                bench_rows(model, weights, state, batches, sz, bw, exe, out["rows"], save)
         except Exception as e:                           # keep the other rows
             out["errors"][weights] = f"{type(e).__name__}: {e}"[:500]
             traceback.print_exc()
         model = None
-    out["wall_s"] = time.time() - T0
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as fh:
-        json.dump(out, fh, indent=1, default=str)
+    save()
     log(f"wrote {args.out}")
 
 
