@@ -2,7 +2,9 @@
 
 One row per (weights bf16 / fp8-block / nvfp4, Mamba state float32 / bfloat16, batch 1 / 8 / 32 / 64 / 256), on
 Nemotron-H-8B shapes with random weights (64-token prompts, 64 new tokens, greedy):
-- engine_tok_s: Engine.step() while every sequence decodes (host bookkeeping, sampling, read-back included);
+- engine_tok_s: Engine.step() while every sequence decodes (host bookkeeping, sampling, read-back included),
+  from the step after the last prompt chunk is dispatched; engine_steady_tok_s: the same from the fourth decode
+  step on (the prefill's tail left out);
 - device_tok_s: the engine's own decode and sample executables chained on the device (tokens never leave it);
 - floor_tok_s: batch / (bytes a step must read and write / the copy bandwidth measured in this run). Bytes:
   every weight a decode step reads (prefill-only copies left out; of the embedding table one row per sequence),
@@ -55,17 +57,23 @@ def step_bytes(model, cache, batch: int, seq_len: int) -> int:
     return weights + batch * (state + kv_row * (seq_len + 1))
 
 
-def engine_rate(eng: Engine, batch: int, prompt: int, new: int, rng) -> float:
-    """Decode tokens/s through Engine.step() once every prompt is in and its first token drawn."""
+def engine_rates(eng: Engine, batch: int, prompt: int, new: int, rng) -> tuple[float, float]:
+    """Decode tokens/s through Engine.step(): from the step after every prompt is in (the last prefill chunk may
+    still run) to the end, and in steady state (tokens read back from the fourth decode step on, the drain at the
+    end included)."""
     V = eng.model.config.vocab_size
     for _ in range(batch):
         eng.submit(rng.integers(0, V, prompt).tolist(), new)
     while eng.queue or any(r.done < len(r.prompt) for r in eng.running.values()):
         eng.step()
     t, n0 = time.perf_counter(), eng.counters["decode_rows"]
+    for _ in range(3):
+        eng.step()
+    ts, g0 = time.perf_counter(), eng.counters["generated_tokens"]
     while eng.has_work:
         eng.step()
-    return (eng.counters["decode_rows"] - n0) / (time.perf_counter() - t)
+    end = time.perf_counter()
+    return (eng.counters["decode_rows"] - n0) / (end - t), (eng.counters["generated_tokens"] - g0) / (end - ts)
 
 
 def chained_steps(eng: Engine, batch: int, chain: int):
@@ -96,14 +104,14 @@ def bench_rows(model, weights: str, state: str, batches, sz, bw, exe, rows: list
     log(f"{weights} / {state}: warm-up compiles {eng.warmup()}")
     rng = np.random.default_rng(0)
     for B in batches:
-        engine_tok_s = engine_rate(eng, B, prompt, new, rng)
+        engine_tok_s, steady_tok_s = engine_rates(eng, B, prompt, new, rng)
         run = chained_steps(eng, B, chain)
         block(run())                                     # the slots' lengths now run past the prompts
         dev_s = median_time(run, reps=3) / chain
         floor_s = step_bytes(model, eng.cache, B, prompt + new + chain) / bw
         prof = decode_profile(chained_steps(eng, B, 2), 2, dev_s) if sz["profile"] else {"error": "off"}
         row = {"weights": weights, "state_dtype": state, "batch": B, "device_tok_s": B / dev_s,
-               "engine_tok_s": engine_tok_s, "floor_tok_s": B / floor_s,
+               "engine_tok_s": engine_tok_s, "engine_steady_tok_s": steady_tok_s, "floor_tok_s": B / floor_s,
                "kernels_per_step": prof.get("kernels_per_step"),
                "engine_vs_device": engine_tok_s * dev_s / B, "device_vs_floor": floor_s / dev_s,
                "step_bytes": int(floor_s * bw), "idle_us_per_step": prof.get("idle_us_per_step"),
@@ -111,7 +119,7 @@ def bench_rows(model, weights: str, state: str, batches, sz, bw, exe, rows: list
         rows.append(row)
         save()                                           # a run cut short keeps the rows it finished
         log(f"{weights} / {state} B={B}: engine {engine_tok_s:,.0f} tok/s ({row['engine_vs_device']:.0%} of the "
-            f"device step), device {B / dev_s:,.0f} ({row['device_vs_floor']:.0%} of the floor "
+            f"device step; steady {steady_tok_s * dev_s / B:.0%}), device {B / dev_s:,.0f} ({row['device_vs_floor']:.0%} of the floor "
             f"{B / floor_s:,.0f}), {row['kernels_per_step']} kernels")
 
 
