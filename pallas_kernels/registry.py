@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import functools
 import os
+import warnings
 from collections.abc import Callable, Iterator
 
 import jax
@@ -30,6 +31,9 @@ import jax
 from pallas_kernels.errors import KernelUnavailableError
 
 MODES = ("auto", "pallas", "triton", "mosaic", "interpret", "reference")
+# JAX releases the Pallas arms are tested on: Pallas' Triton and Mosaic GPU APIs change between releases, so on
+# another JAX `auto` resolves to the references (with one warning); an explicit mode still takes the kernels.
+TESTED_JAX = ("0.11.",)
 MOSAIC_CAPABILITIES = ("9.0",)   # compute capabilities the Mosaic GPU arms are written for (Hopper)
 GPU_ARMS = ("triton", "mosaic")
 
@@ -106,6 +110,9 @@ def resolve(name: str, mode: str | None = None, platform: str | None = None) -> 
     mode = mode or default_mode()
     if mode not in MODES:
         raise KernelUnavailableError(f"kernel mode must be one of {MODES}, got {mode!r}")
+    if mode == "auto" and not jax.__version__.startswith(TESTED_JAX):
+        _warn_untested_jax()
+        mode = "reference"
     platform = platform or jax.default_backend()
     spec = _KERNELS.get(name)
     if spec is None:
@@ -137,6 +144,13 @@ def resolve(name: str, mode: str | None = None, platform: str | None = None) -> 
     if spec.reference is None:
         raise KernelUnavailableError(f"kernel {name!r} has no reference and no Pallas kernel for {platform!r}")
     return Resolution(name, "reference", spec.reference)
+
+
+@functools.cache
+def _warn_untested_jax() -> None:
+    warnings.warn(f"pallas_kernels: the Pallas kernels are tested on jax {' / '.join(v + 'x' for v in TESTED_JAX)}, "
+                  f"this is jax {jax.__version__}: mode 'auto' runs the jnp references (set METRALE_KERNELS=pallas "
+                  "to use the kernels anyway)", stacklevel=3)
 
 
 def gpu_capability() -> str | None:

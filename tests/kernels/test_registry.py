@@ -103,6 +103,20 @@ def test_mosaic_arms_only_on_hopper(names, monkeypatch):
     assert registry.resolve(n, "auto", platform="gpu").impl == "mosaic"
 
 
+def test_an_untested_jax_runs_the_references_under_auto(names, monkeypatch):
+    """On a JAX release the kernels were not tested on, `auto` takes the references (warning once); a mode the
+    caller names still takes the kernels."""
+    n = names("jaxver", reference=_ref, pallas=_triton, mosaic=_mosaic, gpu_default="mosaic")
+    assert registry.resolve(n, "auto", platform="gpu").impl == "mosaic"          # this JAX is a tested one
+    monkeypatch.setattr(registry.jax, "__version__", "0.99.0")
+    registry._warn_untested_jax.cache_clear()
+    with pytest.warns(UserWarning, match="tested on jax 0.11.x, this is jax 0.99.0"):
+        assert registry.resolve(n, "auto", platform="gpu").fn(1) == ("reference", 1)
+    assert registry.resolve(n, "pallas", platform="gpu").impl == "mosaic"
+    assert registry.resolve(n, "interpret", platform="cpu").fn(2) == ("triton", True, 2)
+    registry._warn_untested_jax.cache_clear()
+
+
 def test_kernels_are_the_ground_floor():
     """pallas_kernels imports nothing from metrale_jax, and the errors the kernels raise are the library's own
     classes (one object each), so `except MetraleError` / `except ShapeError` in the library catch them."""
