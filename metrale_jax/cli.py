@@ -103,10 +103,8 @@ def _load(args):
 def _describe(model, path: Path) -> str:
     import jax
 
-    from metrale_jax.weights.checkpoint import expected_tensors
-
     c = model.config
-    params = sum(math.prod(spec.shape) for spec in expected_tensors(c).values())
+    params = model.num_params
     tok = type(model.tokenizer).__name__ if model.tokenizer is not None else "no tokenizer"
     return (f"{path}: pattern {c.hybrid_override_pattern!r}, hidden {c.hidden_size}, vocab {c.vocab_size}, "
             f"{params / 1e6:.2f}M params, {model.dtype.name}, {tok}; backend {jax.default_backend()}")

@@ -51,7 +51,7 @@ from metrale_jax.tokenizer import load_tokenizer
 from metrale_jax.weights.checkpoint import (
     EXPERTS_PATTERN, MAX_SHARD_BYTES, QUANTIZED_SUFFIXES, checkpoint_quantization, checkpoint_tensors,
     expected_tensors, has_mtp, is_quantized, layer_tensors, layer_weights, missing_tensors, model_tensors,
-    mtp_layer_tensors, mtp_tensors, mtp_weights, read_checkpoint, unsupported, write_checkpoint)
+    mtp_layer_tensors, mtp_tensors, mtp_weights, parameter_count, read_checkpoint, unsupported, write_checkpoint)
 from metrale_jax.weights.containers import (DenseWeight, Fp8Weight, Nvfp4Weight, StackedExperts, W4a4Weight,
                                             WeightQuantFormat, fp8_prefill_copy, fp8_to_block_scaled,
                                             quantize_nvfp4_weight)
@@ -235,6 +235,12 @@ class NemotronH(nnx.Module):
     @property
     def vocab_size(self) -> int:
         return self.config.vocab_size
+
+    @property
+    def num_params(self) -> int:
+        """Parameters of the checkpoint this model holds (its MTP head's included; quantized weights count their
+        logical elements): what `metrale-jax info` counts in the files."""
+        return parameter_count(self.config, mtp=self.mtp is not None)
 
     def new_cache(self, max_slots: int, max_len: int, *, ssm_state_dtype: str | None = None) -> ModelCache:
         """max_slots sequences (plus the padding slot) of up to max_len tokens each; on a sharded model, created

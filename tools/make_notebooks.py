@@ -76,7 +76,7 @@ QUICKSTART = [
     t0 = time.perf_counter()
     model = mj.load_builtin()
     c = model.config
-    n_params = sum(x.size for x in jax.tree.leaves(model) if hasattr(x, "size"))
+    n_params = model.num_params
     print(f"loaded in {time.perf_counter() - t0:.2f} s from {mj.builtin_model_dir()}")
     print(f"{n_params / 1e6:.2f}M parameters, dtype {model.dtype}, vocab {c.vocab_size}, hidden {c.hidden_size}, "
           f"pattern {c.hybrid_override_pattern!r}")

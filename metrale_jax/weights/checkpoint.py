@@ -25,6 +25,7 @@ import collections
 import dataclasses
 import functools
 import logging
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -159,6 +160,13 @@ def expected_tensors(config: ModelConfig) -> dict[str, TensorSpec]:
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = TensorSpec((V, D))
     return out
+
+
+def parameter_count(config: ModelConfig, *, mtp: bool) -> int:
+    """The model's parameters: the elements of every tensor the checkpoint names (a quantized weight counts its
+    logical elements, its scales none), the MTP head's with mtp."""
+    specs = {**expected_tensors(config), **(mtp_tensors(config) if mtp else {})}
+    return sum(math.prod(spec.shape) for spec in specs.values())
 
 
 def mtp_tensors(config: ModelConfig) -> dict[str, TensorSpec]:
