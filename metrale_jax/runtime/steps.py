@@ -35,7 +35,8 @@ from metrale_jax.layers.stack import DecodeRows, PrefillRows, run_blocks
 from metrale_jax.model import _logits, _rmsnorm, _token_logprobs, decode_step, prefill_hidden  # noqa: F401
 from metrale_jax.runtime.sampling import SlotSampling, record_tokens
 from metrale_jax.runtime.speculative import accept_drafts
-from metrale_jax.state.cache import ModelCache
+from metrale_jax.state import slot_pool
+from metrale_jax.state.cache import ModelCache, zero_slot  # noqa: F401  (zero_slot: a step the engine runs)
 from metrale_jax.state.kv_pool import KvPool, KvSlotState
 from metrale_jax.state.ssm_pool import SlotState, SsmPool
 
@@ -221,24 +222,14 @@ def verify_sampled(model, cache: ModelCache, sampling: SlotSampling, slots, toke
 
 
 # ---- slot helpers -----------------------------------------------------------------------------
-def zero_slot(cache: ModelCache, slot) -> ModelCache:
-    """A fresh slot: Mamba states, keys/values and length all zero."""
-    ssm, kv = cache.ssm, cache.kv
-    return ModelCache(SsmPool(ssm.conv_state.at[:, slot].set(0), ssm.ssm_state.at[:, slot].set(0)),
-                      KvPool(kv.k.at[:, slot].set(0), kv.v.at[:, slot].set(0)), cache.seq_lens.at[slot].set(0))
-
-
 def slot_ssm_state(cache: ModelCache, slot) -> SlotState:
     """A copy of one slot's Mamba states in every layer (the two-pass capture's snapshot)."""
-    return SlotState(cache.ssm.conv_state[:, slot], cache.ssm.ssm_state[:, slot])
+    return slot_pool.take_slot(cache.ssm, slot)
 
 
 def restore_ssm(cache: ModelCache, slot, state: SlotState, seq_len) -> ModelCache:
     """Put a snapshot's Mamba states into `slot` and set its length (its KV blocks go in separately)."""
-    ssm = cache.ssm
-    return ModelCache(SsmPool(ssm.conv_state.at[:, slot].set(state.conv.astype(ssm.conv_state.dtype)),
-                              ssm.ssm_state.at[:, slot].set(state.ssm.astype(ssm.ssm_state.dtype))),
-                      cache.kv, cache.seq_lens.at[slot].set(seq_len))
+    return ModelCache(slot_pool.put_slot(cache.ssm, slot, state), cache.kv, cache.seq_lens.at[slot].set(seq_len))
 
 
 def _kv_take(kv: KvPool, slot, start, block: int) -> KvSlotState:

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from metrale_jax.errors import SlotError
+from metrale_jax.state import slot_pool
 from metrale_jax.state.kv_pool import KvPool, KvSlotState
 from metrale_jax.state.slots import SlotAllocator
 from metrale_jax.state.ssm_pool import SlotState, SsmPool
@@ -74,18 +75,43 @@ class ModelCache:
         return int(slot)
 
     def zero_slot(self, slot) -> ModelCache:
-        s = self.check_slot(slot)
-        return ModelCache(self.ssm.zero_slot(s), self.kv.zero_slot(s), self.seq_lens.at[s].set(0))
+        return _zero_jit(self, jnp.int32(self.check_slot(slot)))
 
     def snapshot(self, slot) -> CacheSlotState:
-        s = self.check_slot(slot)
-        return CacheSlotState(self.ssm.snapshot(s), self.kv.snapshot(s), self.seq_lens[s])
+        return _take_jit(self, jnp.int32(self.check_slot(slot)))
 
     def restore(self, slot, snap: CacheSlotState) -> ModelCache:
-        s = self.check_slot(slot)
-        return ModelCache(self.ssm.restore(s, snap.ssm), self.kv.restore(s, snap.kv),
-                          self.seq_lens.at[s].set(snap.seq_len))
+        self.ssm.check_snapshot(snap.ssm)
+        self.kv.check_snapshot(snap.kv)
+        return _put_jit(self, jnp.int32(self.check_slot(slot)), snap)
 
     def copy_slot(self, src, dst) -> ModelCache:
-        a, b = self.check_slot(src), self.check_slot(dst)
-        return ModelCache(self.ssm.copy_slot(a, b), self.kv.copy_slot(a, b), self.seq_lens.at[b].set(self.seq_lens[a]))
+        return _copy_jit(self, jnp.int32(self.check_slot(src)), jnp.int32(self.check_slot(dst)))
+
+
+# ---- the slot operations over the whole cache (pure; the methods above run them jitted, the cache donated) ----
+def zero_slot(cache: ModelCache, slot) -> ModelCache:
+    """A fresh slot: Mamba states, keys/values and length all zero."""
+    return ModelCache(slot_pool.zero_slot(cache.ssm, slot), slot_pool.zero_slot(cache.kv, slot),
+                      cache.seq_lens.at[slot].set(0))
+
+
+def take_slot(cache: ModelCache, slot) -> CacheSlotState:
+    return CacheSlotState(slot_pool.take_slot(cache.ssm, slot), slot_pool.take_slot(cache.kv, slot),
+                          cache.seq_lens[slot])
+
+
+def put_slot(cache: ModelCache, slot, snap: CacheSlotState) -> ModelCache:
+    return ModelCache(slot_pool.put_slot(cache.ssm, slot, snap.ssm), slot_pool.put_slot(cache.kv, slot, snap.kv),
+                      cache.seq_lens.at[slot].set(snap.seq_len))
+
+
+def copy_slot(cache: ModelCache, src, dst) -> ModelCache:
+    return ModelCache(slot_pool.copy_slot(cache.ssm, src, dst), slot_pool.copy_slot(cache.kv, src, dst),
+                      cache.seq_lens.at[dst].set(cache.seq_lens[src]))
+
+
+_zero_jit = jax.jit(zero_slot, donate_argnums=0)
+_take_jit = jax.jit(take_slot)
+_put_jit = jax.jit(put_slot, donate_argnums=0)
+_copy_jit = jax.jit(copy_slot, donate_argnums=0)

@@ -1,0 +1,94 @@
+"""What every slot-indexed pool shares: each array is [L, S, ...] (layers of one kind, slots on axis 1), and one slot
+can be zeroed, copied out as a snapshot (the same arrays without the slot axis), put back, or copied to another.
+
+The operations are pure functions of (pool, slot indices) here, for the compiled steps of the runtime; the pools'
+methods (`SlotPool.zero_slot`, ...) check the slot on the host and run them jitted with the pool donated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from metrale_jax.errors import SlotError
+
+
+def _arrays(x) -> tuple:
+    return tuple(getattr(x, f.name) for f in dataclasses.fields(x))
+
+
+def zero_slot(pool, slot):
+    """The pool with every array's `slot` zeroed (a fresh sequence)."""
+    return type(pool)(*(a.at[:, slot].set(0) for a in _arrays(pool)))
+
+
+def take_slot(pool, slot):
+    """A copy of one slot's arrays in every layer, as the pool's snapshot type."""
+    return pool.snapshot_type(*(a[:, slot] for a in _arrays(pool)))
+
+
+def put_slot(pool, slot, snap):
+    """The pool with `slot` set from a snapshot (cast to the pool's dtypes)."""
+    return type(pool)(*(a.at[:, slot].set(s.astype(a.dtype)) for a, s in zip(_arrays(pool), _arrays(snap))))
+
+
+def copy_slot(pool, src, dst):
+    """The pool with slot `dst` set to slot `src`."""
+    return type(pool)(*(a.at[:, dst].set(a[:, src]) for a in _arrays(pool)))
+
+
+_zero_jit = jax.jit(zero_slot, donate_argnums=0)
+_take_jit = jax.jit(take_slot)
+_put_jit = jax.jit(put_slot, donate_argnums=0)
+_copy_jit = jax.jit(copy_slot, donate_argnums=0)
+
+
+class SlotPool:
+    """Shared members of the pool dataclasses (SsmPool, KvPool): each field an array [L, S, ...]; `snapshot_type`
+    the dataclass of one slot's arrays, field for field."""
+
+    snapshot_type: type
+
+    @property
+    def num_layers(self) -> int:
+        return _arrays(self)[0].shape[0]
+
+    @property
+    def num_slots(self) -> int:
+        return _arrays(self)[0].shape[1]
+
+    @property
+    def padding_slot(self) -> int:
+        return self.num_slots - 1
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in _arrays(self))
+
+    def check_slot(self, slot) -> int:
+        if not 0 <= int(slot) < self.num_slots:
+            raise SlotError(f"slot {slot} out of range [0, {self.num_slots})")
+        return int(slot)
+
+    def zero_slot(self, slot):
+        return _zero_jit(self, jnp.int32(self.check_slot(slot)))
+
+    def snapshot(self, slot):
+        """A copy of one slot's arrays in every layer (`snapshot_type`)."""
+        return _take_jit(self, jnp.int32(self.check_slot(slot)))
+
+    def check_snapshot(self, snap) -> None:
+        """A snapshot fits this pool: its arrays are the pool's without the slot axis."""
+        want = tuple((self.num_layers, *a.shape[2:]) for a in _arrays(self))
+        got = tuple(tuple(s.shape) for s in _arrays(snap))
+        if got != want:
+            raise SlotError(f"snapshot shapes {got} do not fit this pool ({want})")
+
+    def restore(self, slot, snap):
+        self.check_snapshot(snap)
+        return _put_jit(self, jnp.int32(self.check_slot(slot)), snap)
+
+    def copy_slot(self, src, dst):
+        return _copy_jit(self, jnp.int32(self.check_slot(src)), jnp.int32(self.check_slot(dst)))
