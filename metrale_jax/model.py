@@ -37,6 +37,7 @@ from jax.sharding import PartitionSpec as P
 from metrale_jax import sharding
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import CheckpointError, ConfigError, KernelUnavailableError, ShapeError, SlotError
+from metrale_jax.init import iter_random_tensors, random_tensors  # noqa: F401  (random_tensors: API)
 from metrale_jax.layers.attention import NemotronAttentionLayer
 from metrale_jax.layers.capabilities import ModelCapabilities, combine_capabilities
 from metrale_jax.layers.mamba2 import NemotronMamba2Layer
@@ -49,9 +50,9 @@ from metrale_jax.runtime.executables import bucket
 from metrale_jax.state.cache import ModelCache
 from metrale_jax.tokenizer import load_tokenizer
 from metrale_jax.weights.checkpoint import (
-    EXPERTS_PATTERN, MAX_SHARD_BYTES, QUANTIZED_SUFFIXES, checkpoint_quantization, checkpoint_tensors,
-    expected_tensors, has_mtp, is_quantized, layer_tensors, layer_weights, missing_tensors, model_tensors,
-    mtp_layer_tensors, mtp_tensors, mtp_weights, parameter_count, read_checkpoint, unsupported, write_checkpoint)
+    EXPERTS_PATTERN, MAX_SHARD_BYTES, QUANTIZED_SUFFIXES, checkpoint_quantization, checkpoint_tensors, has_mtp,
+    is_quantized, layer_tensors, layer_weights, missing_tensors, model_tensors, mtp_layer_tensors, mtp_weights,
+    parameter_count, read_checkpoint, unsupported, write_checkpoint)
 from metrale_jax.weights.containers import (DenseWeight, Fp8Weight, Nvfp4Weight, StackedExperts, W4a4Weight,
                                             WeightQuantFormat, fp8_prefill_copy, fp8_to_block_scaled,
                                             quantize_nvfp4_weight)
@@ -180,7 +181,7 @@ class NemotronH(nnx.Module):
         if mesh is None:
             tensors = random_tensors(config, key, dtype)
         else:
-            tensors = sharding.shard_tensors(config, _random_host_tensors(config, key, mtp=False),
+            tensors = sharding.shard_tensors(config, iter_random_tensors(config, key, mtp=False),
                                              sharding.tensor_parallel(mesh), dtype)
         return cls(config, tensors, dtype=dtype, levers=levers, tokenizer=tokenizer, mesh=mesh)
 
@@ -709,49 +710,3 @@ def _vector(name: str, value, n: int) -> np.ndarray:
     return arr.astype(np.int32)
 
 
-_OUT_PROJECTIONS = ("out_proj.weight", "o_proj.weight", "down_proj.weight", "fc2_latent_proj.weight")
-
-
-def random_tensors(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> dict[str, jax.Array]:
-    """Random weights under HF names, drawn on the host (numpy, seeded from `key`): linear maps
-    ~ N(0, 1/fan_in) (output maps further / sqrt(layers)), norms ~ 1 + 0.1 N, Mamba dt / A / D as
-    `init.random_ssm_weights` draws them, and a small random e_score_correction_bias so that the
-    choice-only bias is exercised. With num_nextn_predict_layers > 0 the MTP head's tensors are drawn too,
-    after the main ones (which stay the same)."""
-    specs = {**expected_tensors(config), **mtp_tensors(config)}
-    return {n: jnp.asarray(v).astype(jnp.float32 if specs[n].keep_f32 else dtype)
-            for n, v in _random_host_tensors(config, key)}
-
-
-def _random_host_tensors(config: ModelConfig, key: jax.Array, *, mtp: bool = True):
-    """(name, float32 numpy array) pairs of `random_tensors`, drawn one at a time (mtp: the MTP head's too)."""
-    c = config
-    rng = np.random.default_rng(np.asarray(jax.random.key_data(key)).ravel().tolist())
-    depth = 1.0 / math.sqrt(c.num_hidden_layers)
-    specs = {**expected_tensors(config), **(mtp_tensors(config) if mtp else {})}
-    for name, spec in specs.items():
-        z = rng.standard_normal(spec.shape, np.float32)
-        leaf = name.rsplit(".", 1)[-1]
-        if name.endswith("norm.weight") or name == "backbone.norm_f.weight":
-            v = 1.0 + 0.1 * z
-        elif name == "backbone.embeddings.weight":
-            v = z
-        elif leaf == "dt_bias":
-            lo, hi = math.log(c.time_step_min), math.log(c.time_step_max)
-            dt = np.maximum(np.exp(rng.uniform(lo, hi, spec.shape)), c.time_step_floor)
-            v = dt + np.log(-np.expm1(-dt))                                   # inverse softplus
-        elif leaf == "A_log":
-            v = np.log(rng.uniform(1.0, 16.0, spec.shape))
-        elif leaf == "D":
-            v = 1.0 + 0.1 * z
-        elif name.endswith("conv1d.weight"):
-            v = z * c.conv_kernel ** -0.5
-        elif name.endswith("conv1d.bias"):
-            v = 0.1 * z
-        elif leaf == "e_score_correction_bias":
-            v = 0.05 * z
-        elif leaf == "bias":
-            v = 0.02 * z
-        else:
-            v = z * spec.shape[-1] ** -0.5 * (depth if name.endswith(_OUT_PROJECTIONS) else 1.0)
-        yield name, np.asarray(v, np.float32)
