@@ -5,7 +5,7 @@ from metrale_jax.errors import (  # noqa: F401
     CheckpointError, ConfigError, KernelUnavailableError, MetraleError, NonFiniteError, PoolExhaustedError, ShapeError,
     SlotError, WeightFormatError)
 from metrale_jax.layers import (  # noqa: F401
-    LayerCapabilities, LayerSlotState, NemotronMamba2Layer, NemotronSsmWeights, SsmPrefillBuffers, StepStates,
+    LayerCapabilities, NemotronMamba2Layer, NemotronSsmWeights, SsmPrefillBuffers,
     combine_capabilities)
 from metrale_jax.layers import (  # noqa: F401
     NemotronAttentionLayer, NemotronAttentionWeights, NemotronMLPLayer, NemotronMlpWeights, NemotronMoELayer,

@@ -2,7 +2,7 @@
 
 from metrale_jax.layers.capabilities import LayerCapabilities, ModelCapabilities, combine_capabilities  # noqa: F401
 from metrale_jax.layers.mamba2 import (  # noqa: F401
-    LayerSlotState, NemotronMamba2Layer, NemotronSsmWeights, SsmPrefillBuffers, StepStates)
+    NemotronMamba2Layer, NemotronSsmWeights, SsmPrefillBuffers)
 from metrale_jax.layers.projection import Projection  # noqa: F401
 from metrale_jax.layers.attention import NemotronAttentionLayer, NemotronAttentionWeights  # noqa: F401
 from metrale_jax.layers.mlp import NemotronMLPLayer, NemotronMlpWeights, Relu2MLP  # noqa: F401

@@ -21,7 +21,7 @@ from metrale_jax.layers.blocks import reduced_linear
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import check_array, check_slots
 from metrale_jax.layers.projection import Projection
-from metrale_jax.state.ssm_pool import SsmPool
+from metrale_jax.state.ssm_pool import SlotState, SsmPool
 from metrale_jax.weights.containers import DenseWeight, as_dense
 from metrale_jax.weights.quant_formats import FP8_BLOCK
 from pallas_kernels import norm_fp8, registry
@@ -51,24 +51,6 @@ class SsmPrefillBuffers:
     xbc: jax.Array                # [T, conv_dim]  after conv1d + silu
     dt: jax.Array                 # [T, H]  raw (before dt_bias / softplus)
     y: jax.Array | None = None    # [T, H, P]  scan output, set by phase 2
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class StepStates:
-    """State after every token of a multi-token decode, for verify and rollback (write-on-accept)."""
-
-    conv: jax.Array   # [n, k, conv_dim, K-1]
-    ssm: jax.Array    # [n, k, H, P, N]
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LayerSlotState:
-    """One slot's state in one layer: conv [conv_dim, K-1], ssm [H, P, N]."""
-
-    conv: jax.Array
-    ssm: jax.Array
 
 
 class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
@@ -280,7 +262,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         return jnp.where(rows.valid[..., None], out[rows.dst], hidden), pool, captured
 
     def decode_rows(self, pool: SsmPool, rows, hidden: jax.Array):
-        """hidden [n*k, D] of DecodeRows -> (hidden, pool, StepStates with rows.verify else None)."""
+        """hidden [n*k, D] of DecodeRows -> (hidden, pool, SlotState with rows.verify else None)."""
         if rows.verify:
             return self.decode_verify_multi(pool, rows.slots, hidden, rows.k)
         if rows.k != 1:
@@ -317,7 +299,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         return self._project_out(y, zxbcdt, hidden, "decode", z_col=0), pool
 
     def decode_verify_multi(self, pool: SsmPool, slots: jax.Array, hidden: jax.Array,
-                            k: int) -> tuple[jax.Array, SsmPool, StepStates]:
+                            k: int) -> tuple[jax.Array, SsmPool, SlotState]:
         """k consecutive tokens for each of n sequences in one sweep; rows sequence-major (r = i*k + j).
         slots [n], hidden [n*k, D] -> ([n*k, D], pool, state after every token)."""
         self._check_hidden(hidden)
@@ -340,9 +322,9 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
                                                                    **self._ssm_args())
         pool = SsmPool(conv.reshape(pool.conv_state.shape), ssm.reshape(pool.ssm_state.shape))
         out = self._project_out(y.reshape(n * k, *y.shape[2:]), zxbcdt, hidden, "decode", z_col=0)
-        return out, pool, StepStates(conv=conv_steps, ssm=ssm_steps)
+        return out, pool, SlotState(conv=conv_steps, ssm=ssm_steps)
 
-    def decode_batched(self, pool: SsmPool, slot, hidden: jax.Array) -> tuple[jax.Array, SsmPool, StepStates]:
+    def decode_batched(self, pool: SsmPool, slot, hidden: jax.Array) -> tuple[jax.Array, SsmPool, SlotState]:
         """K consecutive tokens of one sequence.  hidden [K, D] -> ([K, D], pool, per-token states)."""
         self._check_hidden(hidden)
         return self.decode_verify_multi(pool, jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)), hidden,
@@ -426,7 +408,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         (0 <= cut <= length): rows from the cut get the bits a prefill starting there gives. The projections
         run once over all rows; the conv and the scan run twice, heads (each from its slot's state) then tails
         (each a prefill starting at its cut from the state its head left in the slot); each half's other
-        segments go to the padding slot. Returns (hidden [T, D], pool, LayerSlotState at the cuts: conv
+        segments go to the padding slot. Returns (hidden [T, D], pool, SlotState at the cuts: conv
         [S, C, K-1], ssm [S, H, P, N])."""
         S = slots.shape[0]
         l = self.pool_layer
@@ -449,7 +431,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         tail_y, pool, _ = self.prefill_gdn_full(pool, tail_slots, bufs, cu2, tail_starts)
         y = jnp.where(tail[:, None, None], tail_y.y, head_y.y)
         out = self.prefill_phase3(hidden, dataclasses.replace(bufs, y=y))
-        return out, pool, LayerSlotState(conv=conv_cut, ssm=ssm_cut)
+        return out, pool, SlotState(conv=conv_cut, ssm=ssm_cut)
 
     def prefill(self, pool: SsmPool, slot, hidden: jax.Array, seq_len_start=0) -> tuple[jax.Array, SsmPool]:
         """T tokens of one sequence at positions seq_len_start.. .  hidden [T, D] -> ([T, D], pool)."""
@@ -458,7 +440,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         return self.prefill_varlen(pool, slots, hidden, None, jnp.reshape(jnp.asarray(seq_len_start), (1,)))
 
     def prefill_replay_tail(self, pool: SsmPool, slot, hidden: jax.Array, cut: int,
-                            seq_len_start=0) -> tuple[jax.Array, SsmPool, LayerSlotState]:
+                            seq_len_start=0) -> tuple[jax.Array, SsmPool, SlotState]:
         """Prefill split at row `cut`: rows from the cut get the bits a prefill starting there gives,
         and the state at the cut is captured (for the prefix cache)."""
         self._check_hidden(hidden)
@@ -472,7 +454,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
             parts.append(head)
         slots = jnp.reshape(jnp.asarray(slot, jnp.int32), (1,))
         conv, ssm = self._start_states(pool, slots, jnp.reshape(start + cut, (1,)))
-        captured = LayerSlotState(conv=conv[0], ssm=ssm[0])
+        captured = SlotState(conv=conv[0], ssm=ssm[0])
         if cut < T:
             tail, pool = self.prefill(pool, slot, hidden[cut:], start + cut)
             parts.append(tail)

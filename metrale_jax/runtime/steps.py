@@ -60,7 +60,7 @@ class PrefillOut:
 
 def _captured_states(cache: ModelCache, captured, capture_rows) -> tuple[SlotState, ...]:
     """Per capture row r: the state at its row's cut in every Mamba layer (captured: the block loop's
-    LayerSlotStates [B, ...] per Mamba layer)."""
+    SlotStates [B, ...] per Mamba layer)."""
     out = []
     for r in range(capture_rows.shape[0]):
         b = capture_rows[r]

@@ -18,7 +18,9 @@ from metrale_jax.state.slot_pool import SlotPool
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SlotState:
-    """One slot's state across all Mamba layers: conv [L, C, K-1], ssm [L, H, P, N]."""
+    """Mamba-2 state: the conv window conv [..., C, K-1] and the SSM state ssm [..., H, P, N]. The leading axes
+    say whose: [L] one slot in every Mamba layer (a snapshot of the pool), none one slot in one layer (a layer's
+    replay-tail capture), [B] one per request (a batch's captures), [n, k] after every verified token."""
 
     conv: jax.Array
     ssm: jax.Array
