@@ -359,7 +359,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         zxbcdt = self.prefill_phase1_proj_batched(hidden)
         return self.prefill_phase1_conv1d(pool, slots, zxbcdt, _cu(cu_seqlens, hidden.shape[0]), seq_len_starts)
 
-    def prefill_gdn_full(self, pool: SsmPool, slots: jax.Array, bufs: SsmPrefillBuffers, cu_seqlens: jax.Array,
+    def prefill_ssd_scan(self, pool: SsmPool, slots: jax.Array, bufs: SsmPrefillBuffers, cu_seqlens: jax.Array,
                          seq_len_starts: jax.Array | int = 0, *, return_chunk_states: bool = False):
         """Phase 2: one varlen SSD scan over every request (seed: the GDN recurrence, here Mamba-2 SSD).
         Returns (buffers with y, pool with final states, chunk-boundary states or None)."""
@@ -375,18 +375,22 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         pool = SsmPool(pool.conv_state, pool.ssm_state.at[l, slots].set(out.final_states.astype(pool.ssm_state.dtype)))
         return dataclasses.replace(bufs, y=out.y), pool, out.chunk_states
 
-    def prefill_gdn_full_batched(self, pool: SsmPool, slots: jax.Array, bufs: SsmPrefillBuffers, chunk_len: int,
+    def prefill_ssd_scan_batched(self, pool: SsmPool, slots: jax.Array, bufs: SsmPrefillBuffers, chunk_len: int,
                                  seq_len_starts: jax.Array | int = 0):
         """Phase 2 for equal-length streams lying back to back (len(slots) streams of chunk_len tokens)."""
         cu = jnp.arange(len(slots) + 1, dtype=jnp.int32) * chunk_len
         if bufs.xbc.shape[0] != len(slots) * chunk_len:
             raise ShapeError(f"bufs: {bufs.xbc.shape[0]} tokens, expected {len(slots)} x {chunk_len}")
-        return self.prefill_gdn_full(pool, slots, bufs, cu, seq_len_starts)
+        return self.prefill_ssd_scan(pool, slots, bufs, cu, seq_len_starts)
+
+    # the seed engine's names for phase 2 (its GDN recurrence is Mamba-2's SSD scan here)
+    prefill_gdn_full = prefill_ssd_scan
+    prefill_gdn_full_batched = prefill_ssd_scan_batched
 
     def prefill_phase3(self, hidden: jax.Array, bufs: SsmPrefillBuffers) -> jax.Array:
         """Phase 3: gated norm with z, out_proj, residual.  hidden [T, D] -> [T, D]."""
         if bufs.y is None:
-            raise ShapeError("bufs.y: phase 2 (prefill_gdn_full) has not run on these buffers")
+            raise ShapeError("bufs.y: phase 2 (prefill_ssd_scan) has not run on these buffers")
         return self._project_out(bufs.y, bufs.z, hidden, "prefill")
 
     # ---- prefill -----------------------------------------------------------------------
@@ -395,7 +399,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         """Packed requests: slots [S], hidden [T, D] packed by cu_seqlens [S+1]; a request continues
         from its slot's state when its seq_len_start > 0.  Returns (hidden [T, D], pool[, chunk states])."""
         bufs, pool = self.prefill_phase1(pool, slots, hidden, cu_seqlens, seq_len_starts)
-        bufs, pool, chunks = self.prefill_gdn_full(pool, slots, bufs, _cu(cu_seqlens, hidden.shape[0]),
+        bufs, pool, chunks = self.prefill_ssd_scan(pool, slots, bufs, _cu(cu_seqlens, hidden.shape[0]),
                                                    seq_len_starts, return_chunk_states=return_chunk_states)
         out = self.prefill_phase3(hidden, bufs)
         return (out, pool, chunks) if return_chunk_states else (out, pool)
@@ -426,9 +430,9 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         conv_cut = pool.conv_state[l, slots]
         tail_bufs, pool = self.prefill_phase1_conv1d(pool, tail_slots, zxbcdt, cu2, tail_starts)
         bufs = SsmPrefillBuffers(z=head.z, xbc=jnp.where(tail[:, None], tail_bufs.xbc, head.xbc), dt=head.dt)
-        head_y, pool, _ = self.prefill_gdn_full(pool, head_slots, bufs, cu2, head_starts)
+        head_y, pool, _ = self.prefill_ssd_scan(pool, head_slots, bufs, cu2, head_starts)
         ssm_cut = pool.ssm_state[l, slots]
-        tail_y, pool, _ = self.prefill_gdn_full(pool, tail_slots, bufs, cu2, tail_starts)
+        tail_y, pool, _ = self.prefill_ssd_scan(pool, tail_slots, bufs, cu2, tail_starts)
         y = jnp.where(tail[:, None, None], tail_y.y, head_y.y)
         out = self.prefill_phase3(hidden, dataclasses.replace(bufs, y=y))
         return out, pool, SlotState(conv=conv_cut, ssm=ssm_cut)

@@ -135,7 +135,7 @@ def test_split_phases_and_equal_length_batch_equal_prefill(rng):
     def phases(layer, pool, x):
         zxbcdt = layer.prefill_phase1_proj_batched(x)
         bufs, pool = layer.prefill_phase1_conv1d(pool, slots, zxbcdt, cu, jnp.zeros(3, jnp.int32))
-        bufs, pool, _ = layer.prefill_gdn_full_batched(pool, slots, bufs, L)
+        bufs, pool, _ = layer.prefill_ssd_scan_batched(pool, slots, bufs, L)
         return layer.prefill_phase3(x, bufs), pool
 
     y, pool = phases(layer, pool0, x)
@@ -282,6 +282,9 @@ def test_capability_flags():
     assert flags.fp8_calibration_frozen is None
     caps = combine_capabilities([flags])
     assert caps.replay_tail_capture and not caps.decode_graph_veto
+    # the seed's entry-point names stay: its GDN phase 2 is the SSD scan here
+    assert flags.prefill_gdn_full is flags.prefill_ssd_scan
+    assert flags.prefill_gdn_full_batched is flags.prefill_ssd_scan_batched
 
 
 def test_bad_inputs_raise_typed_errors_naming_the_argument(rng):
