@@ -72,7 +72,7 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
                               if 0 <= layer_idx < config.num_hidden_layers else f"{layer_idx} out of range")
         levers = levers or ModelLevers()
         c = config
-        self.config = config
+        self._config = config                     # shown once, by the model (LayerCapabilities.config)
         self.layer_idx = layer_idx
         self.pool_layer = c.attention_layer_ids.index(layer_idx) if pool_layer is None else pool_layer
         self.kernels = levers.kernels

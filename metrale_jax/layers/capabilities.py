@@ -32,6 +32,12 @@ class LayerCapabilities:
     def block_name(self) -> str:
         return f"{self.block_kind}{self.layer_idx}"
 
+    @property
+    def config(self):
+        """The model's ModelConfig. Kept as `_config` so that a model's repr / treescope view shows it once (on
+        the model), not inside every block."""
+        return self._config
+
 
 @dataclasses.dataclass(frozen=True)
 class ModelCapabilities:

@@ -70,7 +70,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
             raise ConfigError("layer_idx", f"layer {layer_idx} is {config.layer_kinds[layer_idx]!r}, not mamba"
                               if 0 <= layer_idx < config.num_hidden_layers else f"{layer_idx} out of range")
         levers = levers or ModelLevers()
-        self.config = config
+        self._config = config                     # shown once, by the model (LayerCapabilities.config)
         self.layer_idx = layer_idx
         self.pool_layer = config.mamba_layer_ids.index(layer_idx) if pool_layer is None else pool_layer
         self.chunk_size = levers.ssm_chunk_size(config)

@@ -93,7 +93,7 @@ class NemotronMLPLayer(StatelessRows, LayerCapabilities, nnx.Module):
             raise ConfigError("layer_idx", f"layer {layer_idx} is not an MLP layer of "
                                            f"{config.hybrid_override_pattern!r}")
         levers = levers or ModelLevers()
-        self.config = config
+        self._config = config                     # shown once, by the model (LayerCapabilities.config)
         self.layer_idx = layer_idx
         self.kernels = levers.kernels
         name = f"backbone.layers.{layer_idx}"

@@ -140,7 +140,7 @@ class NemotronMoELayer(StatelessRows, LayerCapabilities, nnx.Module):
                                            f"{config.hybrid_override_pattern!r}")
         levers = levers or ModelLevers()
         c = config
-        self.config = config
+        self._config = config                     # shown once, by the model (LayerCapabilities.config)
         self.layer_idx = layer_idx
         self.kernels = levers.kernels
         name = f"backbone.layers.{layer_idx}"

@@ -91,7 +91,7 @@ class NemotronMTP(nnx.Module):
     def __init__(self, config: ModelConfig, blocks, steps, *, levers: ModelLevers | None = None):
         levers = levers or ModelLevers()
         view = mtp_view(config)
-        self.config = config
+        self._config = config                     # shown once, by the model
         self.kernels = levers.kernels
         self.per_step = len(config.mtp_hybrid_override_pattern)
         if len(blocks) != view.num_hidden_layers or len(steps) != config.num_nextn_predict_layers:
@@ -102,6 +102,10 @@ class NemotronMTP(nnx.Module):
         P, D = self.per_step, config.hidden_size
         self.ends = nnx.List([_StepEnds(f"mtp.layers.{s * P}", f"mtp.layers.{s * P + P - 1}", w, D, self.kernels)
                               for s, w in enumerate(steps)])
+
+    @property
+    def config(self) -> ModelConfig:
+        return self._config
 
     @property
     def num_steps(self) -> int:

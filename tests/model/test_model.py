@@ -172,6 +172,17 @@ def test_capabilities_and_eager_levers(model):
     assert eager._step("decode") is _IMPLS["decode"] and model._step("decode") is _JITTED["decode"]
 
 
+def test_repr_shows_the_config_once_and_every_block(model):
+    """A notebook's view of the model: its weights and blocks, the ModelConfig once (not inside every block)."""
+    r = repr(model)
+    assert r.count("ModelConfig(") == 1
+    kinds = {"M": "NemotronMamba2Layer(", "*": "NemotronAttentionLayer(", "-": "NemotronMLPLayer(",
+             "E": "NemotronMoELayer("}
+    for kind, cls in kinds.items():
+        assert r.count(cls) == model.config.hybrid_override_pattern.count(kind)
+    assert all(layer.config is model.config for layer in model.layers)
+
+
 def test_bad_arguments_raise_typed_errors(model, ids16):
     cache = model.new_cache(2, 8)
     with pytest.raises(ShapeError, match="token ids must lie"):
