@@ -16,10 +16,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
-from metrale_jax.errors import ConfigError, ShapeError, WeightFormatError
+from metrale_jax.errors import ShapeError, WeightFormatError
 from metrale_jax.layers.blocks import linear, optional_param, param, reduced_linear, value_of
 from metrale_jax.layers.capabilities import LayerCapabilities
-from metrale_jax.layers.checks import check_array, check_slots
+from metrale_jax.layers.checks import check_array, check_layer_index, check_slots
 from metrale_jax.layers.projection import Projection
 from metrale_jax.state.kv_pool import KvPool
 from pallas_kernels import registry
@@ -67,9 +67,7 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
 
     def __init__(self, input_norm, attn: NemotronAttentionWeights, config: ModelConfig, layer_idx: int, *,
                  pool_layer: int | None = None, levers: ModelLevers | None = None):
-        if layer_idx not in config.attention_layer_ids:
-            raise ConfigError("layer_idx", f"layer {layer_idx} is {config.layer_kinds[layer_idx]!r}, not attention"
-                              if 0 <= layer_idx < config.num_hidden_layers else f"{layer_idx} out of range")
+        check_layer_index(config, layer_idx, "*")
         levers = levers or ModelLevers()
         c = config
         self._config = config                     # shown once, by the model (LayerCapabilities.config)

@@ -6,7 +6,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from metrale_jax.errors import ShapeError
+from metrale_jax.config import BLOCK_KINDS
+from metrale_jax.errors import ConfigError, ShapeError
 
 
 def check_array(name: str, value, shape: tuple[int | None, ...], *, floating: bool = False,
@@ -29,3 +30,13 @@ def check_slots(name: str, slots, n: int) -> jax.Array:
     slots = jnp.asarray(slots)
     check_array(name, slots, (n,), integer=True)
     return slots.astype(jnp.int32)
+
+
+def check_layer_index(config, layer_idx: int, kind: str) -> None:
+    """layer_idx names a block of pattern character `kind` in config.hybrid_override_pattern (ConfigError)."""
+    pattern = config.hybrid_override_pattern
+    if not 0 <= layer_idx < len(pattern):
+        raise ConfigError("layer_idx", f"{layer_idx} out of range for the pattern {pattern!r}")
+    if pattern[layer_idx] != kind:
+        raise ConfigError("layer_idx", f"layer {layer_idx} is {BLOCK_KINDS[pattern[layer_idx]]!r}, not "
+                                       f"{BLOCK_KINDS[kind]!r} (pattern {pattern!r})")

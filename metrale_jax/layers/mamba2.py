@@ -16,10 +16,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
-from metrale_jax.errors import ConfigError, ShapeError, WeightFormatError
+from metrale_jax.errors import ShapeError, WeightFormatError
 from metrale_jax.layers.blocks import reduced_linear
 from metrale_jax.layers.capabilities import LayerCapabilities
-from metrale_jax.layers.checks import check_array, check_slots
+from metrale_jax.layers.checks import check_array, check_layer_index, check_slots
 from metrale_jax.layers.projection import Projection
 from metrale_jax.state.ssm_pool import SlotState, SsmPool
 from metrale_jax.weights.containers import DenseWeight, as_dense
@@ -66,9 +66,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
 
     def __init__(self, input_norm, ssm: NemotronSsmWeights, config: ModelConfig, layer_idx: int, *,
                  pool_layer: int | None = None, levers: ModelLevers | None = None):
-        if layer_idx not in config.mamba_layer_ids:
-            raise ConfigError("layer_idx", f"layer {layer_idx} is {config.layer_kinds[layer_idx]!r}, not mamba"
-                              if 0 <= layer_idx < config.num_hidden_layers else f"{layer_idx} out of range")
+        check_layer_index(config, layer_idx, "M")
         levers = levers or ModelLevers()
         self._config = config                     # shown once, by the model (LayerCapabilities.config)
         self.layer_idx = layer_idx

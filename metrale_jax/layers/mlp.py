@@ -14,10 +14,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
-from metrale_jax.errors import ConfigError, WeightFormatError
+from metrale_jax.errors import WeightFormatError
 from metrale_jax.layers.blocks import StatelessRows, linear, optional_param, param, plus_bias, value_of
 from metrale_jax.layers.capabilities import LayerCapabilities
-from metrale_jax.layers.checks import check_array
+from metrale_jax.layers.checks import check_array, check_layer_index
 from metrale_jax.layers.projection import Projection
 from pallas_kernels import registry
 
@@ -89,9 +89,7 @@ class NemotronMLPLayer(StatelessRows, LayerCapabilities, nnx.Module):
 
     def __init__(self, input_norm, mlp: NemotronMlpWeights, config: ModelConfig, layer_idx: int, *,
                  levers: ModelLevers | None = None):
-        if not 0 <= layer_idx < config.num_hidden_layers or config.hybrid_override_pattern[layer_idx] != "-":
-            raise ConfigError("layer_idx", f"layer {layer_idx} is not an MLP layer of "
-                                           f"{config.hybrid_override_pattern!r}")
+        check_layer_index(config, layer_idx, "-")
         levers = levers or ModelLevers()
         self._config = config                     # shown once, by the model (LayerCapabilities.config)
         self.layer_idx = layer_idx

@@ -25,7 +25,7 @@ from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import ConfigError, WeightFormatError
 from metrale_jax.layers.blocks import StatelessRows, linear, optional_param, param, plus_bias, value_of
 from metrale_jax.layers.capabilities import LayerCapabilities
-from metrale_jax.layers.checks import check_array
+from metrale_jax.layers.checks import check_array, check_layer_index
 from metrale_jax.layers.mlp import NemotronMlpWeights, Relu2MLP, relu2
 from metrale_jax.layers.projection import Projection, QuantWeight
 from metrale_jax.weights.containers import Fp8Weight, StackedExperts
@@ -135,9 +135,7 @@ class NemotronMoELayer(StatelessRows, LayerCapabilities, nnx.Module):
                  levers: ModelLevers | None = None, expert_shards: int = 1):
         """expert_shards: the routed experts are split in that many equal parts and this layer holds one
         (expert parallelism: a device view holds E / tp experts; the router still sees all E)."""
-        if not 0 <= layer_idx < config.num_hidden_layers or config.hybrid_override_pattern[layer_idx] != "E":
-            raise ConfigError("layer_idx", f"layer {layer_idx} is not an MoE layer of "
-                                           f"{config.hybrid_override_pattern!r}")
+        check_layer_index(config, layer_idx, "E")
         levers = levers or ModelLevers()
         c = config
         self._config = config                     # shown once, by the model (LayerCapabilities.config)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from metrale_jax import (ModelConfig, NemotronMamba2Layer, NemotronSsmWeights, ShapeError, SlotAllocator, SsmPool,
+from metrale_jax import (ConfigError, ModelConfig, NemotronMamba2Layer, NemotronSsmWeights, ShapeError, SlotAllocator, SsmPool,
                          WeightFormatError, combine_capabilities)
 from metrale_jax.init import random_norm, random_ssm_weights
 from metrale_jax.weights import DenseWeight
@@ -285,6 +285,19 @@ def test_capability_flags():
     # the seed's entry-point names stay: its GDN phase 2 is the SSD scan here
     assert flags.prefill_gdn_full is flags.prefill_ssd_scan
     assert flags.prefill_gdn_full_batched is flags.prefill_ssd_scan_batched
+
+
+@pytest.mark.parametrize("cls,idx,match", [
+    ("mamba", 0, r"layer 0 is 'attention', not 'mamba'"), ("attention", 1, r"layer 1 is 'mamba', not 'attention'"),
+    ("mamba", 9, "9 out of range"), ("mlp", -1, "-1 out of range")])
+def test_a_block_built_for_another_layer_kind_is_refused(cls, idx, match):
+    from metrale_jax.layers.checks import check_layer_index
+
+    config = ModelConfig.from_hf(dict(vocab_size=32, hidden_size=16, hybrid_override_pattern="*M-E"))
+    kind = {"mamba": "M", "attention": "*", "mlp": "-"}[cls]
+    with pytest.raises(ConfigError, match=match):
+        check_layer_index(config, idx, kind)
+    check_layer_index(config, config.hybrid_override_pattern.index(kind), kind)       # its own layer passes
 
 
 def test_bad_inputs_raise_typed_errors_naming_the_argument(rng):
