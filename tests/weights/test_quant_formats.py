@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from metrale_jax.weights import quant_formats as qf
+from tests.numpy_refs import rel_err
 
 
 def test_e2m1_decode_every_code_numpy_and_jnp():
@@ -141,3 +142,22 @@ def test_fp8_activation_quantizers(rng):
     assert np.linalg.norm(back - np.asarray(x, np.float32)) / np.linalg.norm(np.asarray(x, np.float32)) < 0.04
     q, s = qf.quantize_rows_fp8(x)
     np.testing.assert_allclose(np.abs(np.asarray(q, np.float32)).max(1), 448)
+
+
+def test_checked_constructors_build_containers_from_checkpoint_arrays(rng):
+    """fp8_weight / nvfp4_weight (weights.containers): the arrays a checkpoint holds become a checked container
+    that dequantizes to the tensor quantized; a wrong scale shape or dtype is a WeightFormatError naming it."""
+    from metrale_jax.errors import WeightFormatError
+    from metrale_jax.weights.containers import fp8_weight, nvfp4_weight
+
+    w = jnp.asarray(rng.standard_normal((256, 384)), jnp.float32)
+    q, scale = qf.quantize_fp8_block(w)
+    fp8 = fp8_weight("layers.0.in_proj", np.asarray(q), np.asarray(scale), shape=(256, 384))
+    assert rel_err(np.asarray(fp8.dequantize(jnp.float32)), np.asarray(w)) < 0.05
+    with pytest.raises(WeightFormatError, match=r"layers.0.in_proj: block scale .* \[2, 3\]"):
+        fp8_weight("layers.0.in_proj", q, scale[:1])
+    packed, s, g = qf.quantize_nvfp4(w)
+    nv = nvfp4_weight("layers.0.out_proj", packed, s, g, shape=(256, 384))
+    assert rel_err(np.asarray(nv.dequantize(jnp.float32)), np.asarray(w)) < 0.2
+    with pytest.raises(WeightFormatError, match="layers.0.out_proj: packed weight must be"):
+        nvfp4_weight("layers.0.out_proj", packed, s, g, shape=(256, 512))
