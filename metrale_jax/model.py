@@ -487,6 +487,13 @@ def decode_step(model: NemotronH, cache: ModelCache, slots, tokens):
         out_specs = (sharding.logits_spec(model, 2), sharding.cache_specs(model.config, model.tp))
         return sharding.run_sharded(decode_step, model, cache, slots, tokens, out_specs=out_specs)
     TRACE_COUNTS["decode"] += 1
+    if tokens.shape[0] == 1:
+        # XLA compiles a batch of one with its batch axis simplified away, which rounds differently; with a
+        # padding row beside it a lone sequence gets the bits it gets in any batch
+        logits, cache = decode_step(model, cache, jnp.concatenate([slots, jnp.full((1,), cache.padding_slot,
+                                                                                     slots.dtype)]),
+                                    jnp.concatenate([tokens, tokens]))
+        return logits[:1], cache
     pos = cache.seq_lens[slots]
     h = model.embeddings[...][tokens]                                       # [B, D]
     h, new, _ = run_blocks(model.layers, DecodeRows(slots, pos), cache, h)

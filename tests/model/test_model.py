@@ -78,6 +78,19 @@ def test_a_sequence_gets_the_same_alone_as_in_a_batch(model, ids16):
         np.testing.assert_allclose(np.asarray(step)[0], np.asarray(batch_step)[b], rtol=1e-5, atol=1e-5)
 
 
+def test_a_decoded_row_alone_has_the_bits_it_has_beside_another(rng):
+    """On the built-in model (bf16): one sequence decoded alone and the same state decoded beside another live
+    sequence give the same logits bit for bit (a lone row is not compiled as a batch of one)."""
+    from metrale_jax.builtin import load_builtin
+
+    m = load_builtin()
+    ids = rng.integers(3, m.config.vocab_size, (2, 12)).astype(np.int32)
+    _, cache = m.prefill(m.new_cache(2, 32), [0, 1], ids)
+    alone, _ = m.decode(jax.tree.map(jnp.copy, cache), [0], ids[:1, 5])
+    pair, _ = m.decode(cache, [0, 1], ids[:, 5])
+    np.testing.assert_array_equal(np.asarray(alone)[0], np.asarray(pair)[0])
+
+
 def test_chunked_prefill_continues_from_the_cache(model, ids16, full16):
     """5 tokens, then 6 more continuing the slot (the other row starts fresh in the same call)."""
     cache = model.new_cache(2, 16)
