@@ -42,13 +42,32 @@ class NemotronAttentionWeights:
     o_bias: jax.Array | None = None  # [D]
 
 
+# queries attended at once: the scores of a block are [B, KVH, G, QUERY_BLOCK, Tk] float32, so a long prefill
+# needs memory linear in its length, not quadratic (each query's softmax still spans all its keys)
+QUERY_BLOCK = 512
+
+
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, limit: jax.Array,
            scale: float) -> jax.Array:
     """Masked GQA attention, softmax in float32.
 
     q [B, Tq, KVH, G, hd], k/v [B, Tk, KVH, hd], q_pos [B, Tq], k_pos [Tk]; a key is visible to a query
-    when k_pos <= q_pos and k_pos < limit[b].  Returns [B, Tq, KVH, G, hd] float32.
+    when k_pos <= q_pos and k_pos < limit[b].  Returns [B, Tq, KVH, G, hd] float32. More than QUERY_BLOCK
+    queries are taken a block at a time.
     """
+    Tq = q.shape[1]
+    if Tq <= QUERY_BLOCK:
+        return _attend_block(q, k, v, q_pos, k_pos, limit, scale)
+    n = -(-Tq // QUERY_BLOCK)
+    pad = n * QUERY_BLOCK - Tq
+    qb = jnp.pad(q, ((0, 0), (0, pad)) + ((0, 0),) * 3)
+    pb = jnp.pad(q_pos, ((0, 0), (0, pad)))
+    blocks = lambda x: jnp.moveaxis(x.reshape(x.shape[0], n, QUERY_BLOCK, *x.shape[2:]), 1, 0)
+    out = jax.lax.map(lambda a: _attend_block(a[0], k, v, a[1], k_pos, limit, scale), (blocks(qb), blocks(pb)))
+    return jnp.moveaxis(out, 0, 1).reshape(q.shape[0], n * QUERY_BLOCK, *out.shape[3:])[:, :Tq]
+
+
+def _attend_block(q, k, v, q_pos, k_pos, limit, scale):
     s = jnp.einsum("bqkgd,bskd->bkgqs", q.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
     visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < limit[:, None, None])
     s = jnp.where(visible[:, None, None], s, _NEG)
