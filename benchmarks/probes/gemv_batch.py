@@ -3,7 +3,7 @@ x tiles per CTA (auto m_tiles, the default) against one CTA per 16 rows (m_tiles
 Nemotron-H-8B projection shapes, M = 1 .. 256. Each arm checked against the reference first; wall us per call
 (4 distinct argument sets queued in one executable, best of 3 trials).
 
-    PYTHONPATH=. python3 tools/gemv_batch.py --out $OUT [--kernels w8,w4] [--ms 1,16,64,256] [--m-tiles 1,2]
+    PYTHONPATH=. python3 benchmarks/probes/gemv_batch.py --out $OUT [--kernels w8,w4] [--ms 1,16,64,256] [--m-tiles 1,2]
         [--launch 128/4/2,64/2/0/8,64/4/2/p] [--shapes in_proj,n16896=16896x4096] [--gpu-time]
 writes OUT/gemv_batch.json."""
 

@@ -1,9 +1,10 @@
-"""tools/gmem_stream_probe.py: the direct-load stream kernel reads every byte once (GPU interpret mode on the CPU)."""
+"""benchmarks/probes/gmem_stream_probe.py: the direct-load stream kernel reads every byte once (GPU interpret mode
+on the CPU)."""
 
 import jax.numpy as jnp
 import pytest
 
-from tools.gmem_stream_probe import stream_xor, stream_xor_reference
+from benchmarks.probes.gmem_stream_probe import stream_xor, stream_xor_reference
 
 
 @pytest.fixture(autouse=True)

@@ -2,7 +2,7 @@
 round after round, so a drift of the GPU's clocks between runs hits all of them alike. Each arm quantizes its
 bf16 x (the fused quantizer), as the layer's call does.
 
-    PYTHONPATH=. python3 tools/prefill_ab.py --out $OUT --tag s8c4 [--rounds 5] [--shapes in_proj,out_proj]
+    PYTHONPATH=. python3 benchmarks/probes/prefill_ab.py --out $OUT --tag TAG [--rounds 5] [--shapes in_proj,out_proj]
 writes OUT/prefill_ab_<tag>.json (per arm: the wall us of every round, min, median, median ratio vs XLA BF16)."""
 
 from __future__ import annotations

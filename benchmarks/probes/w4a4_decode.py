@@ -1,11 +1,11 @@
 """W4A4 decode on the H200: the Triton and Mosaic arms of `w4a4_gemm` (decode=True) at the Nemotron-H-8B projection
 shapes, M = 1 / 16 / 256, wall us per call (4 distinct x queued, best of 3 trials); and a check of the activation
-pass on the GPU, eager against jitted (session 9 saw both jitted arms 7% away from the eagerly evaluated reference
+pass on the GPU, eager against jitted (an earlier run saw both jitted arms 7% away from the eagerly evaluated reference
 at the 8B shapes while agreeing with each other to 3e-8; the E4M3 rounding of the group scales was a convert round
 trip, which XLA GPU may fold away in jitted code; it is `round_e4m3` now, and this check should find no
 difference).
 
-    PYTHONPATH=. python3 tools/w4a4_decode.py --out $OUT
+    PYTHONPATH=. python3 benchmarks/probes/w4a4_decode.py --out $OUT
 writes OUT/w4a4_decode.json."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from benchmarks import timing
 from benchmarks.bench_prefill import SHAPES
 from pallas_kernels import w4a4
 from tests.numpy_refs import rel_err
-from tools.gemv_batch import nvfp4_rows
+from benchmarks.probes.gemv_batch import nvfp4_rows
 
 
 def activation_check(x) -> dict:

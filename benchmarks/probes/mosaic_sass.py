@@ -5,13 +5,13 @@
 (the log then holds the lowered module with the cubin embedded as `gpu.binary @<kernel> [... bin = "..."]`), and
 on any machine (no GPU needed)
 
-    python3 tools/mosaic_sass.py log --out DIR [--control]
+    python3 benchmarks/probes/mosaic_sass.py log --out DIR [--control]
 
 writes DIR/<kernel>.cubin per kernel and, where nvdisasm is found ($NVDISASM, PATH, or the `nvidia-cuda-nvdisasm`
 wheel: `pip install nvidia-cuda-nvdisasm`), DIR/<kernel>.sass and an opcode count of each loop (a label and the
 last branch back to it) of at least --min-loop instructions: what ptxas made of the inner loops. --control adds
-DIR/<kernel>.ctl.txt, each instruction with the scoreboards it sets and waits for (session 13: a global-load prefetch
-defeated by a full scoreboard wait at the loop head).
+DIR/<kernel>.ctl.txt, each instruction with the scoreboards it sets and waits for (how a global-load prefetch
+in the w4 GEMV, commit 5b594f4, was defeated by a full scoreboard wait at the loop head).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Where the wall time of a prefill arm goes on the GPU: per-kernel durations and the idle gaps between
 consecutive kernels in a perfetto trace, next to the wall time of the same queued calls (H200 probe).
 
-    PYTHONPATH=. python3 tools/prefill_gaps.py --out $OUT [--shapes out_proj]
+    PYTHONPATH=. python3 benchmarks/probes/prefill_gaps.py --out $OUT [--shapes out_proj]
 writes OUT/prefill_gaps.json."""
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ first. Beside it, in the same interleaved rounds: XLA's BF16 GEMV (M = 1), the M
 XLA uint32 reduction of the same bytes. Wall times of queued calls carry ~10 us of per-call overhead at these sizes,
 so each arm is also timed from a profiler trace (gpu_us).
 
-    PYTHONPATH=. python3 tools/gmem_stream_probe.py --out $OUT --tag TAG --configs 64:256:2:1,64:256:2:4
+    PYTHONPATH=. python3 benchmarks/probes/gmem_stream_probe.py --out $OUT --tag TAG --configs 64:256:2:1,64:256:2:4
 """
 
 from __future__ import annotations

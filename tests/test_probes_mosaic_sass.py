@@ -1,7 +1,7 @@
-"""tools/mosaic_sass.py: the cubin is recovered byte for byte from an MLIR dump (escapes, quotes, backslashes), and
-loops are counted between a label and its last backward branch."""
+"""benchmarks/probes/mosaic_sass.py: the cubin is recovered byte for byte from an MLIR dump (escapes, quotes,
+backslashes), and loops are counted between a label and its last backward branch."""
 
-from tools import mosaic_sass
+from benchmarks.probes import mosaic_sass
 
 
 def _mlir_escape(data: bytes) -> str:
@@ -33,8 +33,8 @@ def test_loops_count_the_body_between_label_and_back_branch():
 
 
 def test_control_bits_decode_scoreboards_and_waits():
-    """Two instructions from the session-13 SASS: a global load that sets scoreboard 5 (stall 4) and the decode
-    instruction at the loop head that waits on scoreboards 1 and 5."""
+    """Two instructions from the SASS of the w4 GEMV with a global-load prefetch (5b594f4): a global load that sets
+    scoreboard 5 (stall 4) and the decode instruction at the loop head that waits on scoreboards 1 and 5."""
     hexed = "\n".join([
         "        /*0540*/                   LD.E.64 R98, desc[UR30][R20.64] ;       /* 0x0000001e14627980 */",
         "                                                                           /* 0x000f68000c101b00 */",

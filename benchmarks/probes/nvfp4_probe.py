@@ -3,7 +3,7 @@ each config (tm<rows>:st<stages>:<grid minor><tile width>) and XLA BF16 timed in
 the same clocks. Before timing, every config's bf16 output is checked against the reference.
 Writes OUT/nvfp4_probe_<date>_<tag>.json.
 
-    PYTHONPATH=. python3 tools/nvfp4_probe.py --out $OUT --tag TAG --configs tm256:st2:n8,tm128:st4:m8
+    PYTHONPATH=. python3 benchmarks/probes/nvfp4_probe.py --out $OUT --tag TAG --configs tm256:st2:n8,tm128:st4:m8
 
 --ref-module FILE loads another copy of the kernel module (e.g. `git show REV:pallas_kernels/mgpu_gemm_nvfp4.py`);
 configs written ref:<config> run on it, in the same rounds (an A/B against an earlier version).
