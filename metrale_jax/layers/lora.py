@@ -82,8 +82,12 @@ def low_rank(x: jax.Array, rows: jax.Array, a: jax.Array, b: jax.Array, scale: j
 # ---- which adapter each row uses ------------------------------------------------------------------
 @contextlib.contextmanager
 def slot_adapters(table: jax.Array | None) -> Iterator[None]:
-    """Scope a step's per-slot adapter indices (table [num_slots] int32; None: no adapter anywhere)."""
-    token = _SLOT_TABLE.set(None if table is None else jnp.asarray(table, jnp.int32))
+    """Scope a step's per-slot adapter indices (table [num_slots] int32). None leaves the scope as it is (a
+    step called by another that scoped a table, as the Engine's steps call the model's, keeps that table)."""
+    if table is None:
+        yield
+        return
+    token = _SLOT_TABLE.set(jnp.asarray(table, jnp.int32))
     try:
         yield
     finally:
