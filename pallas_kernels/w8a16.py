@@ -240,9 +240,8 @@ def w8a16_gemm_pipelined_pallas(x, w, scale, *, out_dtype=None, interpret: bool 
     return fp8_block_gemm(x, w, scale, out_dtype=out_dtype, interpret=interpret, blocks=blocks)
 
 
-registry.register("w8a16_gemv", reference=w8a16_reference, pallas=w8a16_gemv_pallas,
-                  grad_wrt=registry.ACTIVATIONS)
-registry.register("w8a16_gemm", reference=w8a16_reference, pallas=w8a16_gemm_pallas,
-                  grad_wrt=registry.ACTIVATIONS)
-registry.register("w8a16_gemm_pipelined", reference=w8a16_pipelined_reference, pallas=w8a16_gemm_pipelined_pallas,
-                  grad_wrt=registry.ACTIVATIONS)
+registry.register("w8a16_gemv", reference=w8a16_reference, pallas=w8a16_gemv_pallas)
+registry.register("w8a16_gemm", reference=w8a16_reference, pallas=w8a16_gemm_pallas)
+registry.register("w8a16_gemm_pipelined", reference=w8a16_pipelined_reference, pallas=w8a16_gemm_pipelined_pallas)
+for _name in ("w8a16_gemv", "w8a16_gemm", "w8a16_gemm_pipelined"):   # gradients to the activations only
+    registry.register(_name, grad_wrt=registry.ACTIVATIONS)
