@@ -181,6 +181,9 @@ class Engine:
                  capture_rows: int = 1, speculative: SpeculativeConfig | None = None, drafter=None, eos_ids=None,
                  executables: Executables | None = None, decode_executables: Executables | None = None,
                  compiler_options=None, mesh=None, ssm_state_dtype: str | None = None):
+        if mesh is not None and model.adapters:
+            raise ConfigError("mesh", "a model with LoRA adapters cannot be split over a mesh (the overlays are not "
+                                      "sharded)")
         self.model = model = _on_mesh(model, mesh)
         self.caps = model.capabilities                 # the layers' flags; the engine acts on them where noted
         self.tp = getattr(model, "tp", None)
@@ -308,6 +311,9 @@ class Engine:
         adapters share a step."""
         tokens = self._check_prompt(prompt, "prompt")
         adapters.index_of(self.model, adapter)                     # ConfigError naming an unknown adapter
+        if adapter is not None and self._slot_adapters is None:
+            raise ConfigError("adapter", f"{adapter!r} was loaded after this Engine was made (it serves the model's "
+                                         f"weights as they were then); load adapters before creating the Engine")
         if max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
             raise ConfigError("submit", f"need max_new_tokens >= 0, temperature >= 0, 0 < top_p <= 1; got "
                                         f"{max_new_tokens}, {temperature}, {top_p}")

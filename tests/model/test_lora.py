@@ -122,6 +122,11 @@ def test_engine_batches_requests_of_different_adapters(rng):
     assert got[1] != got[0] or got[2] != got[0]              # the adapters change what is generated
     with pytest.raises(ConfigError, match="no adapter named 'c'"):
         engine.submit(prompts[0], 2, adapter="c")
+    plain = _model(rng)
+    early = Engine(plain, max_slots=2, max_len=16)
+    _add(plain, rng, "late")
+    with pytest.raises(ConfigError, match="'late' was loaded after this Engine was made"):
+        early.submit(prompts[0], 2, adapter="late")
 
 
 # ---- every arm ---------------------------------------------------------------------------------------
