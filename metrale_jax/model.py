@@ -34,11 +34,13 @@ import numpy as np
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from metrale_jax import adapters as lora_adapters
 from metrale_jax import sharding
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import CheckpointError, ConfigError, KernelUnavailableError, ShapeError, SlotError
 from metrale_jax.init import iter_random_tensors, random_tensors  # noqa: F401  (random_tensors: API)
 from metrale_jax.layers.attention import NemotronAttentionLayer
+from metrale_jax.layers import lora
 from metrale_jax.layers.capabilities import ModelCapabilities, combine_capabilities
 from metrale_jax.layers.mamba2 import NemotronMamba2Layer
 from metrale_jax.layers.mlp import NemotronMLPLayer
@@ -119,6 +121,8 @@ class NemotronH(nnx.Module):
             raise CheckpointError([f"{n}: an MTP tensor, but the config has num_nextn_predict_layers = 0"
                                    for n in sorted(tensors) if n.startswith("mtp.")])
         self.load_notes = tuple(notes)
+        self.adapters: tuple[lora_adapters.AdapterInfo, ...] = ()     # LoRA adapters, in load order
+        self.active_adapter: str | None = None                          # the one the entry points apply
         missing = missing_tensors(config, tensors)
         if missing:
             raise CheckpointError(missing)
@@ -282,11 +286,46 @@ class NemotronH(nnx.Module):
         eager = not self.levers.graphs or (name == "decode" and self.capabilities.decode_graph_veto)
         return _IMPLS[name] if eager else _JITTED[name]
 
+    # ---- LoRA adapters (adapters.py) -----------------------------------------------------------
+    def load_adapter(self, directory: str | os.PathLike, name: str | None = None) -> str:
+        """Load a PEFT LoRA adapter (adapter_config.json + adapter_model.safetensors) as an overlay on the
+        projections it targets, under `name` (default: the directory's name), and make it the active one.
+        CheckpointError (naming each tensor) for an adapter whose modules, shapes or rank do not fit this model."""
+        return lora_adapters.load(self, directory, name)
+
+    def add_adapter(self, name: str, *, r: int, lora_alpha: float, target_modules, key: jax.Array,
+                    use_rslora: bool = False) -> str:
+        """A fresh adapter to train (A random, B zero, as PEFT initialises them), active once made."""
+        return lora_adapters.create(self, name, r=r, lora_alpha=lora_alpha, target_modules=target_modules,
+                                    key=key, use_rslora=use_rslora)
+
+    def set_adapter(self, name: str | None) -> None:
+        """The adapter forward / prefill / decode / score / generate apply to every row (None: the base)."""
+        lora_adapters.set_active(self, name)
+
+    def merge_adapter(self, name: str | None = None) -> None:
+        """Fold an adapter (default: the active one) into the dense base weights (quantized: WeightFormatError)."""
+        lora_adapters.merge(self, name)
+
+    def unload_adapter(self, name: str | None = None) -> None:
+        """Remove an adapter (None: all); merged weights are put back as they were, bit for bit."""
+        lora_adapters.remove(self, name)
+
+    def save_adapter(self, directory: str | os.PathLike, name: str | None = None) -> list:
+        """An adapter (default: the active one) as a PEFT adapter directory."""
+        return lora_adapters.save(self, directory, name)
+
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, input_ids) -> jax.Array:
-        """Logits [B, T, V] float32 for full rows, no cache."""
+        """Logits [B, T, V] float32 for full rows, no cache (the active adapter, if any, on every row)."""
         ids = self._check_ids(input_ids)
-        return self._step("forward")(self, jnp.asarray(ids))
+        return self._step("forward")(self, jnp.asarray(ids), **self._adapter_table(ids.shape[0]))
+
+    def _adapter_table(self, num_slots: int) -> dict:
+        """The `adapters` keyword of a step: every slot on the active adapter; nothing when none is active (so a
+        model without adapters runs the very steps it ran before they existed)."""
+        table = lora_adapters.slot_table(self, num_slots)
+        return {} if table is None else {"adapters": table}
 
     # ---- prefill / decode --------------------------------------------------------------------
     def prefill(self, cache: ModelCache, slots, ids, lengths=None, *, all_logits: bool = False,
@@ -308,7 +347,8 @@ class NemotronH(nnx.Module):
         starts = np.asarray(cache.seq_lens)[slots] if continue_from_cache else np.zeros(B, np.int64)
         self._check_room(cache, slots, starts + lengths)
         return self._step("prefill")(self, cache, jnp.asarray(slots), jnp.asarray(ids), jnp.asarray(lengths),
-                                     all_logits=all_logits, continue_=continue_from_cache)
+                                     all_logits=all_logits, continue_=continue_from_cache,
+                                     **self._adapter_table(cache.num_slots))
 
     def decode(self, cache: ModelCache, slots, tokens) -> tuple[jax.Array, ModelCache]:
         """One token per sequence (tokens [B]) at each slot's cached length.  Returns ([B, V], cache). Every row
@@ -321,7 +361,8 @@ class NemotronH(nnx.Module):
             raise SlotError(f"slots: {slots.tolist()} holds the padding slot {cache.padding_slot}, which holds no "
                             f"sequence to decode; decode live slots only")
         self._check_room(cache, slots, np.asarray(cache.seq_lens)[slots] + 1)
-        return self._step("decode")(self, cache, jnp.asarray(slots), jnp.asarray(tokens[:, 0]))
+        return self._step("decode")(self, cache, jnp.asarray(slots), jnp.asarray(tokens[:, 0]),
+                                    **self._adapter_table(cache.num_slots))
 
     def _check_ids(self, ids) -> np.ndarray:
         ids = np.asarray(ids)
@@ -368,7 +409,7 @@ class NemotronH(nnx.Module):
         padded[:B, :T] = ids
         lens = np.zeros(Bb, np.int32)
         lens[:B] = lengths
-        out = self._step("score")(self, jnp.asarray(padded), jnp.asarray(lens))
+        out = self._step("score")(self, jnp.asarray(padded), jnp.asarray(lens), **self._adapter_table(Bb))
         return out[:B, :T - 1]
 
     def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
@@ -400,8 +441,9 @@ class NemotronH(nnx.Module):
         padded[:B, :Tmax] = ids
         lens = np.zeros(Bb, np.int32)
         lens[:B] = [len(s) for s in seqs]
+        table = self._adapter_table(cache.num_slots)
         logits, cache = self._step("prefill")(self, cache, jnp.asarray(slots), jnp.asarray(padded),
-                                              jnp.asarray(lens), all_logits=False, continue_=False)
+                                              jnp.asarray(lens), all_logits=False, continue_=False, **table)
         eos = self.eos_ids()
         out: list[list[int]] = [[] for _ in range(B)]
         reason = ["length"] * B
@@ -419,7 +461,7 @@ class NemotronH(nnx.Module):
                         out[b].append(int(host[b]))
             if step + 1 == max_new_tokens or all(r == "eos" for r in reason):
                 break
-            logits, cache = decode(self, cache, jnp.asarray(slots), tok)
+            logits, cache = decode(self, cache, jnp.asarray(slots), tok, **table)
         text = [self.tokenizer.decode(t) if as_text else None for t in out]
         return [Generation(tokens=o, text=x, finish_reason=r) for o, x, r in zip(out, text, reason)]
 
@@ -443,13 +485,15 @@ def prefill_hidden(model: NemotronH, cache, rows: PrefillRows, ids):
     return _rmsnorm(model, h), cache, captured
 
 
-def forward_step(model: NemotronH, ids):
-    """ids [B, T] -> logits [B, T, V] float32 (full rows, no cache)."""
+def forward_step(model: NemotronH, ids, adapters=None):
+    """ids [B, T] -> logits [B, T, V] float32 (full rows, no cache). adapters: row b's LoRA adapter index at
+    [b] (layers/lora.py; None: none)."""
     if model.tp is not None:
         return sharding.run_sharded(forward_step, model, ids, out_specs=sharding.logits_spec(model, 3))
     TRACE_COUNTS["forward"] += 1
     B, T = ids.shape
-    h = _hidden_no_cache(model, ids, jnp.full((B,), T, jnp.int32))
+    with lora.slot_adapters(adapters):
+        h = _hidden_no_cache(model, ids, jnp.full((B,), T, jnp.int32))
     return _logits(model, h.reshape(B * T, -1)).reshape(B, T, -1)
 
 
@@ -462,8 +506,10 @@ def _hidden_no_cache(model: NemotronH, ids, lengths):
     return h
 
 
-def prefill_step(model: NemotronH, cache: ModelCache, slots, ids, lengths, *, all_logits: bool, continue_: bool):
-    """`NemotronH.prefill` without the host-side checks: (logits [B, V] or [B, T, V], new cache)."""
+def prefill_step(model: NemotronH, cache: ModelCache, slots, ids, lengths, *, all_logits: bool, continue_: bool,
+                 adapters=None):
+    """`NemotronH.prefill` without the host-side checks: (logits [B, V] or [B, T, V], new cache). adapters: each
+    slot's LoRA adapter index [num_slots] (None: none)."""
     if model.tp is not None:
         out_specs = (sharding.logits_spec(model, 3 if all_logits else 2), sharding.cache_specs(model.config, model.tp))
         return sharding.run_sharded(prefill_step, model, cache, slots, ids, lengths, out_specs=out_specs,
@@ -472,7 +518,8 @@ def prefill_step(model: NemotronH, cache: ModelCache, slots, ids, lengths, *, al
     B, T = ids.shape
     starts = cache.seq_lens[slots] if continue_ else None
     rows = PrefillRows.make(slots, lengths, T, starts, padding_slot=cache.padding_slot)
-    h, new, _ = prefill_hidden(model, cache, rows, ids)
+    with lora.slot_adapters(adapters):
+        h, new, _ = prefill_hidden(model, cache, rows, ids)
     seq_lens = cache.seq_lens.at[slots].set((0 if starts is None else starts) + lengths)
     if all_logits:
         logits = _logits(model, h.reshape(B * T, -1)).reshape(B, T, -1)
@@ -481,8 +528,8 @@ def prefill_step(model: NemotronH, cache: ModelCache, slots, ids, lengths, *, al
     return logits, dataclasses.replace(new, seq_lens=seq_lens)
 
 
-def decode_step(model: NemotronH, cache: ModelCache, slots, tokens):
-    """`NemotronH.decode` without the host-side checks: (logits [B, V], new cache)."""
+def decode_step(model: NemotronH, cache: ModelCache, slots, tokens, adapters=None):
+    """`NemotronH.decode` without the host-side checks: (logits [B, V], new cache). adapters: as prefill_step's."""
     if model.tp is not None:
         out_specs = (sharding.logits_spec(model, 2), sharding.cache_specs(model.config, model.tp))
         return sharding.run_sharded(decode_step, model, cache, slots, tokens, out_specs=out_specs)
@@ -496,19 +543,22 @@ def decode_step(model: NemotronH, cache: ModelCache, slots, tokens):
         return logits[:1], cache
     pos = cache.seq_lens[slots]
     h = model.embeddings[...][tokens]                                       # [B, D]
-    h, new, _ = run_blocks(model.layers, DecodeRows(slots, pos), cache, h)
+    with lora.slot_adapters(adapters):
+        h, new, _ = run_blocks(model.layers, DecodeRows(slots, pos), cache, h)
     logits = _logits(model, _rmsnorm(model, h), "decode")
     seq_lens = cache.seq_lens.at[slots].set(pos + 1).at[cache.padding_slot].set(0)   # padding never grows
     return logits, dataclasses.replace(new, seq_lens=seq_lens)
 
 
-def score_step(model: NemotronH, ids, lengths):
-    """ids [B, T], lengths [B] -> log p(ids[t+1] | ids[:t+1]) [B, T-1], zero past each length."""
+def score_step(model: NemotronH, ids, lengths, adapters=None):
+    """ids [B, T], lengths [B] -> log p(ids[t+1] | ids[:t+1]) [B, T-1], zero past each length; adapters as
+    forward_step's."""
     if model.tp is not None:
         return sharding.run_sharded(score_step, model, ids, lengths, out_specs=P())
     TRACE_COUNTS["score"] += 1
     B, T = ids.shape
-    h = _hidden_no_cache(model, ids, lengths)[:, :-1].reshape(B * (T - 1), -1)
+    with lora.slot_adapters(adapters):
+        h = _hidden_no_cache(model, ids, lengths)[:, :-1].reshape(B * (T - 1), -1)
     lp = _token_logprobs(model, h, ids[:, 1:].reshape(-1)).reshape(B, T - 1)
     return jnp.where(jnp.arange(1, T)[None, :] < lengths[:, None], lp, 0.0)
 

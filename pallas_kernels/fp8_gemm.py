@@ -126,3 +126,5 @@ def fp8_gemm_t_pallas(x, w, scale, *, out_dtype=None, interpret: bool = False, b
 
 
 registry.register("fp8_gemm_t", reference=fp8_gemm_t_reference, pallas=fp8_gemm_t_pallas)
+for _name in ("fp8_gemm_t",):   # gradients to the activations only
+    registry.register(_name, grad_wrt=registry.ACTIVATIONS)

@@ -132,3 +132,5 @@ def w4a16_grouped_pallas(x, packed, scale, global_scale, group_sizes, *, out_dty
 
 registry.register("w8a16_grouped", reference=w8a16_grouped_reference, pallas=w8a16_grouped_pallas)
 registry.register("w4a16_grouped", reference=w4a16_grouped_reference, pallas=w4a16_grouped_pallas)
+for _name in ("w8a16_grouped", "w4a16_grouped"):   # gradients to the activations only
+    registry.register(_name, grad_wrt=registry.ACTIVATIONS)

@@ -15,6 +15,10 @@ Modes (ModelLevers.kernels / METRALE_KERNELS):
   mosaic     the Mosaic GPU arm only.
   interpret  the Triton arm in interpret mode (CPU tests), else the reference.
   reference  the jnp reference.
+
+Every Pallas arm `resolve` returns is differentiable: its backward pass is the reference's VJP, recomputed
+(autodiff.with_reference_vjp). `grad_wrt` names the arguments that get a cotangent (None: every floating
+operand); the quantized kernels name their activations only, so their weights and scales are constants.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from collections.abc import Callable, Iterator
 
 import jax
 
+from pallas_kernels.autodiff import with_reference_vjp, without_gradient
 from pallas_kernels.errors import KernelUnavailableError
 
 MODES = ("auto", "pallas", "triton", "mosaic", "interpret", "reference")
@@ -36,6 +41,8 @@ MODES = ("auto", "pallas", "triton", "mosaic", "interpret", "reference")
 TESTED_JAX = ("0.11.",)
 MOSAIC_CAPABILITIES = ("9.0",)   # compute capabilities the Mosaic GPU arms are written for (Hopper)
 GPU_ARMS = ("triton", "mosaic")
+# grad_wrt of the quantized kernels: gradients flow to the activations; the weights and scales are constants
+ACTIVATIONS = ("x",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +54,7 @@ class KernelSpec:
     mosaic: Callable | None = None      # Mosaic GPU arm; takes interpret: bool as a keyword
     gpu_default: str = "triton"         # the arm `auto` / `pallas` pick: "triton" or "mosaic"
     mosaic_supports: Callable[..., bool] | None = None   # the calls the Mosaic arm takes (None: all)
+    grad_wrt: tuple[str, ...] | None = None   # the reference's arguments that get cotangents (None: all floating)
 
     def arm(self, which: str) -> Callable | None:
         return self.mosaic if which == "mosaic" else self.pallas
@@ -54,11 +62,13 @@ class KernelSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Resolution:
-    """What a name resolved to: impl is 'pallas' (Triton), 'mosaic', 'interpret' or 'reference'."""
+    """What a name resolved to: impl is 'pallas' (Triton), 'mosaic', 'interpret' or 'reference'. `fn` is what
+    callers call (a Pallas arm wrapped for gradients); `kernel` the arm itself, unwrapped."""
 
     name: str
     impl: str
     fn: Callable
+    kernel: Callable | None = None
 
 
 _KERNELS: dict[str, KernelSpec] = {}
@@ -67,8 +77,10 @@ _DISABLED: set[str] = set()
 
 def register(name: str, *, reference: Callable | None = None, pallas: Callable | None = None,
              mosaic: Callable | None = None, gpu_default: str | None = None,
-             mosaic_supports: Callable[..., bool] | None = None, platforms: tuple[str, ...] = ("gpu",)) -> None:
-    """Add or extend a kernel entry (reference, Triton and Mosaic arms may register separately)."""
+             mosaic_supports: Callable[..., bool] | None = None, platforms: tuple[str, ...] = ("gpu",),
+             grad_wrt: tuple[str, ...] | None = None) -> None:
+    """Add or extend a kernel entry (reference, Triton and Mosaic arms may register separately).
+    grad_wrt: the reference's arguments that get cotangents (None: every floating operand)."""
     old = _KERNELS.get(name)
     if old is not None:
         reference = reference or old.reference
@@ -76,10 +88,12 @@ def register(name: str, *, reference: Callable | None = None, pallas: Callable |
         mosaic = mosaic or old.mosaic
         gpu_default = gpu_default or old.gpu_default
         mosaic_supports = mosaic_supports or old.mosaic_supports
+        grad_wrt = grad_wrt or old.grad_wrt
     gpu_default = gpu_default or "triton"
     if gpu_default not in GPU_ARMS:
         raise KernelUnavailableError(f"kernel {name!r}: gpu_default must be one of {GPU_ARMS}, got {gpu_default!r}")
-    _KERNELS[name] = KernelSpec(name, reference, pallas, platforms, mosaic, gpu_default, mosaic_supports)
+    _KERNELS[name] = KernelSpec(name, reference, pallas, platforms, mosaic, gpu_default, mosaic_supports,
+                                tuple(grad_wrt) if grad_wrt is not None else None)
 
 
 def _mosaic_or_triton(spec: KernelSpec) -> Callable:
@@ -123,7 +137,7 @@ def resolve(name: str, mode: str | None = None, platform: str | None = None) -> 
     triton_ok = on_gpu and spec.pallas is not None
     mosaic_ok = on_gpu and spec.mosaic is not None and gpu_capability() in MOSAIC_CAPABILITIES
     if mode == "interpret" and spec.pallas is not None:
-        return Resolution(name, "interpret", functools.partial(spec.pallas, interpret=True))
+        return _arm(spec, "interpret", functools.partial(spec.pallas, interpret=True))
     if mode == "triton" and not triton_ok:
         raise KernelUnavailableError(f"kernel {name!r} has no triton implementation for platform {platform!r}")
     if mode == "mosaic" and not mosaic_ok:
@@ -134,16 +148,24 @@ def resolve(name: str, mode: str | None = None, platform: str | None = None) -> 
                                       and (spec.gpu_default == "mosaic" or not triton_ok))
     if use_mosaic:
         if mode != "mosaic" and spec.mosaic_supports is not None and triton_ok:
-            return Resolution(name, "mosaic", _mosaic_or_triton(spec))
-        return Resolution(name, "mosaic", functools.partial(spec.mosaic, interpret=False))
+            return _arm(spec, "mosaic", _mosaic_or_triton(spec))
+        return _arm(spec, "mosaic", functools.partial(spec.mosaic, interpret=False))
     if mode in ("auto", "pallas", "triton") and triton_ok:
-        return Resolution(name, "pallas", functools.partial(spec.pallas, interpret=False))
+        return _arm(spec, "pallas", functools.partial(spec.pallas, interpret=False))
     if mode == "pallas":
         raise KernelUnavailableError(
             f"kernel {name!r} has no Pallas implementation for platform {platform!r} (mode 'pallas')")
     if spec.reference is None:
         raise KernelUnavailableError(f"kernel {name!r} has no reference and no Pallas kernel for {platform!r}")
-    return Resolution(name, "reference", spec.reference)
+    return Resolution(name, "reference", spec.reference, spec.reference)
+
+
+def _arm(spec: KernelSpec, impl: str, kernel: Callable) -> Resolution:
+    """A Pallas arm's resolution: called through the reference's VJP for gradients (a name without a reference has
+    none: differentiating it is a KernelUnavailableError naming it)."""
+    fn = (without_gradient(spec.name, kernel) if spec.reference is None else
+          with_reference_vjp(kernel, spec.reference, spec.grad_wrt))
+    return Resolution(spec.name, impl, fn, kernel)
 
 
 @functools.cache

@@ -260,3 +260,5 @@ registry.register("w4a16_gemv", reference=w4a16_reference, pallas=w4a16_gemv_pal
 registry.register("w4a16_gemm", reference=w4a16_reference, pallas=w4a16_gemm_pallas)
 registry.register("w4a16_gemm_t", reference=w4a16_t_reference, pallas=w4a16_gemm_t_pallas)
 registry.register("w4a16_gemm_t_m128", reference=w4a16_t_reference, pallas=w4a16_gemm_t_m128_pallas)
+for _name in ("w4a16_gemv", "w4a16_gemm", "w4a16_gemm_t", "w4a16_gemm_t_m128"):   # gradients to the activations only
+    registry.register(_name, grad_wrt=registry.ACTIVATIONS)

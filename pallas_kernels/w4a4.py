@@ -65,4 +65,4 @@ def _mosaic_supports(x, packed, scale, global_scale, input_scale=None, *, out_dt
 
 
 registry.register("w4a4_gemm", reference=w4a4_reference, pallas=w4a4_gemm_pallas, mosaic=w4a4_gemm_mosaic,
-                  mosaic_supports=_mosaic_supports, gpu_default="mosaic")
+                  mosaic_supports=_mosaic_supports, gpu_default="mosaic", grad_wrt=registry.ACTIVATIONS)

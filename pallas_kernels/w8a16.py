@@ -243,3 +243,5 @@ def w8a16_gemm_pipelined_pallas(x, w, scale, *, out_dtype=None, interpret: bool 
 registry.register("w8a16_gemv", reference=w8a16_reference, pallas=w8a16_gemv_pallas)
 registry.register("w8a16_gemm", reference=w8a16_reference, pallas=w8a16_gemm_pallas)
 registry.register("w8a16_gemm_pipelined", reference=w8a16_pipelined_reference, pallas=w8a16_gemm_pipelined_pallas)
+for _name in ("w8a16_gemv", "w8a16_gemm", "w8a16_gemm_pipelined"):   # gradients to the activations only
+    registry.register(_name, grad_wrt=registry.ACTIVATIONS)

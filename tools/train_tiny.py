@@ -1,7 +1,8 @@
 """Train the built-in default model: a tiny byte-level Nemotron-H with every block kind (M, *, -, E)
-on the King James Bible text in data/kjv/, with jax.grad + optax through the model's reference path
-(the same logits NemotronH.forward returns). Runs on the CPU; fixed seed, so a rerun on the same
-machine and versions retraces the same curve.
+on the King James Bible text in data/kjv/, with jax.grad + optax through the model's own forward pass and
+its default kernels (METRALE_KERNELS: the references on the CPU, the Pallas kernels on a GPU, whose backward
+passes are their references' VJPs; the same logits NemotronH.forward returns). Runs on the CPU; fixed seed,
+so a rerun on the same machine and versions retraces the same curve.
 
 Writes config.json, model.safetensors and byte_tokenizer.json (model.save_pretrained) and
 train_log.json (arguments, the train / held-out loss at every eval step in bits per byte, the unigram
@@ -36,7 +37,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from metrale_jax.config import ModelConfig, ModelLevers
+from metrale_jax.config import ModelConfig
 from metrale_jax.layers.mtp import MtpCache
 from metrale_jax.model import NemotronH, _hidden_no_cache, _logits, forward_step, random_tensors
 from metrale_jax.tokenizer import ByteTokenizer
@@ -99,12 +100,11 @@ def init_model(config: ModelConfig, seed: int) -> NemotronH:
     for name in tensors:
         if name.endswith("e_score_correction_bias"):
             tensors[name] = jnp.zeros_like(tensors[name])
-    return NemotronH(config, tensors, dtype=jnp.float32, levers=ModelLevers(kernels="reference"),
-                     tokenizer=ByteTokenizer())
+    return NemotronH(config, tensors, dtype=jnp.float32, tokenizer=ByteTokenizer())
 
 
 def mean_nll(model: NemotronH, rows: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy (nats) over rows [B, T+1], through the reference forward path."""
+    """Mean next-token cross-entropy (nats) over rows [B, T+1], through the model's forward path (its kernels)."""
     logits = forward_step(model, rows[:, :-1])                            # [B, T, V] f32
     return optax.softmax_cross_entropy_with_integer_labels(logits, rows[:, 1:]).mean()
 
@@ -247,8 +247,7 @@ def train_mtp(args) -> dict:
     """Train only the MTP head of --base's model plus a fresh head (cross-entropy of its drafts against
     ids[t+2]); log train / held-out loss and the held-out top-1 draft accuracy; save to --out."""
     train_ids, held_ids, T, starts, train_eval, held_eval = load_data(args)
-    base = NemotronH.from_pretrained(args.base, dtype=jnp.float32, levers=ModelLevers(kernels="reference"),
-                                     progress=False)
+    base = NemotronH.from_pretrained(args.base, dtype=jnp.float32, progress=False)
     model = with_mtp_head(base, args.mtp_pattern, args.seed)
     graphdef, params, rest = nnx.split(model.mtp, nnx.Param, ...)
     n_params = sum(int(x.size) for x in jax.tree.leaves(params))

@@ -10,6 +10,9 @@ Each installed copy is an *arm*; a call takes the first arm of its phase's fixed
 
 Every kernel an arm needs must resolve when the arm is installed (KernelUnavailableError there, never at
 the first token); every weight is checked at install (WeightFormatError naming the tensor).
+
+A LoRA overlay (`lora`, layers/lora.py) runs beside whichever arm serves a call: the arm's float32 output plus
+each row's low-rank term, rounded once.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from metrale_jax.errors import KernelUnavailableError, ShapeError, WeightFormatError
+from metrale_jax.layers.lora import row_adapters
 from metrale_jax.weights.containers import (DenseWeight, Fp8PrefillWeight, Fp8Weight, Nvfp4Weight, Nvfp4WeightT,
                                             W4a4Weight, WeightQuantFormat, as_dense, check_fp8, check_fp8_prefill,
                                             check_nvfp4, check_nvfp4_t, clear_zero_scale_blocks, fp8_to_block_scaled)
@@ -60,6 +64,7 @@ class Projection(nnx.Module):
         self.fp8_prefill_enabled = False
         for arm in ARMS:
             setattr(self, arm, nnx.data(None))
+        self.lora = nnx.data(None)          # a LoraOverlay once an adapter targets this projection
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -230,19 +235,28 @@ class Projection(nnx.Module):
         fn = registry.get(kernel, self.kernels)
         w = self.arm_weight(arm)
         out_dtype = out_dtype or x.dtype
-        if arm == "bf16_native":
-            return fn(x, w.weight, out_dtype=out_dtype)
-        if arm == "fp8_native":
-            return fn(x, w.weight, w.scale, out_dtype=out_dtype)
-        if arm == "w4a4":
-            n = w.weight
-            return fn(x, n.packed, n.scale, n.global_scale, n.input_scale, out_dtype=out_dtype,
-                      decode=phase == "decode")
-        if arm == "fp8_prefill":
-            return fn(x, w.weight, w.scale, out_dtype=out_dtype)
-        if arm == "nvfp4_t":
-            return fn(x, w.packed_t, w.scale_t, w.global_scale, out_dtype=out_dtype)
-        return fn(x, w.packed, w.scale, w.global_scale, out_dtype=out_dtype)
+        rows = None if self.lora is None else row_adapters(self.name, x.shape[0])
+        if rows is None:
+            return _run_arm(fn, arm, w, x, phase, out_dtype)
+        dense_x = x.dequantize() if isinstance(x, Fp8Activations) else x
+        y = _run_arm(fn, arm, w, x, phase, jnp.float32) + self.lora.delta(dense_x, rows)
+        return y.astype(out_dtype)
+
+
+def _run_arm(fn, arm: str, w, x, phase: str, out_dtype) -> jax.Array:
+    """The arm's kernel `fn` on its weight container `w`."""
+    if arm == "bf16_native":
+        return fn(x, w.weight, out_dtype=out_dtype)
+    if arm == "fp8_native":
+        return fn(x, w.weight, w.scale, out_dtype=out_dtype)
+    if arm == "w4a4":
+        n = w.weight
+        return fn(x, n.packed, n.scale, n.global_scale, n.input_scale, out_dtype=out_dtype, decode=phase == "decode")
+    if arm == "fp8_prefill":
+        return fn(x, w.weight, w.scale, out_dtype=out_dtype)
+    if arm == "nvfp4_t":
+        return fn(x, w.packed_t, w.scale_t, w.global_scale, out_dtype=out_dtype)
+    return fn(x, w.packed, w.scale, w.global_scale, out_dtype=out_dtype)
 
 
 def arm_reference(weight, x: jax.Array, *, out_dtype=None) -> jax.Array:

@@ -14,6 +14,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from metrale_jax.layers import lora
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,11 +72,13 @@ def pack_rows(lengths: jax.Array, T: int):
 def run_blocks(layers, rows: PrefillRows | DecodeRows, cache, h: jax.Array):
     """Every block of `layers` in order over h ([B, T, D] for PrefillRows, [n*k, D] for DecodeRows).
     cache: a dataclass holding the pools the blocks name (a ModelCache: ssm, kv; an MtpCache: kv).
-    Returns (h, cache, captured): captured[i] is what block i returned beside its rows (None for most)."""
+    Returns (h, cache, captured): captured[i] is what block i returned beside its rows (None for most).
+    Each block runs with its rows' LoRA adapter indices in scope (layers/lora.py), in its own row order."""
     prefill = isinstance(rows, PrefillRows)
     captured = []
     for layer in layers:
-        with jax.named_scope(layer.block_name):
+        packed = prefill and getattr(layer, "is_ssm_layer", False)      # the Mamba prefill packs its rows
+        with jax.named_scope(layer.block_name), lora.block_rows(rows, packed=packed):
             field = layer.pool_field
             pool = None if field is None else getattr(cache, field)
             step = layer.prefill_rows if prefill else layer.decode_rows

@@ -34,8 +34,9 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from metrale_jax import sharding
+from metrale_jax import adapters, sharding
 from metrale_jax.errors import ConfigError, ShapeError
+from metrale_jax.layers import lora
 from metrale_jax.model import Generation
 from metrale_jax.runtime import steps
 from metrale_jax.runtime.executables import Executables, bucket, pick_bucket
@@ -61,6 +62,7 @@ class Request:
     stop_strings: tuple = ()             # finish_reason 'stop' once the text holds one
     on_token: Callable[[int, int], None] | None = None
     score: bool = False
+    adapter: str | None = None          # the LoRA adapter its rows use (model.adapters), None for the base
     slot: int = -1
     done: int = 0                       # prompt tokens in the cache
     drawn: int = 0                      # tokens sampled on the device (read back or not)
@@ -179,6 +181,9 @@ class Engine:
                  capture_rows: int = 1, speculative: SpeculativeConfig | None = None, drafter=None, eos_ids=None,
                  executables: Executables | None = None, decode_executables: Executables | None = None,
                  compiler_options=None, mesh=None, ssm_state_dtype: str | None = None):
+        if mesh is not None and model.adapters:
+            raise ConfigError("mesh", "a model with LoRA adapters cannot be split over a mesh (the overlays are not "
+                                      "sharded)")
         self.model = model = _on_mesh(model, mesh)
         self.caps = model.capabilities                 # the layers' flags; the engine acts on them where noted
         self.tp = getattr(model, "tp", None)
@@ -211,6 +216,8 @@ class Engine:
         self._progress = None
         self._finished: list[int] = []
         self.counters = collections.Counter()
+        # each slot's LoRA adapter index (0: none), a step argument when the model has adapters
+        self._slot_adapters = np.zeros(self.cache.num_slots, np.int32) if model.adapters else None
 
     def _init_buckets(self, max_slots: int, batch_buckets, token_buckets, prefill_batch_buckets,
                       min_token_bucket: int) -> None:
@@ -294,12 +301,19 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------------
     def submit(self, prompt, max_new_tokens: int = 16, *, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int = 0, stop=(), on_token: Callable[[int, int], None] | None = None) -> int:
+               seed: int = 0, stop=(), on_token: Callable[[int, int], None] | None = None,
+               adapter: str | None = None) -> int:
         """Queue a generation request (token ids); returns its id. on_token(id, token) streams tokens.
         stop: token ids and strings (strings need the model's tokenizer) that end the request with
         finish_reason 'stop': a stop token is not kept; with a stop string the tokens through the one that
-        completed it are kept and Generation.text ends before it. The model's eos ids end it with 'eos'."""
+        completed it are kept and Generation.text ends before it. The model's eos ids end it with 'eos'.
+        adapter: the name of a LoRA adapter the model has loaded (None: the base weights); rows with different
+        adapters share a step."""
         tokens = self._check_prompt(prompt, "prompt")
+        adapters.index_of(self.model, adapter)                     # ConfigError naming an unknown adapter
+        if adapter is not None and self._slot_adapters is None:
+            raise ConfigError("adapter", f"{adapter!r} was loaded after this Engine was made (it serves the model's "
+                                         f"weights as they were then); load adapters before creating the Engine")
         if max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
             raise ConfigError("submit", f"need max_new_tokens >= 0, temperature >= 0, 0 < top_p <= 1; got "
                                         f"{max_new_tokens}, {temperature}, {top_p}")
@@ -308,7 +322,7 @@ class Engine:
                              f"max_len {self.max_len}")
         return self._enqueue(Request(rid=0, prompt=tokens, max_new_tokens=int(max_new_tokens),
                                      temperature=float(temperature), top_p=float(top_p), seed=int(seed) % 2**31,
-                                     **self._stops(stop), on_token=on_token))
+                                     **self._stops(stop), on_token=on_token, adapter=adapter))
 
     def _stops(self, stop) -> dict:
         """A request's stop ids and stop strings from `stop` (a list mixing both)."""
@@ -372,7 +386,11 @@ class Engine:
         treedef = self._treedef
 
         def with_model(params, *rest):
-            return fn(jax.tree_util.tree_unflatten(treedef, params), *rest)
+            if self._slot_adapters is None:
+                return fn(jax.tree_util.tree_unflatten(treedef, params), *rest)
+            *rest, table = rest                           # each slot's adapter, scoped for the blocks
+            with lora.slot_adapters(table):
+                return fn(jax.tree_util.tree_unflatten(treedef, params), *rest)
 
         exe = self.decode_exe if decode else self.exe
         key = self._model_keys.get(id(exe))
@@ -380,6 +398,8 @@ class Engine:
             key = self._model_keys[id(exe)] = exe.intern(self._treedef)
         if not self.caps.stale_on_new_sequence:
             kw.pop("slots", None)                      # which slots an executable served matters only then
+        if self._slot_adapters is not None:
+            args = (*args, self._dev_cached(self._slot_adapters))
         return exe.run(entry, with_model, self._params, *args, frozen_argnums=(0,),
                        **{**kw, "static": (key, kw.get("static"))})
 
@@ -447,7 +467,9 @@ class Engine:
                                                      np.float32(r.top_p), np.int32(r.seed)), donate_argnums=(0,))
             r.slot = slot
             self.running[slot] = r
-            if self.prefix_cache is not None and not r.score:
+            if self._slot_adapters is not None:
+                self._slot_adapters[slot] = adapters.index_of(self.model, r.adapter)
+            if self.prefix_cache is not None and not r.score and r.adapter is None:   # snapshots are the base's
                 hit = self.prefix_cache.lookup(r.prompt, len(r.prompt) - 1)
                 if hit is not None:
                     self._restore(slot, hit)
@@ -686,6 +708,8 @@ class Engine:
         """Each capture's state at its cut into the prefix cache (from the pass, or read from the slot after a
         two-pass chunk that ended at the cut)."""
         for c, (b, r, m) in enumerate(chunk.captures):
+            if r.adapter is not None:                  # an adapter's states are not the base's: not cached
+                continue
             state = out.captured[c] if chunk.in_pass else self._slot_state(r.slot)
             mtp = {}
             if self.mtp is not None:                   # the hidden state at position m-1, the MTP blocks before it

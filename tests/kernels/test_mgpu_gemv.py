@@ -214,7 +214,7 @@ def test_bad_inputs_raise_typed_errors(rng):
 def test_registry_serves_the_mosaic_arm():
     for name, fn in (("w8a16_gemv", w8m.w8a16_gemv_mosaic), ("w4a16_gemv", w4m.w4a16_gemv_mosaic)):
         res = registry.resolve(name, "mosaic", platform="gpu")
-        assert res.impl == "mosaic" and res.fn.func is fn
+        assert res.impl == "mosaic" and res.kernel.func is fn
         assert registry.resolve(name, "triton", platform="gpu").impl == "pallas"
         assert registry.resolve(name, "auto", platform="cpu").impl == "reference"
         with pytest.raises(Exception, match="no mosaic implementation"):

@@ -122,7 +122,7 @@ def test_registered_and_resolves():
     assert registry.resolve("ssd_scan", "auto", platform="gpu").impl == "mosaic"      # the GPU default
     assert registry.resolve("ssd_scan", "auto", platform="cpu").impl == "reference"
     assert registry.resolve("ssd_scan", "triton", platform="gpu").impl == "pallas"
-    assert registry.resolve("ssd_scan", "mosaic", platform="gpu").fn.func is ssd_scan_mosaic
+    assert registry.resolve("ssd_scan", "mosaic", platform="gpu").kernel.func is ssd_scan_mosaic
 
 
 def test_bad_shapes_raise(rng):
