@@ -539,7 +539,7 @@ def decode_step(model: NemotronH, cache: ModelCache, slots, tokens, adapters=Non
         # padding row beside it a lone sequence gets the bits it gets in any batch
         logits, cache = decode_step(model, cache, jnp.concatenate([slots, jnp.full((1,), cache.padding_slot,
                                                                                      slots.dtype)]),
-                                    jnp.concatenate([tokens, tokens]))
+                                    jnp.concatenate([tokens, tokens]), adapters)
         return logits[:1], cache
     pos = cache.seq_lens[slots]
     h = model.embeddings[...][tokens]                                       # [B, D]
