@@ -54,6 +54,8 @@ def _number(parse, ok, expected: str):
 _positive_int = _number(int, lambda v: v >= 1, "a positive integer")
 _non_negative_float = _number(float, lambda v: 0 <= v < math.inf, "a finite number >= 0")
 _top_p = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+_unit_float = _number(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+_non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 _seed = _number(int, lambda v: 0 <= v < 2 ** 63, "an integer in [0, 2**63)")      # what jax.random.key takes
 
 
@@ -115,24 +117,20 @@ def _describe(model, path: Path) -> str:
 # ---- generation -------------------------------------------------------------------------------
 @functools.cache
 def _sampler():
+    """The library's sampler (runtime/sampling.sample_tokens) for one row, jitted, with a finite-logits flag."""
     import jax
     import jax.numpy as jnp
 
-    @functools.partial(jax.jit, static_argnames=("greedy",))
-    def pick(logits, key, temperature, top_p, *, greedy):
-        """(next token [B], whether every logit is finite) from logits [B, V]: argmax, or top-p sampling at
-        `temperature`. The flag comes with the token, so checking it costs no extra sync."""
-        return _pick(logits, key, temperature, top_p, greedy=greedy), jnp.all(jnp.isfinite(logits))
+    from metrale_jax.runtime.sampling import sample_tokens
 
-    def _pick(logits, key, temperature, top_p, *, greedy):
-        if greedy:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        z = logits / temperature
-        sorted_z = jnp.sort(z, axis=-1)[:, ::-1]
-        sorted_p = jax.nn.softmax(sorted_z, axis=-1)
-        keep = (jnp.cumsum(sorted_p, axis=-1) - sorted_p) < top_p           # the top token is always kept
-        cutoff = jnp.min(jnp.where(keep, sorted_z, jnp.inf), axis=-1, keepdims=True)
-        return jax.random.categorical(key, jnp.where(z >= cutoff, z, -jnp.inf), axis=-1).astype(jnp.int32)
+    @functools.partial(jax.jit, static_argnames=("greedy",))
+    def pick(logits, seed, step, temperature, top_p, top_k, min_p, *, greedy):
+        """(next token [1], whether every logit is finite) from logits [1, V]: the draw `step` of the stream `seed`,
+        as the engine draws a request's tokens. The flag comes with the token, so checking it costs no extra sync."""
+        row = lambda x: jnp.reshape(x, (1,))
+        tok = sample_tokens(logits, row(temperature), row(top_p), row(seed), row(step), sampling=not greedy,
+                            top_k=row(top_k), min_p=row(min_p))
+        return tok, jnp.all(jnp.isfinite(logits))
 
     return pick
 
@@ -142,12 +140,12 @@ def _bucket(n: int, minimum: int) -> int:
 
 
 def run_generation(model, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-                   seed: int = 0, progress: bool | None = None) -> dict:
+                   seed: int = 0, top_k: int = 0, min_p: float = 0.0, progress: bool | None = None) -> dict:
     """Prefill `prompt` into one slot, then decode up to max_new_tokens, timing each phase.
 
     The prefill runs twice on fresh caches (the first compiles), so its rate excludes compilation; the
-    first decode step compiles and is left out of the decode rate. Sampling is seeded per step as
-    model.generate does (fold_in(key(seed), step)). Returns the new tokens and the times.
+    first decode step compiles and is left out of the decode rate. Token i is the i-th draw of the stream `seed`,
+    as the engine draws them for a request submitted with that seed. Returns the new tokens and the times.
     """
     import jax
     import jax.numpy as jnp
@@ -178,11 +176,10 @@ def run_generation(model, prompt: list[int], max_new_tokens: int, *, temperature
     t2 = time.perf_counter()
 
     eos = model.eos_ids()
-    key = jax.random.key(seed)
-    temp, p = jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p)
+    knobs = (jnp.float32(temperature), jnp.float32(top_p), jnp.int32(top_k), jnp.float32(min_p))
 
     def sample(logits, step):
-        tok, finite = pick(logits, jax.random.fold_in(key, step), temp, p, greedy=temperature == 0)
+        tok, finite = pick(logits, jnp.int32(seed % 2 ** 31), jnp.int32(step), *knobs, greedy=temperature == 0)
         if not finite:
             raise NonFiniteError(f"the logits of decode step {step} (prompt of {T} tokens) hold NaN or infinite "
                                  f"values: the weights are broken")
@@ -273,7 +270,7 @@ def cmd_demo(args) -> int:
         print(_builtin_note(path), flush=True)
     prompt = _prompt_ids(model, args)
     r = run_generation(model, prompt, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                       seed=args.seed)
+                       seed=args.seed, top_k=args.top_k, min_p=args.min_p)
     print()
     print(_text(model, prompt + r["tokens"]))
     print()
@@ -301,7 +298,7 @@ def cmd_generate(args) -> int:
     print(_describe(model, path), file=sys.stderr, flush=True)
     prompt = _prompt_ids(model, args)
     r = run_generation(model, prompt, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                       seed=args.seed)
+                       seed=args.seed, top_k=args.top_k, min_p=args.min_p)
     if args.json:
         print(json.dumps({"prompt": args.prompt, "prompt_ids": prompt, "tokens": r["tokens"],
                           "text": _text(model, r["tokens"]) if model.tokenizer is not None else None,
@@ -564,6 +561,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--temperature", type=_non_negative_float, default=temperature,
                        help=f"0: greedy (default {temperature})")
         p.add_argument("--top-p", type=_top_p, default=top_p, help=f"nucleus sampling mass (default {top_p})")
+        p.add_argument("--top-k", type=_non_negative_int, default=0, help="keep the k most likely tokens (0: off)")
+        p.add_argument("--min-p", type=_unit_float, default=0.0,
+                       help="keep tokens at least this times as likely as the most likely one (0: off)")
         p.add_argument("--seed", type=_seed, default=0)
 
     demo = sub.add_parser("demo", help="the built-in model continues a prompt; prints tokens/s")

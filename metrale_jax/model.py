@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import math
 import os
 from collections.abc import Mapping, Sequence
@@ -35,6 +34,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from metrale_jax import sharding
+from metrale_jax.arguments import integer, prompts_ids
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import CheckpointError, ConfigError, KernelUnavailableError, ShapeError, SlotError
 from metrale_jax.layers.attention import NemotronAttentionLayer
@@ -70,11 +70,16 @@ TRACE_COUNTS: collections.Counter = collections.Counter()
 class Generation:
     """One prompt's continuation: new token ids (the stop token excluded), their text when the prompt
     was a string (ending before a stop string), and why it stopped: 'eos' (an eos id), 'stop' (a stop
-    token or string the caller gave) or 'length'."""
+    token or string the caller gave) or 'length'. With SamplingParams.logprobs: logprobs[i] is tokens[i]'s
+    log-probability under the model's raw distribution (log_softmax of the logits, before temperature and
+    filters: what `score` gives for the same tokens), and with logprobs = n > 0 top_logprobs[i] the n most
+    likely (token id, log-prob) pairs at that position, best first."""
 
     tokens: list[int]
     text: str | None
     finish_reason: str
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class NemotronH(nnx.Module):
@@ -243,8 +248,8 @@ class NemotronH(nnx.Module):
         ssm_state_dtype: the Mamba state's dtype ('float32', 'bfloat16', 'float16'; default the config's
         mamba_ssm_cache_dtype). bfloat16 halves the state's bytes, which dominate large decode batches, at the
         cost of rounding the state after every step (benchmarks/notes/runtime.md)."""
-        _integer("max_slots", max_slots, 1)
-        _integer("max_len", max_len, 1, self.config.max_position_embeddings, "the model's max_position_embeddings")
+        integer("max_slots", max_slots, 1)
+        integer("max_len", max_len, 1, self.config.max_position_embeddings, "the model's max_position_embeddings")
         config = self.config
         if ssm_state_dtype is not None:
             config = dataclasses.replace(config, mamba_ssm_cache_dtype=str(ssm_state_dtype))
@@ -364,57 +369,29 @@ class NemotronH(nnx.Module):
         out = self._step("score")(self, jnp.asarray(padded), jnp.asarray(lens))
         return out[:B, :T - 1]
 
-    def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0) -> list[Generation]:
-        """Continue each prompt (a list of token ids, or a string when the model has a tokenizer):
-        greedy at temperature 0, else top-p sampling; a row stops at an eos id or after max_new_tokens."""
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
-            raise ShapeError("prompts: expected a non-empty list of token-id lists or strings")
-        as_text = isinstance(prompts[0], str)
-        if any(isinstance(p, str) != as_text for p in prompts):
-            raise ShapeError("prompts: mix of strings and token lists")
-        if as_text and self.tokenizer is None:
-            raise ConfigError("tokenizer", "string prompts need a tokenizer; this model has none (pass token ids)")
-        _check_sampling(max_new_tokens, temperature, top_p, seed)
-        seqs = [_encode(self.tokenizer, i, p) if as_text else _prompt_ids(i, p) for i, p in enumerate(prompts)]
-        for i, s in enumerate(seqs):
-            if not s:
-                raise ShapeError(f"prompts[{i}]: empty")
-        B, Tmax = len(seqs), max(len(s) for s in seqs)
+    def generate(self, prompts, params=None, *, progress: bool | None = False, **overrides) -> list[Generation]:
+        """Continue each prompt (a list of token ids, or a string when the model has a tokenizer) through the
+        engine (runtime/engine.py: one generation loop and one sampler for the library). params: a SamplingParams
+        for all prompts, a list of one per prompt, or max_new_tokens (the old second argument); keyword overrides
+        (max_new_tokens=, temperature=, top_p=, top_k=, min_p=, seed=, stop=, logprobs=) replace fields. Greedy at
+        temperature 0; a row stops at an eos id, a stop id or string, or after max_new_tokens. The engine for
+        this batch's (slots, length) buckets is built on executables kept per model (`generate_engine`), so a
+        repeated call of the same buckets compiles nothing."""
+        from metrale_jax.runtime.engine import generate_engine
+        from metrale_jax.runtime.sampling_params import per_request
+
+        seqs, as_text = prompts_ids(prompts, self.tokenizer)
+        each = per_request(params, len(seqs), **overrides)
         limit = self.config.max_position_embeddings
-        if Tmax + max_new_tokens > limit:                             # before the cache is allocated
-            raise ConfigError("max_new_tokens", f"a prompt of {Tmax} tokens + {max_new_tokens} new tokens exceeds "
-                                                f"the model's max_position_embeddings {limit}")
-        ids = self._check_ids(np.array([s + [0] * (Tmax - len(s)) for s in seqs]))
-        Bb, Tb = bucket(B), bucket(Tmax, 8)
-        cache = self.new_cache(Bb, min(bucket(Tmax + max_new_tokens, 16), limit))
-        slots = np.array(list(range(B)) + [cache.padding_slot] * (Bb - B), np.int32)
-        padded = np.zeros((Bb, Tb), np.int32)
-        padded[:B, :Tmax] = ids
-        lens = np.zeros(Bb, np.int32)
-        lens[:B] = [len(s) for s in seqs]
-        logits, cache = self._step("prefill")(self, cache, jnp.asarray(slots), jnp.asarray(padded),
-                                              jnp.asarray(lens), all_logits=False, continue_=False)
-        eos = self.eos_ids()
-        out: list[list[int]] = [[] for _ in range(B)]
-        reason = ["length"] * B
-        key = jax.random.key(seed)
-        decode = self._step("decode")
-        for step in range(max_new_tokens):
-            tok = _sample(logits, jax.random.fold_in(key, step), jnp.float32(max(temperature, 1e-6)),
-                          jnp.float32(top_p), greedy=temperature == 0)
-            host = np.asarray(tok)
-            for b in range(B):
-                if reason[b] == "length" and len(out[b]) == step:
-                    if int(host[b]) in eos:
-                        reason[b] = "eos"
-                    else:
-                        out[b].append(int(host[b]))
-            if step + 1 == max_new_tokens or all(r == "eos" for r in reason):
-                break
-            logits, cache = decode(self, cache, jnp.asarray(slots), tok)
-        text = [self.tokenizer.decode(t) if as_text else None for t in out]
-        return [Generation(tokens=o, text=x, finish_reason=r) for o, x, r in zip(out, text, reason)]
+        for s, sp in zip(seqs, each):
+            if len(s) + sp.max_new_tokens > limit:                    # before a cache is allocated
+                raise ConfigError("max_new_tokens", f"a prompt of {len(s)} tokens + {sp.max_new_tokens} new tokens "
+                                                    f"exceeds the model's max_position_embeddings {limit}")
+        for s in seqs:
+            self._check_ids(np.asarray([s]))
+        longest = max(len(s) + sp.max_new_tokens for s, sp in zip(seqs, each))
+        engine = generate_engine(self, len(seqs), min(bucket(longest, 16), limit))
+        return engine.generate_ids(seqs, each, as_text=as_text, progress=progress)
 
 
 # ---- the compiled steps (pure functions of the model) ----------------------------------------------
@@ -529,19 +506,6 @@ def _vocab_parallel_logprobs(logits: jax.Array, targets: jax.Array, axis: str) -
     return jax.lax.psum(jnp.where(mine, picked, 0.0), axis) - m - jnp.log(s)
 
 
-@functools.partial(jax.jit, static_argnames=("greedy",))
-def _sample(logits, key, temperature, top_p, *, greedy: bool):
-    """Next tokens [B] from logits [B, V]: argmax, or top-p sampling at `temperature`."""
-    if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    z = logits / temperature
-    order = jnp.argsort(-z, axis=-1)
-    sorted_p = jax.nn.softmax(jnp.take_along_axis(z, order, axis=-1), axis=-1)
-    keep_sorted = (jnp.cumsum(sorted_p, axis=-1) - sorted_p) < top_p        # the top token is always kept
-    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(z.shape[0])[:, None], order].set(keep_sorted)
-    return jax.random.categorical(key, jnp.where(keep, z, -jnp.inf), axis=-1).astype(jnp.int32)
-
-
 _IMPLS = {"forward": forward_step, "prefill": prefill_step, "decode": decode_step, "score": score_step}
 _JITTED = {
     "forward": jax.jit(forward_step),
@@ -647,53 +611,6 @@ def _check_prefill_rows(slots: np.ndarray, lengths: np.ndarray, padding_slot: in
         empty = slots[~pad & (lengths == 0)].tolist()
         raise ShapeError(f"lengths: live slots {empty} are given 0 tokens; a live row needs at least 1 (rows with "
                          f"nothing to prefill go to the padding slot)")
-
-
-def _check_sampling(max_new_tokens, temperature, top_p, seed) -> None:
-    """generate's scalar arguments: an integer count >= 0, a finite temperature >= 0, top_p in (0, 1], and a seed
-    jax.random.key takes (int64)."""
-    _integer("max_new_tokens", max_new_tokens, 0)
-    _integer("seed", seed, -2 ** 63, 2 ** 63 - 1)
-    for name, value, ok, want in (("temperature", temperature, lambda v: v >= 0, "a finite number >= 0"),
-                                  ("top_p", top_p, lambda v: 0 < v <= 1, "a number in (0, 1]")):
-        if not _is_real(value) or not math.isfinite(value) or not ok(value):
-            raise ConfigError(name, f"expected {want}, got {value!r:.60}")
-
-
-def _integer(name: str, value, lo: int, hi: int | None = None, hi_is: str = "") -> int:
-    """value as an int in [lo, hi] (hi None: no upper bound; hi_is: what hi is, for the message), else ConfigError."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < lo or \
-            (hi is not None and value > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]" + (f" ({hi_is})" if hi_is else "")
-        raise ConfigError(name, f"expected an integer {bound}, got {value!r:.60}")
-    return int(value)
-
-
-def _encode(tokenizer, i: int, text: str) -> list[int]:
-    """prompts[i], a string, as token ids; a lone surrogate (not encodable text) is a ShapeError."""
-    try:
-        text.encode("utf-8")
-    except UnicodeError:
-        raise ShapeError(f"prompts[{i}]: not valid Unicode text (a lone surrogate)") from None
-    return tokenizer.encode(text)
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
-
-
-def _prompt_ids(i: int, prompt) -> list[int]:
-    """prompts[i] as token ids: a list / tuple / 1-D array of integers. Floats, strings and bytes are refused, not
-    converted (bytes would otherwise pass as a sequence of small ints)."""
-    if isinstance(prompt, (bytes, bytearray, memoryview)):
-        raise ShapeError(f"prompts[{i}]: bytes are not token ids; pass a list of ints, or a string (with a tokenizer)")
-    if isinstance(prompt, (list, tuple)) and any(isinstance(t, (bool, np.bool_)) for t in prompt):
-        raise ShapeError(f"prompts[{i}]: expected a list of integer token ids, got a {type(prompt).__name__} of bool")
-    arr = np.asarray(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
-    if arr is None or arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
-        shown = f"{type(prompt).__name__}" + (f" of {arr.dtype}{list(arr.shape)}" if arr is not None else "")
-        raise ShapeError(f"prompts[{i}]: expected a list of integer token ids, got {shown}")
-    return arr.astype(np.int64).tolist()
 
 
 def _vector(name: str, value, n: int) -> np.ndarray:
