@@ -311,9 +311,10 @@ def cmd_generate(args) -> int:
 
 
 # ---- score ------------------------------------------------------------------------------------
-def read_examples(path: str, tokenizer, vocab_size: int, max_tokens: int | None = None) -> list[list[int]]:
-    """Token ids of each line of a JSONL file: {"text": ...} (needs a tokenizer) or {"ids": [...]}; a line of
-    more than max_tokens tokens (the model's max_position_embeddings) is refused before anything is computed."""
+def read_examples(path: str, tokenizer, vocab_size: int) -> list:
+    """One scoring.Targets per line of a JSONL file: {"text": ...} (needs a tokenizer) or {"ids": [...]} (every
+    token after the first scored), or {"context": ..., "continuation": ...}, both strings or both id lists (only
+    the continuation scored, given the context; strings are split as lm-eval splits them)."""
     from metrale_jax.files import parse_json_object
 
     p = Path(path)
@@ -329,84 +330,128 @@ def read_examples(path: str, tokenizer, vocab_size: int, max_tokens: int | None 
             continue
         where = f"--data {path} line {n}"
         obj = parse_json_object(line, lambda why, at=where: UsageError(f"{at}: {why}"))   # deep nesting, huge ints
-        if isinstance(obj.get("text"), str):
-            if tokenizer is None:
-                raise UsageError(f"{where}: has text, but the model has no tokenizer (give \"ids\")")
-            try:
-                obj["text"].encode("utf-8")
-            except UnicodeError:                # a JSON escape of a lone surrogate ("\ud800")
-                raise UsageError(f"{where}: text is not valid Unicode (a lone surrogate)") from None
-            ids = tokenizer.encode(obj["text"])
-        elif isinstance(obj.get("ids"), list) and all(
-                isinstance(i, int) and not isinstance(i, bool) for i in obj["ids"]):
-            ids = obj["ids"]
-            bad = [i for i in ids if not 0 <= i < vocab_size]
-            if bad:
-                raise UsageError(f"{where}: ids {_shown(bad)} outside the vocabulary [0, {vocab_size})")
-        else:
-            raise UsageError(f'{where}: expected {{"text": "..."}} or {{"ids": [int, ...]}}')
-        if len(ids) < 2:
-            raise UsageError(f"{where}: needs at least 2 tokens to score, has {len(ids)}")
-        if max_tokens is not None and len(ids) > max_tokens:
-            raise UsageError(f"{where}: {len(ids)} tokens exceed the model's max_position_embeddings {max_tokens}")
-        examples.append(ids)
+        examples.append(_example(obj, where, tokenizer, vocab_size))
     if not examples:
         raise UsageError(f"--data {path}: no examples")
     return examples
 
 
-def score_examples(model, examples: list[list[int]], batch_size: int, progress: bool | None = None) -> list[dict]:
-    """Sum and mean log-prob of tokens 1.. of each example given those before it; batches of
-    similar length, each padded by model.score to its (batch, length) bucket."""
+def _example(obj: dict, where: str, tokenizer, vocab_size: int):
+    """A JSONL line's object as scoring.Targets (see read_examples); anything else is a UsageError at `where`."""
+    from metrale_jax.scoring import Targets
+    from metrale_jax.tokenizer import encode_pair
+
+    if "context" in obj or "continuation" in obj:
+        ctx, cont = obj.get("context"), obj.get("continuation")
+        if isinstance(ctx, str) and isinstance(cont, str):
+            _text_ok(tokenizer, where, ctx + cont)
+            ctx, cont = encode_pair(tokenizer, ctx, cont)
+        elif _is_ids(ctx) and _is_ids(cont):
+            _ids_ok(ctx + cont, where, vocab_size)
+        else:
+            raise UsageError(f'{where}: expected {{"context": "...", "continuation": "..."}} (both strings or both '
+                             f'lists of token ids)')
+        if not ctx or not cont:
+            raise UsageError(f"{where}: needs at least 1 context and 1 continuation token, has {len(ctx)} and "
+                             f"{len(cont)}")
+        return Targets(list(ctx) + list(cont), len(ctx))
+    if isinstance(obj.get("text"), str):
+        _text_ok(tokenizer, where, obj["text"])
+        ids = tokenizer.encode(obj["text"])
+    elif _is_ids(obj.get("ids")):
+        ids = _ids_ok(obj["ids"], where, vocab_size)
+    else:
+        raise UsageError(f'{where}: expected {{"text": "..."}}, {{"ids": [int, ...]}} or {{"context": ..., '
+                         f'"continuation": ...}}')
+    if len(ids) < 2:
+        raise UsageError(f"{where}: needs at least 2 tokens to score, has {len(ids)}")
+    return Targets(ids, 1)
+
+
+def _is_ids(v) -> bool:
+    return isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+
+
+def _ids_ok(ids: list[int], where: str, vocab_size: int) -> list[int]:
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise UsageError(f"{where}: ids {_shown(bad)} outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def _text_ok(tokenizer, where: str, text: str) -> None:
+    if tokenizer is None:
+        raise UsageError(f'{where}: has text, but the model has no tokenizer (give "ids", or "context" / '
+                         f'"continuation" as ids)')
+    try:
+        text.encode("utf-8")
+    except UnicodeError:                        # a JSON escape of a lone surrogate ("\ud800")
+        raise UsageError(f"{where}: text is not valid Unicode (a lone surrogate)") from None
+
+
+def report_scores(examples: list, scored: list, per_token: bool) -> list[dict]:
+    """One result dict per example: its scored tokens' sum and mean log-prob, perplexity, whether every scored token
+    was the greedy one, the windows it took, and with per_token the scored ids and their log-probs."""
     import numpy as np
-    from tqdm.auto import tqdm
 
     from metrale_jax.errors import NonFiniteError
 
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i]))
-    out: list[dict | None] = [None] * len(examples)
-    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    for batch in tqdm(batches, desc="scoring", unit="batch", file=sys.stderr, leave=False,
-                      disable=None if progress is None else not progress):
-        lengths = np.array([len(examples[i]) for i in batch])
-        ids = np.zeros((len(batch), lengths.max()), np.int32)
-        for row, i in enumerate(batch):
-            ids[row, :lengths[row]] = examples[i]
-        logprobs = np.asarray(model.score(ids, lengths), np.float64)           # [B, T-1], 0 past each length
-        for row, i in enumerate(batch):
-            n = int(lengths[row]) - 1
-            if not np.isfinite(logprobs[row, :n]).all():
-                raise NonFiniteError(f"example {i}: its log-probs hold NaN or infinite values (the model's logits "
-                                     f"are not finite: the weights are broken)")
-            total = float(logprobs[row, :n].sum())
-            out[i] = {"example": i, "tokens": n, "sum_logprob": total, "mean_logprob": total / n,
-                      "perplexity": math.exp(-total / n)}
+    out = []
+    for i, (t, s) in enumerate(zip(examples, scored)):
+        if not np.isfinite(s.logprobs).all():
+            raise NonFiniteError(f"example {i}: its log-probs hold NaN or infinite values (the model's logits are not "
+                                 f"finite: the weights are broken)")
+        n, total = len(s.logprobs), s.total
+        row = {"example": i, "tokens": n, "sum_logprob": total, "mean_logprob": total / n,
+               "perplexity": math.exp(-total / n), "greedy": s.all_greedy, "windows": s.windows}
+        if per_token:
+            row["token_ids"] = list(t.ids[t.first:])
+            row["token_logprobs"] = [float(v) for v in s.logprobs]
+        out.append(row)
     return out
 
 
 def cmd_score(args) -> int:
+    from metrale_jax.scoring import score_targets
+
     if not Path(args.data).is_file():
         raise UsageError(f"--data {args.data}: no such file")
+    if args.per_token and not args.json:
+        raise UsageError("--per-token: per-token log-probs are written in the --json output; add --json")
     model, path = _load(args)
-    examples = read_examples(args.data, model.tokenizer, model.config.vocab_size, model.config.max_position_embeddings)
+    limit = model.config.max_position_embeddings
+    max_length = limit if args.max_length is None else args.max_length
+    if not 2 <= max_length <= limit:
+        raise UsageError(f"--max-length {max_length}: expected an integer in [2, {limit}] (the model's "
+                         f"max_position_embeddings)")
+    stride = max(1, max_length // 2) if args.stride is None else args.stride
+    if stride >= max_length:
+        raise UsageError(f"--stride {stride}: must be below --max-length {max_length} (each window keeps "
+                         f"max-length - stride tokens of context)")
+    examples = read_examples(args.data, model.tokenizer, model.config.vocab_size)
     print(_describe(model, path), file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    rows = score_examples(model, examples, args.batch_size)
+    scored = score_targets(model, examples, max_length=max_length, stride=stride, batch_size=args.batch_size,
+                           progress=None, progress_every=args.progress_every)
+    rows = report_scores(examples, scored, args.per_token)
     seconds = time.perf_counter() - t0
     n = sum(r["tokens"] for r in rows)
     total = sum(r["sum_logprob"] for r in rows)
     summary = {"examples": len(rows), "tokens": n, "sum_logprob": total, "mean_logprob": total / n,
-               "perplexity": math.exp(-total / n), "bits_per_token": -total / n / math.log(2), "seconds": seconds}
+               "perplexity": math.exp(-total / n), "bits_per_token": -total / n / math.log(2),
+               "greedy": sum(r["greedy"] for r in rows), "seconds": seconds}
     if args.json:
         for r in rows:
             print(json.dumps(r))
         print(json.dumps({"total": summary}))
         return 0
-    print(f"{'example':>7}  {'tokens':>7}  {'mean log-prob':>13}  {'perplexity':>10}")
+    print(f"{'example':>7}  {'tokens':>7}  {'mean log-prob':>13}  {'perplexity':>10}  {'greedy':>6}")
     for r in rows:
-        print(f"{r['example']:>7}  {r['tokens']:>7}  {r['mean_logprob']:>13.4f}  {r['perplexity']:>10.3f}")
+        print(f"{r['example']:>7}  {r['tokens']:>7}  {r['mean_logprob']:>13.4f}  {r['perplexity']:>10.3f}  "
+              f"{'yes' if r['greedy'] else 'no':>6}")
     print(f"{'total':>7}  {n:>7}  {summary['mean_logprob']:>13.4f}  {summary['perplexity']:>10.3f}   "
-          f"({summary['bits_per_token']:.3f} bits/token; {seconds:.1f} s with compile)")
+          f"({summary['bits_per_token']:.3f} bits/token; {summary['greedy']} of {len(rows)} greedy; {seconds:.1f} s "
+          f"with compile)")
     return 0
 
 
@@ -579,9 +624,20 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(score)
     score.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     score.add_argument("--data", required=True, metavar="FILE.jsonl",
-                       help='one example a line: {"text": "..."} or {"ids": [...]}')
-    score.add_argument("--batch-size", type=_positive_int, default=8)
+                       help='one example a line: {"text": "..."} or {"ids": [...]} (every token after the first '
+                            'scored), or {"context": ..., "continuation": ...} (only the continuation scored)')
+    score.add_argument("--batch-size", type=_positive_int, default=8, help="rows (windows) per model call")
+    score.add_argument("--max-length", type=_positive_int, metavar="TOKENS",
+                       help="longest row; longer examples are scored by sliding windows (default: the model's "
+                            "max_position_embeddings)")
+    score.add_argument("--stride", type=_positive_int, metavar="TOKENS",
+                       help="new tokens scored per window after the first; each keeps max-length - stride tokens of "
+                            "context (default max-length / 2)")
     score.add_argument("--json", action="store_true", help="JSON lines: one per example, then the total")
+    score.add_argument("--per-token", action="store_true",
+                       help="with --json: each example's scored token ids and their log-probs")
+    score.add_argument("--progress-every", type=_non_negative_float, default=5.0, metavar="SECONDS",
+                       help="when stderr is not a terminal, a progress line this often (default 5)")
     score.set_defaults(func=cmd_score)
 
     info = sub.add_parser("info", help="layers, sizes and weight formats, from the headers only")

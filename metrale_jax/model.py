@@ -351,9 +351,11 @@ class NemotronH(nnx.Module):
             raise SlotError(f"cache: max_len is {cache.max_len}, but (slot, tokens) {over} would exceed it")
 
     # ---- batch jobs ----------------------------------------------------------------------------
-    def score(self, ids, lengths=None) -> jax.Array:
+    def score(self, ids, lengths=None, *, greedy: bool = False):
         """Per-token log-probs [B, T-1]: log p(ids[t+1] | ids[:t+1]), zero past each row's length.
-        Compiled per (batch, length) bucket (powers of two), so nearby shapes reuse one executable."""
+        Compiled per (batch, length) bucket (powers of two), so nearby shapes reuse one executable.
+        greedy: return (log-probs, is_greedy [B, T-1] bool): whether ids[t+1] is the most likely token there
+        (ties count as greedy; False past each row's length), as lm-eval's loglikelihood reports."""
         ids = self._check_ids(ids)
         B, T = ids.shape
         if T < 2:
@@ -366,7 +368,9 @@ class NemotronH(nnx.Module):
         padded[:B, :T] = ids
         lens = np.zeros(Bb, np.int32)
         lens[:B] = lengths
-        out = self._step("score")(self, jnp.asarray(padded), jnp.asarray(lens))
+        out = self._step("score")(self, jnp.asarray(padded), jnp.asarray(lens), greedy=greedy)
+        if greedy:
+            return out[0][:B, :T - 1], out[1][:B, :T - 1]
         return out[:B, :T - 1]
 
     def generate(self, prompts, params=None, *, progress: bool | None = False, **overrides) -> list[Generation]:
@@ -465,19 +469,24 @@ def decode_step(model: NemotronH, cache: ModelCache, slots, tokens):
     return logits, dataclasses.replace(new, seq_lens=seq_lens)
 
 
-def score_step(model: NemotronH, ids, lengths):
-    """ids [B, T], lengths [B] -> log p(ids[t+1] | ids[:t+1]) [B, T-1], zero past each length."""
+def score_step(model: NemotronH, ids, lengths, *, greedy: bool = False):
+    """ids [B, T], lengths [B] -> log p(ids[t+1] | ids[:t+1]) [B, T-1], zero past each length; greedy: also
+    whether each ids[t+1] is the argmax there ([B, T-1] bool, ties count, False past each length)."""
     if model.tp is not None:
-        return sharding.run_sharded(score_step, model, ids, lengths, out_specs=P())
+        return sharding.run_sharded(score_step, model, ids, lengths, out_specs=(P(), P()) if greedy else P(),
+                                    greedy=greedy)
     TRACE_COUNTS["score"] += 1
     B, T = ids.shape
     h = _hidden_no_cache(model, ids, lengths)[:, :-1].reshape(B * (T - 1), -1)
-    lp = _token_logprobs(model, h, ids[:, 1:].reshape(-1)).reshape(B, T - 1)
-    return jnp.where(jnp.arange(1, T)[None, :] < lengths[:, None], lp, 0.0)
+    lp, top = _token_logprobs(model, h, ids[:, 1:].reshape(-1), greedy=True)
+    valid = jnp.arange(1, T)[None, :] < lengths[:, None]
+    lp = jnp.where(valid, lp.reshape(B, T - 1), 0.0)
+    return (lp, valid & top.reshape(B, T - 1)) if greedy else lp
 
 
-def _token_logprobs(model: NemotronH, x: jax.Array, targets: jax.Array, chunk: int = 1024) -> jax.Array:
-    """log_softmax(logits(x))[target] per row, a chunk of rows at a time so [N, V] never exists at once."""
+def _token_logprobs(model: NemotronH, x: jax.Array, targets: jax.Array, chunk: int = 1024, *, greedy: bool = False):
+    """log_softmax(logits(x))[target] per row, a chunk of rows at a time so [N, V] never exists at once; greedy:
+    (that, whether the target's logit is the largest)."""
     N = x.shape[0]
     C = min(chunk, N)
     pad = -N % C
@@ -489,21 +498,26 @@ def _token_logprobs(model: NemotronH, x: jax.Array, targets: jax.Array, chunk: i
         logits = _logits(model, xc)
         if model.vocab_axis is not None:
             return _vocab_parallel_logprobs(logits, tc, model.vocab_axis)
-        return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tc[:, None], axis=1)[:, 0]
+        picked = jnp.take_along_axis(logits, tc[:, None], axis=1)[:, 0]
+        return picked - jax.nn.logsumexp(logits, axis=-1), picked >= jnp.max(logits, axis=-1)
 
-    return jax.lax.map(one, (xs, ts)).reshape(-1)[:N]
+    lp, top = jax.lax.map(one, (xs, ts))
+    lp, top = lp.reshape(-1)[:N], top.reshape(-1)[:N]
+    return (lp, top) if greedy else lp
 
 
-def _vocab_parallel_logprobs(logits: jax.Array, targets: jax.Array, axis: str) -> jax.Array:
-    """log_softmax(logits)[target] when this device holds vocabulary rows [d*Vl, (d+1)*Vl) of the logits
-    (logits [N, Vl], targets [N] global ids): a max, a sum and the target's logit reduced over `axis`."""
+def _vocab_parallel_logprobs(logits: jax.Array, targets: jax.Array, axis: str) -> tuple[jax.Array, jax.Array]:
+    """(log_softmax(logits)[target], whether the target's logit is the largest) when this device holds vocabulary
+    rows [d*Vl, (d+1)*Vl) of the logits (logits [N, Vl], targets [N] global ids): a max, a sum and the target's
+    logit reduced over `axis`."""
     Vl = logits.shape[1]
     m = jax.lax.pmax(jnp.max(logits, axis=1), axis)
     s = jax.lax.psum(jnp.sum(jnp.exp(logits - m[:, None]), axis=1), axis)
     local = targets - jax.lax.axis_index(axis) * Vl
     mine = (local >= 0) & (local < Vl)
     picked = jnp.take_along_axis(logits, jnp.clip(local, 0, Vl - 1)[:, None], axis=1)[:, 0]
-    return jax.lax.psum(jnp.where(mine, picked, 0.0), axis) - m - jnp.log(s)
+    target = jax.lax.psum(jnp.where(mine, picked, 0.0), axis)
+    return target - m - jnp.log(s), target >= m
 
 
 _IMPLS = {"forward": forward_step, "prefill": prefill_step, "decode": decode_step, "score": score_step}
@@ -511,7 +525,7 @@ _JITTED = {
     "forward": jax.jit(forward_step),
     "prefill": jax.jit(prefill_step, static_argnames=("all_logits", "continue_"), donate_argnums=(1,)),
     "decode": jax.jit(decode_step, donate_argnums=(1,)),
-    "score": jax.jit(score_step),
+    "score": jax.jit(score_step, static_argnames=("greedy",)),
 }
 
 

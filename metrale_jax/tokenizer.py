@@ -118,3 +118,19 @@ def load_tokenizer(directory: str | os.PathLike, config=None):
             raise ConfigError(BYTE_TOKENIZER_FILE, f"unsupported byte tokenizer settings {bad}; expected {want}")
         return tok
     return None
+
+
+def encode_pair(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """Token ids of a context and of its continuation as the model reads them together, split as lm-eval's HF model
+    splits them: trailing whitespace of the context moves to the continuation, the pair is encoded whole and the
+    continuation is what follows the context's own encoding (so a token spanning the boundary counts as the
+    continuation's). An empty context is the BOS token (the EOS token without one) alone."""
+    n = len(context) - len(context.rstrip())
+    if n:
+        context, continuation = context[:-n], context[-n:] + continuation
+    if not context:
+        prefix = tokenizer.bos_id if tokenizer.bos_id is not None else tokenizer.eos_id
+        return [prefix], tokenizer.encode(continuation, add_bos=False)
+    whole = tokenizer.encode(context + continuation)
+    ctx = tokenizer.encode(context)
+    return ctx, whole[len(ctx):]

@@ -157,11 +157,21 @@ def test_compiled_prefill_has_one_all_reduce_per_block(models, rng):
 
 def test_score_and_sampling_over_a_split_vocabulary(models, rng):
     """score's log-softmax over a vocabulary split across devices (a max, a sum and the target's logit
-    reduced) matches the single device; generate's sampler takes vocabulary-split logits as they come."""
+    reduced) matches the single device, and so do its greedy flags (against the forward's argmax); the sampler
+    (with top-k and min-p) takes vocabulary-split logits as they come."""
     one, many = models(CFG, 1), models(CFG, 2)
     ids = rng.integers(0, CFG.vocab_size, (2, 10)).astype(np.int32)
     lens = np.array([10, 7])
     _close(np.asarray(many.score(ids, lens)), np.asarray(one.score(ids, lens)))
+    for t in range(1, 9):                                         # row 0 continues greedily from its 2nd token
+        ids[0, t + 1] = np.argmax(np.asarray(one.forward(ids))[0, t])
+    lp, greedy = many.score(ids, lens, greedy=True)
+    logits = np.asarray(one.forward(ids))[:, :-1]
+    want = np.take_along_axis(logits, ids[:, 1:, None], -1)[..., 0] >= logits.max(-1)
+    want &= np.arange(1, 10) < lens[:, None]
+    _close(np.asarray(lp), np.asarray(one.score(ids, lens)))
+    np.testing.assert_array_equal(np.asarray(greedy), want)
+    assert want[0, 1:].all()                                      # the generated tokens are the greedy ones
     logits = jax.device_put(rng.standard_normal((4, CFG.vocab_size)).astype(np.float32),
                             NamedSharding(many.tp.mesh, P(None, "tp")))
     host = np.asarray(logits)
