@@ -71,12 +71,21 @@ def _token_ids(text: str) -> list[int]:
 
 # ---- loading ----------------------------------------------------------------------------------
 def _model_dir(arg: str | None) -> Path:
-    """--model DIR checked (a folder holding config.json), or the built-in model's folder."""
+    """--model DIR checked (a folder holding config.json), a hub name ORG/NAME resolved to its snapshot folder
+    (hub.resolve_checkpoint), or the built-in model's folder."""
     if arg is None:
         from metrale_jax.builtin import builtin_model_dir
 
         return builtin_model_dir()
     path = Path(arg)
+    if not path.exists() and not arg.startswith((".", "/", "~")) and arg.count("/") == 1:
+        from metrale_jax.errors import MetraleError
+        from metrale_jax.hub import resolve_checkpoint
+
+        try:
+            path = resolve_checkpoint(arg)
+        except MetraleError as e:
+            raise UsageError(f"--model {_one_line(e)}") from None
     if not path.exists():
         raise UsageError(f"--model {arg}: no such directory")
     if not path.is_dir():

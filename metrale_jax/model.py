@@ -37,6 +37,7 @@ from metrale_jax import sharding
 from metrale_jax.arguments import integer, prompts_ids
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import CheckpointError, ConfigError, KernelUnavailableError, ShapeError, SlotError
+from metrale_jax.hub import resolve_checkpoint
 from metrale_jax.layers.attention import NemotronAttentionLayer
 from metrale_jax.layers.capabilities import ModelCapabilities, combine_capabilities
 from metrale_jax.layers.mamba2 import NemotronMamba2Layer
@@ -161,6 +162,8 @@ class NemotronH(nnx.Module):
     def from_pretrained(cls, directory: str | os.PathLike, dtype=jnp.bfloat16, levers: ModelLevers | None = None,
                         *, progress: bool | None = None, mesh=None, check_finite: bool = True) -> NemotronH:
         """Load config.json + model.safetensors (or a sharded index) and the tokenizer if one is there.
+        directory: a checkpoint directory, or a hub repository name 'org/name' (hub.resolve_checkpoint: the local
+        HF cache first, then a download unless HF_HUB_OFFLINE; ModelNotFoundError when neither).
         A quantized checkpoint (ModelOpt FP8 / NVFP4, block FP8) keeps its linear weights quantized in the
         arms `_mamba_layer` and Projection.set_weight choose (levers.native_fp8_ssm for the Mamba ones).
         mesh: split the model over its devices, each tensor read from the memory map straight to its shards
@@ -170,6 +173,7 @@ class NemotronH(nnx.Module):
         where it lives (an elementwise test per tensor, one host sync): on the built-in model (57 tensors, 5 MB,
         CPU) 5-9 ms of a 30-40 ms warm load; on a GPU the read runs at memory bandwidth. On by default: a silent
         NaN model costs far more than that."""
+        directory = resolve_checkpoint(directory)
         config = ModelConfig.from_hf(directory)
         qcfg = checkpoint_quantization(directory)
         tensors, notes = read_checkpoint(directory, config, dtype, progress=progress, mesh=mesh, qcfg=qcfg,
@@ -381,11 +385,15 @@ class NemotronH(nnx.Module):
         temperature 0; a row stops at an eos id, a stop id or string, or after max_new_tokens. The engine for
         this batch's (slots, length) buckets is built on executables kept per model (`generate_engine`), so a
         repeated call of the same buckets compiles nothing."""
-        from metrale_jax.runtime.engine import generate_engine
         from metrale_jax.runtime.sampling_params import per_request
 
         seqs, as_text = prompts_ids(prompts, self.tokenizer)
-        each = per_request(params, len(seqs), **overrides)
+        return self._generate_ids(seqs, per_request(params, len(seqs), **overrides), as_text, progress)
+
+    def _generate_ids(self, seqs: list[list[int]], each: list, as_text: bool, progress) -> list[Generation]:
+        """generate for prompts as token ids, one SamplingParams each (as_text: Generations with text)."""
+        from metrale_jax.runtime.engine import generate_engine
+
         limit = self.config.max_position_embeddings
         for s, sp in zip(seqs, each):
             if len(s) + sp.max_new_tokens > limit:                    # before a cache is allocated
@@ -396,6 +404,23 @@ class NemotronH(nnx.Module):
         longest = max(len(s) + sp.max_new_tokens for s, sp in zip(seqs, each))
         engine = generate_engine(self, len(seqs), min(bucket(longest, 16), limit))
         return engine.generate_ids(seqs, each, as_text=as_text, progress=progress)
+
+    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, **extra) -> str:
+        """The prompt text the tokenizer's chat template (tokenizer_config.json) makes of messages
+        ([{"role": ..., "content": ...}, ...]); chat.apply_chat_template."""
+        from metrale_jax.chat import apply_chat_template
+
+        if self.tokenizer is None:
+            raise ConfigError("tokenizer", "a chat template needs a tokenizer; this model has none")
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt=add_generation_prompt, **extra)
+
+    def chat(self, messages, params=None, *, progress: bool | None = False, **overrides) -> Generation:
+        """The assistant's next turn after messages: the chat-template prompt (its special tokens as the template
+        writes them, no BOS added on top), continued as `generate` does (params / overrides likewise)."""
+        from metrale_jax.runtime.sampling_params import per_request
+
+        ids = self.tokenizer.encode(self.apply_chat_template(messages), add_bos=False)
+        return self._generate_ids([ids], per_request(params, 1, **overrides), True, progress)[0]
 
 
 # ---- the compiled steps (pure functions of the model) ----------------------------------------------
