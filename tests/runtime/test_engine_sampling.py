@@ -12,43 +12,12 @@ from metrale_jax.errors import ConfigError
 from metrale_jax.runtime import SpeculativeConfig
 from metrale_jax.runtime.sampling_params import MAX_LOGPROBS, SamplingParams, per_request, resolve
 from tests import numpy_refs_model as ref
-from tests.runtime.conftest import EOS
-
-FWD_SHAPE = (8, 40)     # every forward reference is padded to this shape: one compile
-
-
-def _prompts(rng, lengths):
-    return [rng.integers(0, EOS, n).tolist() for n in lengths]
+from tests.runtime.test_engine import _forward, _prompts
+from tests.runtime.test_engine_overlap import _Oracle      # drafts a known continuation, wrong every other step
 
 
 def _forward_logprobs(model, seqs):
-    ids = np.zeros(FWD_SHAPE, np.int32)
-    for b, s in enumerate(seqs):
-        ids[b, :len(s)] = s
-    return ref.log_softmax(np.asarray(model.forward(ids)))
-
-
-class _Oracle:
-    """Drafts each prompt's known continuation, a wrong token instead every other step."""
-
-    def __init__(self, answers):
-        self.answers = answers
-
-    def new_sequence(self, context):
-        return _OracleSeq(self.answers[tuple(context)])
-
-
-class _OracleSeq:
-    def __init__(self, answer):
-        self.answer, self.got, self.calls = answer, 0, 0
-
-    def append(self, token):
-        self.got += 1
-
-    def propose(self, limit):
-        self.calls += 1
-        d = list(self.answer[self.got:self.got + limit])
-        return [(t + 1) % EOS for t in d] if self.calls % 2 else d
+    return ref.log_softmax(_forward(model, seqs))
 
 
 def test_each_request_draws_the_same_alone_as_in_a_batch_of_other_parameters(make_engine, rng):
