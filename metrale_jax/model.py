@@ -154,6 +154,10 @@ class NemotronH(nnx.Module):
             self.mtp = NemotronMTP(config, *mtp_weights(config, t), levers=self.levers)
         else:
             self.mtp = nnx.data(None)              # no MTP head: MTP drafting raises ConfigError
+        if self.levers.fp8_activations != "e4m3":
+            for _, module in nnx.iter_modules(self):   # every projection (blocks, lm_head, MTP head)
+                if isinstance(module, Projection):
+                    module.set_fp8_activations(self.levers.fp8_activations)
         if self.tp is not None:
             sharding.check_placement(self)
 
@@ -616,7 +620,9 @@ def _mamba_layer(norm, w, config: ModelConfig, i: int, levers: ModelLevers, dtyp
         full          native FP8 for decode and prefill (w8a16_gemv / w8a16_gemm_pipelined).
         decode        native FP8 for decode only + a pre-dequantized FP8 E4M3 prefill copy (fp8_gemm_t).
         off           requantized to NVFP4 (the double quantization FP8 -> NVFP4 that native FP8 avoids) and
-                      then served as NVFP4 (decode w4a16_gemv, prefill w4a16_gemm_t)."""
+                      then served as NVFP4 (decode w4a16_gemv, prefill w4a16_gemm_t).
+      With levers.fp8_activations 'bf16', full and decode both serve prefill weight-only from the native FP8
+      weights (w8a16_gemm; NemotronH.__init__ sets every projection's mode): no E4M3 prefill copy is made."""
     mode = levers.native_fp8_ssm
     names = ("in_proj", "out_proj")
     projs = {k: getattr(w, k) for k in names}
@@ -630,7 +636,7 @@ def _mamba_layer(norm, w, config: ModelConfig, i: int, levers: ModelLevers, dtyp
                                                     "use 'decode' or 'full'")
             projs[k] = quantize_nvfp4_weight(v)
     layer = NemotronMamba2Layer(norm, dataclasses.replace(w, **projs), config, i, levers=levers)
-    if fp8 and mode == "decode":
+    if fp8 and mode == "decode" and levers.fp8_activations == "e4m3":   # bf16: fp8_native serves prefill itself
         layer.set_fp8_prefill_weights(*(fp8_prefill_copy(fp8[k]) if k in fp8 else None for k in names))
     nvfp4 = {k: v for k, v in projs.items()
              if isinstance(v, Nvfp4Weight) and nvfp4_prefill_copy_pays(v.shape, dtype, levers.kernels)}
