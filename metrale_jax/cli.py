@@ -185,7 +185,8 @@ def run_generation(model, prompt: list[int], max_new_tokens: int, *, temperature
     t2 = time.perf_counter()
 
     eos = model.eos_ids()
-    knobs = (jnp.float32(temperature), jnp.float32(top_p), jnp.int32(top_k), jnp.float32(min_p))
+    knobs = (jnp.float32(temperature), jnp.float32(top_p), jnp.int32(min(top_k, model.config.vocab_size)),
+             jnp.float32(min_p))
 
     def sample(logits, step):
         tok, finite = pick(logits, jnp.int32(seed % 2 ** 31), jnp.int32(step), *knobs, greedy=temperature == 0)

@@ -330,7 +330,8 @@ class Engine:
                              f"max_len {self.max_len}")
         return self._enqueue(Request(rid=0, prompt=tokens, max_new_tokens=sp.max_new_tokens,
                                      temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed % 2**31,
-                                     top_k=sp.top_k, min_p=sp.min_p, want_logprobs=sp.logprobs,
+                                     top_k=min(sp.top_k, self.model.config.vocab_size),   # int32 on the device
+                                     min_p=sp.min_p, want_logprobs=sp.logprobs,
                                      **self._stops(sp.stop), on_token=on_token))
 
     def _stops(self, stop: tuple) -> dict:

@@ -39,7 +39,7 @@ def test_each_request_draws_the_same_alone_as_in_a_batch_of_other_parameters(mak
     assert other.tokens != batch[0].tokens or len(set(batch[0].tokens)) == 1
 
 
-def test_top_k_1_and_min_p_1_are_greedy_with_and_without_speculation(make_engine, rng):
+def test_top_k_1_and_min_p_1_are_greedy_with_and_without_speculation_and_a_huge_top_k_is_off(make_engine, rng):
     prompts = _prompts(rng, [6, 15, 10])
     greedy = [g.tokens for g in make_engine().generate(prompts, 12)]
     drafter = _Oracle({tuple(p): t for p, t in zip(prompts, greedy)})
@@ -50,6 +50,8 @@ def test_top_k_1_and_min_p_1_are_greedy_with_and_without_speculation(make_engine
         assert [g.tokens for g in spec.generate(prompts, 12, temperature=2.0, seed=9, **kw)] == greedy
         c = spec.counters
         assert c["verify_rows"] > 0 and 0 < c["accepted_tokens"] < c["drafted_tokens"]
+    free = [g.tokens for g in make_engine().generate(prompts, 12, temperature=1.0, seed=3)]
+    assert [g.tokens for g in make_engine().generate(prompts, 12, temperature=1.0, seed=3, top_k=10 ** 12)] == free
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
