@@ -21,6 +21,6 @@ from metrale_jax.weights import (  # noqa: F401
     StackedExperts, W4a4Weight, WeightQuantFormat, quantize_checkpoint, stack_experts)
 from metrale_jax import sharding  # noqa: F401,E402
 from metrale_jax.sharding import make_mesh  # noqa: F401,E402
-from metrale_jax.runtime import Engine, Executables, PrefixCache, SpeculativeConfig  # noqa: F401,E402
+from metrale_jax.runtime import Engine, Executables, PrefixCache, SamplingParams, SpeculativeConfig  # noqa: F401,E402
 
 __version__ = "0.1.0"

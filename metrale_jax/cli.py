@@ -54,6 +54,8 @@ def _number(parse, ok, expected: str):
 _positive_int = _number(int, lambda v: v >= 1, "a positive integer")
 _non_negative_float = _number(float, lambda v: 0 <= v < math.inf, "a finite number >= 0")
 _top_p = _number(float, lambda v: 0 < v <= 1, "a number in (0, 1]")
+_unit_float = _number(float, lambda v: 0 <= v <= 1, "a number in [0, 1]")
+_non_negative_int = _number(int, lambda v: v >= 0, "an integer >= 0")
 _seed = _number(int, lambda v: 0 <= v < 2 ** 63, "an integer in [0, 2**63)")      # what jax.random.key takes
 
 
@@ -69,12 +71,21 @@ def _token_ids(text: str) -> list[int]:
 
 # ---- loading ----------------------------------------------------------------------------------
 def _model_dir(arg: str | None) -> Path:
-    """--model DIR checked (a folder holding config.json), or the built-in model's folder."""
+    """--model DIR checked (a folder holding config.json), a hub name ORG/NAME resolved to its snapshot folder
+    (hub.resolve_checkpoint), or the built-in model's folder."""
     if arg is None:
         from metrale_jax.builtin import builtin_model_dir
 
         return builtin_model_dir()
     path = Path(arg)
+    if not path.exists() and not arg.startswith((".", "/", "~")) and arg.count("/") == 1:
+        from metrale_jax.errors import MetraleError
+        from metrale_jax.hub import resolve_checkpoint
+
+        try:
+            path = resolve_checkpoint(arg)
+        except MetraleError as e:
+            raise UsageError(f"--model {_one_line(e)}") from None
     if not path.exists():
         raise UsageError(f"--model {arg}: no such directory")
     if not path.is_dir():
@@ -113,24 +124,20 @@ def _describe(model, path: Path) -> str:
 # ---- generation -------------------------------------------------------------------------------
 @functools.cache
 def _sampler():
+    """The library's sampler (runtime/sampling.sample_tokens) for one row, jitted, with a finite-logits flag."""
     import jax
     import jax.numpy as jnp
 
-    @functools.partial(jax.jit, static_argnames=("greedy",))
-    def pick(logits, key, temperature, top_p, *, greedy):
-        """(next token [B], whether every logit is finite) from logits [B, V]: argmax, or top-p sampling at
-        `temperature`. The flag comes with the token, so checking it costs no extra sync."""
-        return _pick(logits, key, temperature, top_p, greedy=greedy), jnp.all(jnp.isfinite(logits))
+    from metrale_jax.runtime.sampling import sample_tokens
 
-    def _pick(logits, key, temperature, top_p, *, greedy):
-        if greedy:
-            return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        z = logits / temperature
-        sorted_z = jnp.sort(z, axis=-1)[:, ::-1]
-        sorted_p = jax.nn.softmax(sorted_z, axis=-1)
-        keep = (jnp.cumsum(sorted_p, axis=-1) - sorted_p) < top_p           # the top token is always kept
-        cutoff = jnp.min(jnp.where(keep, sorted_z, jnp.inf), axis=-1, keepdims=True)
-        return jax.random.categorical(key, jnp.where(z >= cutoff, z, -jnp.inf), axis=-1).astype(jnp.int32)
+    @functools.partial(jax.jit, static_argnames=("greedy",))
+    def pick(logits, seed, step, temperature, top_p, top_k, min_p, *, greedy):
+        """(next token [1], whether every logit is finite) from logits [1, V]: the draw `step` of the stream `seed`,
+        as the engine draws a request's tokens. The flag comes with the token, so checking it costs no extra sync."""
+        row = lambda x: jnp.reshape(x, (1,))
+        tok = sample_tokens(logits, row(temperature), row(top_p), row(seed), row(step), sampling=not greedy,
+                            top_k=row(top_k), min_p=row(min_p))
+        return tok, jnp.all(jnp.isfinite(logits))
 
     return pick
 
@@ -140,12 +147,12 @@ def _bucket(n: int, minimum: int) -> int:
 
 
 def run_generation(model, prompt: list[int], max_new_tokens: int, *, temperature: float = 0.0, top_p: float = 1.0,
-                   seed: int = 0, progress: bool | None = None) -> dict:
+                   seed: int = 0, top_k: int = 0, min_p: float = 0.0, progress: bool | None = None) -> dict:
     """Prefill `prompt` into one slot, then decode up to max_new_tokens, timing each phase.
 
     The prefill runs twice on fresh caches (the first compiles), so its rate excludes compilation; the
-    first decode step compiles and is left out of the decode rate. Sampling is seeded per step as
-    model.generate does (fold_in(key(seed), step)). Returns the new tokens and the times.
+    first decode step compiles and is left out of the decode rate. Token i is the i-th draw of the stream `seed`,
+    as the engine draws them for a request submitted with that seed. Returns the new tokens and the times.
     """
     import jax
     import jax.numpy as jnp
@@ -176,11 +183,11 @@ def run_generation(model, prompt: list[int], max_new_tokens: int, *, temperature
     t2 = time.perf_counter()
 
     eos = model.eos_ids()
-    key = jax.random.key(seed)
-    temp, p = jnp.float32(max(temperature, 1e-6)), jnp.float32(top_p)
+    knobs = (jnp.float32(temperature), jnp.float32(top_p), jnp.int32(min(top_k, model.config.vocab_size)),
+             jnp.float32(min_p))
 
     def sample(logits, step):
-        tok, finite = pick(logits, jax.random.fold_in(key, step), temp, p, greedy=temperature == 0)
+        tok, finite = pick(logits, jnp.int32(seed % 2 ** 31), jnp.int32(step), *knobs, greedy=temperature == 0)
         if not finite:
             raise NonFiniteError(f"the logits of decode step {step} (prompt of {T} tokens) hold NaN or infinite "
                                  f"values: the weights are broken")
@@ -271,7 +278,7 @@ def cmd_demo(args) -> int:
         print(_builtin_note(path), flush=True)
     prompt = _prompt_ids(model, args)
     r = run_generation(model, prompt, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                       seed=args.seed)
+                       seed=args.seed, top_k=args.top_k, min_p=args.min_p)
     print()
     print(_text(model, prompt + r["tokens"]))
     print()
@@ -299,7 +306,7 @@ def cmd_generate(args) -> int:
     print(_describe(model, path), file=sys.stderr, flush=True)
     prompt = _prompt_ids(model, args)
     r = run_generation(model, prompt, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-                       seed=args.seed)
+                       seed=args.seed, top_k=args.top_k, min_p=args.min_p)
     if args.json:
         print(json.dumps({"prompt": args.prompt, "prompt_ids": prompt, "tokens": r["tokens"],
                           "text": _text(model, r["tokens"]) if model.tokenizer is not None else None,
@@ -312,9 +319,10 @@ def cmd_generate(args) -> int:
 
 
 # ---- score ------------------------------------------------------------------------------------
-def read_examples(path: str, tokenizer, vocab_size: int, max_tokens: int | None = None) -> list[list[int]]:
-    """Token ids of each line of a JSONL file: {"text": ...} (needs a tokenizer) or {"ids": [...]}; a line of
-    more than max_tokens tokens (the model's max_position_embeddings) is refused before anything is computed."""
+def read_examples(path: str, tokenizer, vocab_size: int) -> list:
+    """One scoring.Targets per line of a JSONL file: {"text": ...} (needs a tokenizer) or {"ids": [...]} (every
+    token after the first scored), or {"context": ..., "continuation": ...}, both strings or both id lists (only
+    the continuation scored, given the context; strings are split as lm-eval splits them)."""
     from metrale_jax.files import parse_json_object
 
     p = Path(path)
@@ -330,84 +338,128 @@ def read_examples(path: str, tokenizer, vocab_size: int, max_tokens: int | None 
             continue
         where = f"--data {path} line {n}"
         obj = parse_json_object(line, lambda why, at=where: UsageError(f"{at}: {why}"))   # deep nesting, huge ints
-        if isinstance(obj.get("text"), str):
-            if tokenizer is None:
-                raise UsageError(f"{where}: has text, but the model has no tokenizer (give \"ids\")")
-            try:
-                obj["text"].encode("utf-8")
-            except UnicodeError:                # a JSON escape of a lone surrogate ("\ud800")
-                raise UsageError(f"{where}: text is not valid Unicode (a lone surrogate)") from None
-            ids = tokenizer.encode(obj["text"])
-        elif isinstance(obj.get("ids"), list) and all(
-                isinstance(i, int) and not isinstance(i, bool) for i in obj["ids"]):
-            ids = obj["ids"]
-            bad = [i for i in ids if not 0 <= i < vocab_size]
-            if bad:
-                raise UsageError(f"{where}: ids {_shown(bad)} outside the vocabulary [0, {vocab_size})")
-        else:
-            raise UsageError(f'{where}: expected {{"text": "..."}} or {{"ids": [int, ...]}}')
-        if len(ids) < 2:
-            raise UsageError(f"{where}: needs at least 2 tokens to score, has {len(ids)}")
-        if max_tokens is not None and len(ids) > max_tokens:
-            raise UsageError(f"{where}: {len(ids)} tokens exceed the model's max_position_embeddings {max_tokens}")
-        examples.append(ids)
+        examples.append(_example(obj, where, tokenizer, vocab_size))
     if not examples:
         raise UsageError(f"--data {path}: no examples")
     return examples
 
 
-def score_examples(model, examples: list[list[int]], batch_size: int, progress: bool | None = None) -> list[dict]:
-    """Sum and mean log-prob of tokens 1.. of each example given those before it; batches of
-    similar length, each padded by model.score to its (batch, length) bucket."""
+def _example(obj: dict, where: str, tokenizer, vocab_size: int):
+    """A JSONL line's object as scoring.Targets (see read_examples); anything else is a UsageError at `where`."""
+    from metrale_jax.scoring import Targets
+    from metrale_jax.tokenizer import encode_pair
+
+    if "context" in obj or "continuation" in obj:
+        ctx, cont = obj.get("context"), obj.get("continuation")
+        if isinstance(ctx, str) and isinstance(cont, str):
+            _text_ok(tokenizer, where, ctx + cont)
+            ctx, cont = encode_pair(tokenizer, ctx, cont)
+        elif _is_ids(ctx) and _is_ids(cont):
+            _ids_ok(ctx + cont, where, vocab_size)
+        else:
+            raise UsageError(f'{where}: expected {{"context": "...", "continuation": "..."}} (both strings or both '
+                             f'lists of token ids)')
+        if not ctx or not cont:
+            raise UsageError(f"{where}: needs at least 1 context and 1 continuation token, has {len(ctx)} and "
+                             f"{len(cont)}")
+        return Targets(list(ctx) + list(cont), len(ctx))
+    if isinstance(obj.get("text"), str):
+        _text_ok(tokenizer, where, obj["text"])
+        ids = tokenizer.encode(obj["text"])
+    elif _is_ids(obj.get("ids")):
+        ids = _ids_ok(obj["ids"], where, vocab_size)
+    else:
+        raise UsageError(f'{where}: expected {{"text": "..."}}, {{"ids": [int, ...]}} or {{"context": ..., '
+                         f'"continuation": ...}}')
+    if len(ids) < 2:
+        raise UsageError(f"{where}: needs at least 2 tokens to score, has {len(ids)}")
+    return Targets(ids, 1)
+
+
+def _is_ids(v) -> bool:
+    return isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v)
+
+
+def _ids_ok(ids: list[int], where: str, vocab_size: int) -> list[int]:
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise UsageError(f"{where}: ids {_shown(bad)} outside the vocabulary [0, {vocab_size})")
+    return ids
+
+
+def _text_ok(tokenizer, where: str, text: str) -> None:
+    if tokenizer is None:
+        raise UsageError(f'{where}: has text, but the model has no tokenizer (give "ids", or "context" / '
+                         f'"continuation" as ids)')
+    try:
+        text.encode("utf-8")
+    except UnicodeError:                        # a JSON escape of a lone surrogate ("\ud800")
+        raise UsageError(f"{where}: text is not valid Unicode (a lone surrogate)") from None
+
+
+def report_scores(examples: list, scored: list, per_token: bool) -> list[dict]:
+    """One result dict per example: its scored tokens' sum and mean log-prob, perplexity, whether every scored token
+    was the greedy one, the windows it took, and with per_token the scored ids and their log-probs."""
     import numpy as np
-    from tqdm.auto import tqdm
 
     from metrale_jax.errors import NonFiniteError
 
-    order = sorted(range(len(examples)), key=lambda i: len(examples[i]))
-    out: list[dict | None] = [None] * len(examples)
-    batches = [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
-    for batch in tqdm(batches, desc="scoring", unit="batch", file=sys.stderr, leave=False,
-                      disable=None if progress is None else not progress):
-        lengths = np.array([len(examples[i]) for i in batch])
-        ids = np.zeros((len(batch), lengths.max()), np.int32)
-        for row, i in enumerate(batch):
-            ids[row, :lengths[row]] = examples[i]
-        logprobs = np.asarray(model.score(ids, lengths), np.float64)           # [B, T-1], 0 past each length
-        for row, i in enumerate(batch):
-            n = int(lengths[row]) - 1
-            if not np.isfinite(logprobs[row, :n]).all():
-                raise NonFiniteError(f"example {i}: its log-probs hold NaN or infinite values (the model's logits "
-                                     f"are not finite: the weights are broken)")
-            total = float(logprobs[row, :n].sum())
-            out[i] = {"example": i, "tokens": n, "sum_logprob": total, "mean_logprob": total / n,
-                      "perplexity": math.exp(-total / n)}
+    out = []
+    for i, (t, s) in enumerate(zip(examples, scored)):
+        if not np.isfinite(s.logprobs).all():
+            raise NonFiniteError(f"example {i}: its log-probs hold NaN or infinite values (the model's logits are not "
+                                 f"finite: the weights are broken)")
+        n, total = len(s.logprobs), s.total
+        row = {"example": i, "tokens": n, "sum_logprob": total, "mean_logprob": total / n,
+               "perplexity": math.exp(-total / n), "greedy": s.all_greedy, "windows": s.windows}
+        if per_token:
+            row["token_ids"] = list(t.ids[t.first:])
+            row["token_logprobs"] = [float(v) for v in s.logprobs]
+        out.append(row)
     return out
 
 
 def cmd_score(args) -> int:
+    from metrale_jax.scoring import score_targets
+
     if not Path(args.data).is_file():
         raise UsageError(f"--data {args.data}: no such file")
+    if args.per_token and not args.json:
+        raise UsageError("--per-token: per-token log-probs are written in the --json output; add --json")
     model, path = _load(args)
-    examples = read_examples(args.data, model.tokenizer, model.config.vocab_size, model.config.max_position_embeddings)
+    limit = model.config.max_position_embeddings
+    max_length = limit if args.max_length is None else args.max_length
+    if not 2 <= max_length <= limit:
+        raise UsageError(f"--max-length {max_length}: expected an integer in [2, {limit}] (the model's "
+                         f"max_position_embeddings)")
+    stride = max(1, max_length // 2) if args.stride is None else args.stride
+    if stride >= max_length:
+        raise UsageError(f"--stride {stride}: must be below --max-length {max_length} (each window keeps "
+                         f"max-length - stride tokens of context)")
+    examples = read_examples(args.data, model.tokenizer, model.config.vocab_size)
     print(_describe(model, path), file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    rows = score_examples(model, examples, args.batch_size)
+    scored = score_targets(model, examples, max_length=max_length, stride=stride, batch_size=args.batch_size,
+                           progress=None, progress_every=args.progress_every)
+    rows = report_scores(examples, scored, args.per_token)
     seconds = time.perf_counter() - t0
     n = sum(r["tokens"] for r in rows)
     total = sum(r["sum_logprob"] for r in rows)
     summary = {"examples": len(rows), "tokens": n, "sum_logprob": total, "mean_logprob": total / n,
-               "perplexity": math.exp(-total / n), "bits_per_token": -total / n / math.log(2), "seconds": seconds}
+               "perplexity": math.exp(-total / n), "bits_per_token": -total / n / math.log(2),
+               "greedy": sum(r["greedy"] for r in rows), "seconds": seconds}
     if args.json:
         for r in rows:
             print(json.dumps(r))
         print(json.dumps({"total": summary}))
         return 0
-    print(f"{'example':>7}  {'tokens':>7}  {'mean log-prob':>13}  {'perplexity':>10}")
+    print(f"{'example':>7}  {'tokens':>7}  {'mean log-prob':>13}  {'perplexity':>10}  {'greedy':>6}")
     for r in rows:
-        print(f"{r['example']:>7}  {r['tokens']:>7}  {r['mean_logprob']:>13.4f}  {r['perplexity']:>10.3f}")
+        print(f"{r['example']:>7}  {r['tokens']:>7}  {r['mean_logprob']:>13.4f}  {r['perplexity']:>10.3f}  "
+              f"{'yes' if r['greedy'] else 'no':>6}")
     print(f"{'total':>7}  {n:>7}  {summary['mean_logprob']:>13.4f}  {summary['perplexity']:>10.3f}   "
-          f"({summary['bits_per_token']:.3f} bits/token; {seconds:.1f} s with compile)")
+          f"({summary['bits_per_token']:.3f} bits/token; {summary['greedy']} of {len(rows)} greedy; {seconds:.1f} s "
+          f"with compile)")
     return 0
 
 
@@ -562,6 +614,9 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--temperature", type=_non_negative_float, default=temperature,
                        help=f"0: greedy (default {temperature})")
         p.add_argument("--top-p", type=_top_p, default=top_p, help=f"nucleus sampling mass (default {top_p})")
+        p.add_argument("--top-k", type=_non_negative_int, default=0, help="keep the k most likely tokens (0: off)")
+        p.add_argument("--min-p", type=_unit_float, default=0.0,
+                       help="keep tokens at least this times as likely as the most likely one (0: off)")
         p.add_argument("--seed", type=_seed, default=0)
 
     demo = sub.add_parser("demo", help="the built-in model continues a prompt; prints tokens/s")
@@ -577,9 +632,20 @@ def build_parser() -> argparse.ArgumentParser:
     model_args(score)
     score.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"))
     score.add_argument("--data", required=True, metavar="FILE.jsonl",
-                       help='one example a line: {"text": "..."} or {"ids": [...]}')
-    score.add_argument("--batch-size", type=_positive_int, default=8)
+                       help='one example a line: {"text": "..."} or {"ids": [...]} (every token after the first '
+                            'scored), or {"context": ..., "continuation": ...} (only the continuation scored)')
+    score.add_argument("--batch-size", type=_positive_int, default=8, help="rows (windows) per model call")
+    score.add_argument("--max-length", type=_positive_int, metavar="TOKENS",
+                       help="longest row; longer examples are scored by sliding windows (default: the model's "
+                            "max_position_embeddings)")
+    score.add_argument("--stride", type=_positive_int, metavar="TOKENS",
+                       help="new tokens scored per window after the first; each keeps max-length - stride tokens of "
+                            "context (default max-length / 2)")
     score.add_argument("--json", action="store_true", help="JSON lines: one per example, then the total")
+    score.add_argument("--per-token", action="store_true",
+                       help="with --json: each example's scored token ids and their log-probs")
+    score.add_argument("--progress-every", type=_non_negative_float, default=5.0, metavar="SECONDS",
+                       help="when stderr is not a terminal, a progress line this often (default 5)")
     score.set_defaults(func=cmd_score)
 
     info = sub.add_parser("info", help="layers, sizes and weight formats, from the headers only")

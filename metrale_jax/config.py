@@ -370,6 +370,7 @@ def _coerce(name: str, field: dataclasses.Field, value: Any) -> Any:
 # ---- levers ------------------------------------------------------------------------------
 _FP8_SSM_MODES = ("off", "decode", "full")
 _NVFP4_ACTIVATIONS = ("bf16", "nvfp4")
+_FP8_ACTIVATIONS = ("e4m3", "bf16")
 _GATED_NORM_QUANT = ("group", "arm", "off")
 _KERNEL_MODES = ("auto", "pallas", "triton", "mosaic", "interpret", "reference")  # = registry.MODES
 
@@ -393,6 +394,11 @@ class ModelLevers:
     # arm's own quantization (the whole-row kernel: slower end to end than the bf16 norm + the arm's quantizer on
     # the H200, benchmarks/notes/quant_prefill.md), "off" the bf16 norm, the arm quantizes
     gated_norm_quant: str = "group"
+    # METRALE_FP8_ACTIVATIONS: what FP8 weights' prefill arms do with the activations: "e4m3" rounds them to E4M3 (per
+    # row, or per row per 128 columns) for the FP8 matrix units (fp8_gemm_t, w8a16_gemm_pipelined), as vLLM serves
+    # block FP8; "bf16" keeps them (w8a16_gemm: weights dequantized in the kernel, bf16 matrix units), so that
+    # prefill has the weight-only W8A16 numerics decode has and forward / score match the dequantized model
+    fp8_activations: str = "e4m3"
 
     _ENV = {
         "native_fp8_ssm": "METRALE_NEMOTRON_NATIVE_FP8_SSM",
@@ -402,6 +408,7 @@ class ModelLevers:
         "prefill_token_budget": "METRALE_PREFILL_TOKEN_BUDGET",
         "nvfp4_activations": "METRALE_NVFP4_ACTIVATIONS",
         "gated_norm_quant": "METRALE_GATED_NORM_QUANT",
+        "fp8_activations": "METRALE_FP8_ACTIVATIONS",
     }
 
     def __post_init__(self):
@@ -412,6 +419,8 @@ class ModelLevers:
         if self.nvfp4_activations not in _NVFP4_ACTIVATIONS:
             raise ConfigError("nvfp4_activations", f"expected one of {_NVFP4_ACTIVATIONS}, "
                                                    f"got {self.nvfp4_activations!r}")
+        if self.fp8_activations not in _FP8_ACTIVATIONS:
+            raise ConfigError("fp8_activations", f"expected one of {_FP8_ACTIVATIONS}, got {self.fp8_activations!r}")
         if self.gated_norm_quant not in _GATED_NORM_QUANT:
             raise ConfigError("gated_norm_quant", f"expected one of {_GATED_NORM_QUANT}, got {self.gated_norm_quant!r}")
         if not isinstance(self.graphs, bool):

@@ -37,3 +37,7 @@ class SlotError(MetraleError, ValueError):
 
 class NonFiniteError(MetraleError, ArithmeticError):
     """A computed value (a logit, a log-prob) is NaN or infinite: the weights or the inputs are broken."""
+
+
+class ModelNotFoundError(MetraleError, FileNotFoundError):
+    """A model name that is neither a checkpoint directory nor a hub repository in the local cache or downloadable."""

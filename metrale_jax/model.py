@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
-import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -36,9 +34,11 @@ from jax.sharding import PartitionSpec as P
 
 from metrale_jax import adapters as lora_adapters
 from metrale_jax import sharding
+from metrale_jax.arguments import integer, prompts_ids
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import CheckpointError, ConfigError, KernelUnavailableError, ShapeError, SlotError
 from metrale_jax.init import iter_random_tensors, random_tensors  # noqa: F401  (random_tensors: API)
+from metrale_jax.hub import resolve_checkpoint
 from metrale_jax.layers.attention import NemotronAttentionLayer
 from metrale_jax.layers import lora
 from metrale_jax.layers.capabilities import ModelCapabilities, combine_capabilities
@@ -73,11 +73,16 @@ TRACE_COUNTS: collections.Counter = collections.Counter()
 class Generation:
     """One prompt's continuation: new token ids (the stop token excluded), their text when the prompt
     was a string (ending before a stop string), and why it stopped: 'eos' (an eos id), 'stop' (a stop
-    token or string the caller gave) or 'length'."""
+    token or string the caller gave) or 'length'. With SamplingParams.logprobs: logprobs[i] is tokens[i]'s
+    log-probability under the model's raw distribution (log_softmax of the logits, before temperature and
+    filters: what `score` gives for the same tokens), and with logprobs = n > 0 top_logprobs[i] the n most
+    likely (token id, log-prob) pairs at that position, best first."""
 
     tokens: list[int]
     text: str | None
     finish_reason: str
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class NemotronH(nnx.Module):
@@ -153,6 +158,10 @@ class NemotronH(nnx.Module):
             self.mtp = NemotronMTP(config, *mtp_weights(config, t), levers=self.levers)
         else:
             self.mtp = nnx.data(None)              # no MTP head: MTP drafting raises ConfigError
+        if self.levers.fp8_activations != "e4m3":
+            for _, module in nnx.iter_modules(self):   # every projection (blocks, lm_head, MTP head)
+                if isinstance(module, Projection):
+                    module.set_fp8_activations(self.levers.fp8_activations)
         if self.tp is not None:
             sharding.check_placement(self)
 
@@ -161,6 +170,8 @@ class NemotronH(nnx.Module):
     def from_pretrained(cls, directory: str | os.PathLike, dtype=jnp.bfloat16, levers: ModelLevers | None = None,
                         *, progress: bool | None = None, mesh=None, check_finite: bool = True) -> NemotronH:
         """Load config.json + model.safetensors (or a sharded index) and the tokenizer if one is there.
+        directory: a checkpoint directory, or a hub repository name 'org/name' (hub.resolve_checkpoint: the local
+        HF cache first, then a download unless HF_HUB_OFFLINE; ModelNotFoundError when neither).
         A quantized checkpoint (ModelOpt FP8 / NVFP4, block FP8) keeps its linear weights quantized in the
         arms `_mamba_layer` and Projection.set_weight choose (levers.native_fp8_ssm for the Mamba ones).
         mesh: split the model over its devices, each tensor read from the memory map straight to its shards
@@ -170,6 +181,7 @@ class NemotronH(nnx.Module):
         where it lives (an elementwise test per tensor, one host sync): on the built-in model (57 tensors, 5 MB,
         CPU) 5-9 ms of a 30-40 ms warm load; on a GPU the read runs at memory bandwidth. On by default: a silent
         NaN model costs far more than that."""
+        directory = resolve_checkpoint(directory)
         config = ModelConfig.from_hf(directory)
         qcfg = checkpoint_quantization(directory)
         tensors, notes = read_checkpoint(directory, config, dtype, progress=progress, mesh=mesh, qcfg=qcfg,
@@ -254,8 +266,8 @@ class NemotronH(nnx.Module):
         ssm_state_dtype: the Mamba state's dtype ('float32', 'bfloat16', 'float16'; default the config's
         mamba_ssm_cache_dtype). bfloat16 halves the state's bytes, which dominate large decode batches, at the
         cost of rounding the state after every step (benchmarks/notes/runtime.md)."""
-        _integer("max_slots", max_slots, 1)
-        _integer("max_len", max_len, 1, self.config.max_position_embeddings, "the model's max_position_embeddings")
+        integer("max_slots", max_slots, 1)
+        integer("max_len", max_len, 1, self.config.max_position_embeddings, "the model's max_position_embeddings")
         config = self.config
         if ssm_state_dtype is not None:
             config = dataclasses.replace(config, mamba_ssm_cache_dtype=str(ssm_state_dtype))
@@ -394,9 +406,11 @@ class NemotronH(nnx.Module):
             raise SlotError(f"cache: max_len is {cache.max_len}, but (slot, tokens) {over} would exceed it")
 
     # ---- batch jobs ----------------------------------------------------------------------------
-    def score(self, ids, lengths=None) -> jax.Array:
+    def score(self, ids, lengths=None, *, greedy: bool = False):
         """Per-token log-probs [B, T-1]: log p(ids[t+1] | ids[:t+1]), zero past each row's length.
-        Compiled per (batch, length) bucket (powers of two), so nearby shapes reuse one executable."""
+        Compiled per (batch, length) bucket (powers of two), so nearby shapes reuse one executable.
+        greedy: return (log-probs, is_greedy [B, T-1] bool): whether ids[t+1] is the most likely token there
+        (ties count as greedy; False past each row's length), as lm-eval's loglikelihood reports."""
         ids = self._check_ids(ids)
         B, T = ids.shape
         if T < 2:
@@ -409,61 +423,56 @@ class NemotronH(nnx.Module):
         padded[:B, :T] = ids
         lens = np.zeros(Bb, np.int32)
         lens[:B] = lengths
-        out = self._step("score")(self, jnp.asarray(padded), jnp.asarray(lens), **self._adapter_table(Bb))
+        out = self._step("score")(self, jnp.asarray(padded), jnp.asarray(lens), greedy=greedy,
+                                  **self._adapter_table(Bb))
+        if greedy:
+            return out[0][:B, :T - 1], out[1][:B, :T - 1]
         return out[:B, :T - 1]
 
-    def generate(self, prompts, max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0) -> list[Generation]:
-        """Continue each prompt (a list of token ids, or a string when the model has a tokenizer):
-        greedy at temperature 0, else top-p sampling; a row stops at an eos id or after max_new_tokens."""
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
-            raise ShapeError("prompts: expected a non-empty list of token-id lists or strings")
-        as_text = isinstance(prompts[0], str)
-        if any(isinstance(p, str) != as_text for p in prompts):
-            raise ShapeError("prompts: mix of strings and token lists")
-        if as_text and self.tokenizer is None:
-            raise ConfigError("tokenizer", "string prompts need a tokenizer; this model has none (pass token ids)")
-        _check_sampling(max_new_tokens, temperature, top_p, seed)
-        seqs = [_encode(self.tokenizer, i, p) if as_text else _prompt_ids(i, p) for i, p in enumerate(prompts)]
-        for i, s in enumerate(seqs):
-            if not s:
-                raise ShapeError(f"prompts[{i}]: empty")
-        B, Tmax = len(seqs), max(len(s) for s in seqs)
+    def generate(self, prompts, params=None, *, progress: bool | None = False, **overrides) -> list[Generation]:
+        """Continue each prompt (a list of token ids, or a string when the model has a tokenizer) through the
+        engine (runtime/engine.py: one generation loop and one sampler for the library). params: a SamplingParams
+        for all prompts, a list of one per prompt, or max_new_tokens (the old second argument); keyword overrides
+        (max_new_tokens=, temperature=, top_p=, top_k=, min_p=, seed=, stop=, logprobs=) replace fields. Greedy at
+        temperature 0; a row stops at an eos id, a stop id or string, or after max_new_tokens. The engine for
+        this batch's (slots, length) buckets is built on executables kept per model (`generate_engine`), so a
+        repeated call of the same buckets compiles nothing."""
+        from metrale_jax.runtime.sampling_params import per_request
+
+        seqs, as_text = prompts_ids(prompts, self.tokenizer)
+        return self._generate_ids(seqs, per_request(params, len(seqs), **overrides), as_text, progress)
+
+    def _generate_ids(self, seqs: list[list[int]], each: list, as_text: bool, progress) -> list[Generation]:
+        """generate for prompts as token ids, one SamplingParams each (as_text: Generations with text)."""
+        from metrale_jax.runtime.engine import generate_engine
+
         limit = self.config.max_position_embeddings
-        if Tmax + max_new_tokens > limit:                             # before the cache is allocated
-            raise ConfigError("max_new_tokens", f"a prompt of {Tmax} tokens + {max_new_tokens} new tokens exceeds "
-                                                f"the model's max_position_embeddings {limit}")
-        ids = self._check_ids(np.array([s + [0] * (Tmax - len(s)) for s in seqs]))
-        Bb, Tb = bucket(B), bucket(Tmax, 8)
-        cache = self.new_cache(Bb, min(bucket(Tmax + max_new_tokens, 16), limit))
-        slots = np.array(list(range(B)) + [cache.padding_slot] * (Bb - B), np.int32)
-        padded = np.zeros((Bb, Tb), np.int32)
-        padded[:B, :Tmax] = ids
-        lens = np.zeros(Bb, np.int32)
-        lens[:B] = [len(s) for s in seqs]
-        table = self._adapter_table(cache.num_slots)
-        logits, cache = self._step("prefill")(self, cache, jnp.asarray(slots), jnp.asarray(padded),
-                                              jnp.asarray(lens), all_logits=False, continue_=False, **table)
-        eos = self.eos_ids()
-        out: list[list[int]] = [[] for _ in range(B)]
-        reason = ["length"] * B
-        key = jax.random.key(seed)
-        decode = self._step("decode")
-        for step in range(max_new_tokens):
-            tok = _sample(logits, jax.random.fold_in(key, step), jnp.float32(max(temperature, 1e-6)),
-                          jnp.float32(top_p), greedy=temperature == 0)
-            host = np.asarray(tok)
-            for b in range(B):
-                if reason[b] == "length" and len(out[b]) == step:
-                    if int(host[b]) in eos:
-                        reason[b] = "eos"
-                    else:
-                        out[b].append(int(host[b]))
-            if step + 1 == max_new_tokens or all(r == "eos" for r in reason):
-                break
-            logits, cache = decode(self, cache, jnp.asarray(slots), tok, **table)
-        text = [self.tokenizer.decode(t) if as_text else None for t in out]
-        return [Generation(tokens=o, text=x, finish_reason=r) for o, x, r in zip(out, text, reason)]
+        for s, sp in zip(seqs, each):
+            if len(s) + sp.max_new_tokens > limit:                    # before a cache is allocated
+                raise ConfigError("max_new_tokens", f"a prompt of {len(s)} tokens + {sp.max_new_tokens} new tokens "
+                                                    f"exceeds the model's max_position_embeddings {limit}")
+        for s in seqs:
+            self._check_ids(np.asarray([s]))
+        longest = max(len(s) + sp.max_new_tokens for s, sp in zip(seqs, each))
+        engine = generate_engine(self, len(seqs), min(bucket(longest, 16), limit))
+        return engine.generate_ids(seqs, each, as_text=as_text, progress=progress, adapter=self.active_adapter)
+
+    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, **extra) -> str:
+        """The prompt text the tokenizer's chat template (tokenizer_config.json) makes of messages
+        ([{"role": ..., "content": ...}, ...]); chat.apply_chat_template."""
+        from metrale_jax.chat import apply_chat_template
+
+        if self.tokenizer is None:
+            raise ConfigError("tokenizer", "a chat template needs a tokenizer; this model has none")
+        return apply_chat_template(self.tokenizer, messages, add_generation_prompt=add_generation_prompt, **extra)
+
+    def chat(self, messages, params=None, *, progress: bool | None = False, **overrides) -> Generation:
+        """The assistant's next turn after messages: the chat-template prompt (its special tokens as the template
+        writes them, no BOS added on top), continued as `generate` does (params / overrides likewise)."""
+        from metrale_jax.runtime.sampling_params import per_request
+
+        ids = self.tokenizer.encode(self.apply_chat_template(messages), add_bos=False)
+        return self._generate_ids([ids], per_request(params, 1, **overrides), True, progress)[0]
 
 
 # ---- the compiled steps (pure functions of the model) ----------------------------------------------
@@ -550,21 +559,26 @@ def decode_step(model: NemotronH, cache: ModelCache, slots, tokens, adapters=Non
     return logits, dataclasses.replace(new, seq_lens=seq_lens)
 
 
-def score_step(model: NemotronH, ids, lengths, adapters=None):
+def score_step(model: NemotronH, ids, lengths, adapters=None, *, greedy: bool = False):
     """ids [B, T], lengths [B] -> log p(ids[t+1] | ids[:t+1]) [B, T-1], zero past each length; adapters as
-    forward_step's."""
+    forward_step's; greedy: also whether each ids[t+1] is the argmax there ([B, T-1] bool, ties count, False past
+    each length)."""
     if model.tp is not None:
-        return sharding.run_sharded(score_step, model, ids, lengths, out_specs=P())
+        return sharding.run_sharded(score_step, model, ids, lengths, out_specs=(P(), P()) if greedy else P(),
+                                    greedy=greedy)
     TRACE_COUNTS["score"] += 1
     B, T = ids.shape
     with lora.slot_adapters(adapters):
         h = _hidden_no_cache(model, ids, lengths)[:, :-1].reshape(B * (T - 1), -1)
-    lp = _token_logprobs(model, h, ids[:, 1:].reshape(-1)).reshape(B, T - 1)
-    return jnp.where(jnp.arange(1, T)[None, :] < lengths[:, None], lp, 0.0)
+    lp, top = _token_logprobs(model, h, ids[:, 1:].reshape(-1), greedy=True)
+    valid = jnp.arange(1, T)[None, :] < lengths[:, None]
+    lp = jnp.where(valid, lp.reshape(B, T - 1), 0.0)
+    return (lp, valid & top.reshape(B, T - 1)) if greedy else lp
 
 
-def _token_logprobs(model: NemotronH, x: jax.Array, targets: jax.Array, chunk: int = 1024) -> jax.Array:
-    """log_softmax(logits(x))[target] per row, a chunk of rows at a time so [N, V] never exists at once."""
+def _token_logprobs(model: NemotronH, x: jax.Array, targets: jax.Array, chunk: int = 1024, *, greedy: bool = False):
+    """log_softmax(logits(x))[target] per row, a chunk of rows at a time so [N, V] never exists at once; greedy:
+    (that, whether the target's logit is the largest)."""
     N = x.shape[0]
     C = min(chunk, N)
     pad = -N % C
@@ -576,34 +590,26 @@ def _token_logprobs(model: NemotronH, x: jax.Array, targets: jax.Array, chunk: i
         logits = _logits(model, xc)
         if model.vocab_axis is not None:
             return _vocab_parallel_logprobs(logits, tc, model.vocab_axis)
-        return jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), tc[:, None], axis=1)[:, 0]
+        picked = jnp.take_along_axis(logits, tc[:, None], axis=1)[:, 0]
+        return picked - jax.nn.logsumexp(logits, axis=-1), picked >= jnp.max(logits, axis=-1)
 
-    return jax.lax.map(one, (xs, ts)).reshape(-1)[:N]
+    lp, top = jax.lax.map(one, (xs, ts))
+    lp, top = lp.reshape(-1)[:N], top.reshape(-1)[:N]
+    return (lp, top) if greedy else lp
 
 
-def _vocab_parallel_logprobs(logits: jax.Array, targets: jax.Array, axis: str) -> jax.Array:
-    """log_softmax(logits)[target] when this device holds vocabulary rows [d*Vl, (d+1)*Vl) of the logits
-    (logits [N, Vl], targets [N] global ids): a max, a sum and the target's logit reduced over `axis`."""
+def _vocab_parallel_logprobs(logits: jax.Array, targets: jax.Array, axis: str) -> tuple[jax.Array, jax.Array]:
+    """(log_softmax(logits)[target], whether the target's logit is the largest) when this device holds vocabulary
+    rows [d*Vl, (d+1)*Vl) of the logits (logits [N, Vl], targets [N] global ids): a max, a sum and the target's
+    logit reduced over `axis`."""
     Vl = logits.shape[1]
     m = jax.lax.pmax(jnp.max(logits, axis=1), axis)
     s = jax.lax.psum(jnp.sum(jnp.exp(logits - m[:, None]), axis=1), axis)
     local = targets - jax.lax.axis_index(axis) * Vl
     mine = (local >= 0) & (local < Vl)
     picked = jnp.take_along_axis(logits, jnp.clip(local, 0, Vl - 1)[:, None], axis=1)[:, 0]
-    return jax.lax.psum(jnp.where(mine, picked, 0.0), axis) - m - jnp.log(s)
-
-
-@functools.partial(jax.jit, static_argnames=("greedy",))
-def _sample(logits, key, temperature, top_p, *, greedy: bool):
-    """Next tokens [B] from logits [B, V]: argmax, or top-p sampling at `temperature`."""
-    if greedy:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
-    z = logits / temperature
-    order = jnp.argsort(-z, axis=-1)
-    sorted_p = jax.nn.softmax(jnp.take_along_axis(z, order, axis=-1), axis=-1)
-    keep_sorted = (jnp.cumsum(sorted_p, axis=-1) - sorted_p) < top_p        # the top token is always kept
-    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(z.shape[0])[:, None], order].set(keep_sorted)
-    return jax.random.categorical(key, jnp.where(keep, z, -jnp.inf), axis=-1).astype(jnp.int32)
+    target = jax.lax.psum(jnp.where(mine, picked, 0.0), axis)
+    return target - m - jnp.log(s), target >= m
 
 
 _IMPLS = {"forward": forward_step, "prefill": prefill_step, "decode": decode_step, "score": score_step}
@@ -611,7 +617,7 @@ _JITTED = {
     "forward": jax.jit(forward_step),
     "prefill": jax.jit(prefill_step, static_argnames=("all_logits", "continue_"), donate_argnums=(1,)),
     "decode": jax.jit(decode_step, donate_argnums=(1,)),
-    "score": jax.jit(score_step),
+    "score": jax.jit(score_step, static_argnames=("greedy",)),
 }
 
 
@@ -677,7 +683,9 @@ def _mamba_layer(norm, w, config: ModelConfig, i: int, levers: ModelLevers, dtyp
         full          native FP8 for decode and prefill (w8a16_gemv / w8a16_gemm_pipelined).
         decode        native FP8 for decode only + a pre-dequantized FP8 E4M3 prefill copy (fp8_gemm_t).
         off           requantized to NVFP4 (the double quantization FP8 -> NVFP4 that native FP8 avoids) and
-                      then served as NVFP4 (decode w4a16_gemv, prefill w4a16_gemm_t)."""
+                      then served as NVFP4 (decode w4a16_gemv, prefill w4a16_gemm_t).
+      With levers.fp8_activations 'bf16', full and decode both serve prefill weight-only from the native FP8
+      weights (w8a16_gemm; NemotronH.__init__ sets every projection's mode): no E4M3 prefill copy is made."""
     mode = levers.native_fp8_ssm
     names = ("in_proj", "out_proj")
     projs = {k: getattr(w, k) for k in names}
@@ -691,7 +699,7 @@ def _mamba_layer(norm, w, config: ModelConfig, i: int, levers: ModelLevers, dtyp
                                                     "use 'decode' or 'full'")
             projs[k] = quantize_nvfp4_weight(v)
     layer = NemotronMamba2Layer(norm, dataclasses.replace(w, **projs), config, i, levers=levers)
-    if fp8 and mode == "decode":
+    if fp8 and mode == "decode" and levers.fp8_activations == "e4m3":   # bf16: fp8_native serves prefill itself
         layer.set_fp8_prefill_weights(*(fp8_prefill_copy(fp8[k]) if k in fp8 else None for k in names))
     nvfp4 = {k: v for k, v in projs.items()
              if isinstance(v, Nvfp4Weight) and nvfp4_prefill_copy_pays(v.shape, dtype, levers.kernels)}
@@ -711,53 +719,6 @@ def _check_prefill_rows(slots: np.ndarray, lengths: np.ndarray, padding_slot: in
         empty = slots[~pad & (lengths == 0)].tolist()
         raise ShapeError(f"lengths: live slots {empty} are given 0 tokens; a live row needs at least 1 (rows with "
                          f"nothing to prefill go to the padding slot)")
-
-
-def _check_sampling(max_new_tokens, temperature, top_p, seed) -> None:
-    """generate's scalar arguments: an integer count >= 0, a finite temperature >= 0, top_p in (0, 1], and a seed
-    jax.random.key takes (int64)."""
-    _integer("max_new_tokens", max_new_tokens, 0)
-    _integer("seed", seed, -2 ** 63, 2 ** 63 - 1)
-    for name, value, ok, want in (("temperature", temperature, lambda v: v >= 0, "a finite number >= 0"),
-                                  ("top_p", top_p, lambda v: 0 < v <= 1, "a number in (0, 1]")):
-        if not _is_real(value) or not math.isfinite(value) or not ok(value):
-            raise ConfigError(name, f"expected {want}, got {value!r:.60}")
-
-
-def _integer(name: str, value, lo: int, hi: int | None = None, hi_is: str = "") -> int:
-    """value as an int in [lo, hi] (hi None: no upper bound; hi_is: what hi is, for the message), else ConfigError."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < lo or \
-            (hi is not None and value > hi):
-        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]" + (f" ({hi_is})" if hi_is else "")
-        raise ConfigError(name, f"expected an integer {bound}, got {value!r:.60}")
-    return int(value)
-
-
-def _encode(tokenizer, i: int, text: str) -> list[int]:
-    """prompts[i], a string, as token ids; a lone surrogate (not encodable text) is a ShapeError."""
-    try:
-        text.encode("utf-8")
-    except UnicodeError:
-        raise ShapeError(f"prompts[{i}]: not valid Unicode text (a lone surrogate)") from None
-    return tokenizer.encode(text)
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
-
-
-def _prompt_ids(i: int, prompt) -> list[int]:
-    """prompts[i] as token ids: a list / tuple / 1-D array of integers. Floats, strings and bytes are refused, not
-    converted (bytes would otherwise pass as a sequence of small ints)."""
-    if isinstance(prompt, (bytes, bytearray, memoryview)):
-        raise ShapeError(f"prompts[{i}]: bytes are not token ids; pass a list of ints, or a string (with a tokenizer)")
-    if isinstance(prompt, (list, tuple)) and any(isinstance(t, (bool, np.bool_)) for t in prompt):
-        raise ShapeError(f"prompts[{i}]: expected a list of integer token ids, got a {type(prompt).__name__} of bool")
-    arr = np.asarray(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
-    if arr is None or arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
-        shown = f"{type(prompt).__name__}" + (f" of {arr.dtype}{list(arr.shape)}" if arr is not None else "")
-        raise ShapeError(f"prompts[{i}]: expected a list of integer token ids, got {shown}")
-    return arr.astype(np.int64).tolist()
 
 
 def _vector(name: str, value, n: int) -> np.ndarray:

@@ -16,6 +16,7 @@ from safetensors.numpy import load_file
 from metrale_jax import cli
 from metrale_jax.builtin import builtin_model_dir, load_builtin
 from metrale_jax.weights.safetensors_io import save_safetensors
+from tests import numpy_refs_model as ref
 
 
 @pytest.fixture(scope="module")
@@ -230,3 +231,43 @@ def test_quantize_writes_a_checkpoint_info_reads_and_bad_input_is_one_line(capsy
         rc, text, err = run(capsys, "quantize", *argv)
         assert rc == 2 and err.startswith("metrale-jax: error: ") and err.count("\n") == 1, err
         assert message in err and text == "", err
+
+
+def test_score_context_continuation_per_token_windows_and_progress_lines(capsys, tmp_path, rng):
+    """{"context", "continuation"} lines score the continuation only (strings split as lm-eval splits them) and say
+    whether it is the greedy one; a long {"ids"} line is scored by windows; --per-token gives each scored token's
+    log-prob; with stderr not a terminal, progress comes as lines (--progress-every 0: one per batch)."""
+    model = load_builtin(dtype=np.float32)
+    tok = model.tokenizer
+    context = "And God said unto Moses,"
+    greedy = model.generate([context], max_new_tokens=8)[0].text               # the model's own continuation
+    other = "xq zv"
+    long_ids = rng.integers(3, 259, 300).tolist()
+    lines = [{"context": context, "continuation": greedy}, {"context": context, "continuation": other},
+             {"context": tok.encode("Jesus")[:3], "continuation": tok.encode("wept", add_bos=False)},
+             {"ids": long_ids}]
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    rc, out, err = run(capsys, "score", "--data", str(data), "--dtype", "float32", "--json", "--per-token",
+                       "--max-length", "128", "--stride", "64", "--batch-size", "2", "--progress-every", "0")
+    assert rc == 0, err
+    rows = [json.loads(x) for x in out.splitlines()][:-1]
+    assert [r["greedy"] for r in rows[:2]] == [True, False]
+    assert rows[3]["windows"] == 1 + -(-(300 - 128) // 64) and rows[3]["tokens"] == 299
+    assert sum("scoring: " in x and " rows (" in x for x in err.splitlines()) >= 2
+    pairs = [(context, greedy), (context, other)]
+    for r, (c, x) in zip(rows, pairs):
+        ctx, cont = tok.encode(c.rstrip()), tok.encode(c + x)[len(tok.encode(c.rstrip())):]
+        ids = ctx + cont
+        lp = ref.log_softmax(np.asarray(model.forward(np.asarray([ids], np.int32)))[0])
+        want = lp[np.arange(len(ctx) - 1, len(ids) - 1), cont]
+        assert r["token_ids"] == cont and r["tokens"] == len(cont)
+        np.testing.assert_allclose(r["token_logprobs"], want, atol=2e-5)
+        assert abs(r["sum_logprob"] - want.sum()) < 1e-4
+    ids = lines[2]["context"] + lines[2]["continuation"]
+    lp = ref.log_softmax(np.asarray(model.forward(np.asarray([ids], np.int32)))[0])
+    np.testing.assert_allclose(rows[2]["token_logprobs"], lp[np.arange(2, len(ids) - 1), ids[3:]], atol=2e-5)
+    # the windowed line: its last 63 tokens come from the row of the last 128 tokens
+    tail = long_ids[-128:]
+    lp = ref.log_softmax(np.asarray(model.forward(np.asarray([tail], np.int32)))[0])
+    np.testing.assert_allclose(rows[3]["token_logprobs"][-43:], lp[np.arange(84, 127), tail[85:]], atol=2e-5)

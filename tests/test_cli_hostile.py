@@ -188,9 +188,31 @@ def test_generate_with_a_huge_max_new_tokens_is_refused_before_allocating(capsys
                     "max_position_embeddings 4096")
 
 
-def test_score_of_a_20k_token_line_is_refused_in_one_line(capsys, tmp_path, rng, no_allocation):
+@pytest.mark.parametrize("extra, message", [
+    (["--max-length", 100_000], "--max-length 100000: expected an integer in [2, 4096] (the model's "
+                                "max_position_embeddings)"),
+    (["--max-length", 64, "--stride", 64], "--stride 64: must be below --max-length 64"),
+    (["--per-token"], "--per-token: per-token log-probs are written in the --json output; add --json"),
+])
+def test_score_window_arguments_are_refused_before_allocating(capsys, tmp_path, rng, no_allocation, extra, message):
+    """A 20k-token line is no longer refused (it is scored by windows), but windows the model cannot take are."""
     data = tmp_path / "d.jsonl"
-    ids = rng.integers(3, 259, 20_000).tolist()
-    data.write_text('{"text": "fine"}\n' + json.dumps({"ids": ids}) + "\n")
-    assert_one_line(*run(capsys, "score", "--data", data),
-                    "line 2: 20000 tokens exceed the model's max_position_embeddings 4096")
+    data.write_text('{"text": "fine"}\n' + json.dumps({"ids": rng.integers(3, 259, 20_000).tolist()}) + "\n")
+    assert_one_line(*run(capsys, "score", "--data", data, *extra), message)
+
+
+PAIR = 'expected {"context": "...", "continuation": "..."} (both strings or both lists of token ids)'
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"context": "a", "continuation": 5}, PAIR),
+    ({"context": [1, 2], "continuation": "x"}, PAIR),
+    ({"context": [], "continuation": [5]}, "needs at least 1 context and 1 continuation token, has 0 and 1"),
+    ({"context": [1], "continuation": [7, 300]}, "ids [300] outside the vocabulary"),
+    ({"context": "a", "continuation": "\ud800"}, "text is not valid Unicode"),
+    ({"continuation": "abc"}, PAIR),
+])
+def test_hostile_context_continuation_lines(capsys, tmp_path, line, message):
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"text": "fine line"}\n' + json.dumps(line) + "\n")
+    assert_one_line(*run(capsys, "score", "--data", data), "line 2: " + message)

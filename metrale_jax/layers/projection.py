@@ -7,6 +7,8 @@ Each installed copy is an *arm*; a call takes the first arm of its phase's fixed
   prefill: bf16_native > fp8_native (only if installed with prefill=True: w8a16_gemm_pipelined, else
            w8a16_gemm) > w4a4 > fp8_prefill (fp8_gemm_t) > nvfp4_t (w4a16_gemm_t, or w4a16_gemm_t_m128
            above 128 tokens when it resolved) > nvfp4 (w4a16_gemm)
+  With fp8_activations "bf16" (ModelLevers.fp8_activations) the FP8 weights serve prefill weight-only: fp8_native
+  with w8a16_gemm, also when installed decode-only, ahead of the E4M3-activation prefill copy.
 
 Every kernel an arm needs must resolve when the arm is installed (KernelUnavailableError there, never at
 the first token); every weight is checked at install (WeightFormatError naming the tensor).
@@ -21,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from metrale_jax.errors import KernelUnavailableError, ShapeError, WeightFormatError
+from metrale_jax.errors import ConfigError, KernelUnavailableError, ShapeError, WeightFormatError
 from metrale_jax.layers.lora import row_adapters
 from metrale_jax.weights.containers import (DenseWeight, Fp8PrefillWeight, Fp8Weight, Nvfp4Weight, Nvfp4WeightT,
                                             W4a4Weight, WeightQuantFormat, as_dense, check_fp8, check_fp8_prefill,
@@ -61,6 +63,7 @@ class Projection(nnx.Module):
         self.out_features = out_features
         self.in_features = in_features
         self.kernels = kernels
+        self.fp8_activations = "e4m3"        # ModelLevers.fp8_activations, set by set_fp8_activations
         self.fp8_prefill_enabled = False
         for arm in ARMS:
             setattr(self, arm, nnx.data(None))
@@ -182,6 +185,16 @@ class Projection(nnx.Module):
             raise WeightFormatError(f"{self.name}: no dense weights installed (arms: {self.installed_arms()})")
         return self.bf16_native.get_value()
 
+    def set_fp8_activations(self, mode: str) -> None:
+        """ModelLevers.fp8_activations for this projection: "e4m3" (the default dispatch) or "bf16" (FP8 weights
+        serve prefill through w8a16_gemm, which must then resolve: KernelUnavailableError here otherwise)."""
+        if mode not in ("e4m3", "bf16"):
+            raise ConfigError("fp8_activations", f"{self.name}: expected 'e4m3' or 'bf16', got {mode!r}")
+        if mode == "bf16" and self.fp8_native is not None and not registry.resolved("w8a16_gemm", self.kernels):
+            raise KernelUnavailableError(f"{self.name}: fp8_activations 'bf16' serves FP8 prefill with w8a16_gemm, "
+                                         f"which does not resolve here (kernels={self.kernels!r})")
+        self.fp8_activations = mode
+
     # ---- dispatch ------------------------------------------------------------------------------------
     def active_arm(self, phase: str, tokens: int) -> str:
         """The arm that serves a call of `tokens` rows in `phase` ('decode' or 'prefill')."""
@@ -191,8 +204,9 @@ class Projection(nnx.Module):
         for arm in order:
             if getattr(self, arm) is None:
                 continue
-            if arm == "fp8_native" and phase == "prefill" and not self.fp8_prefill_enabled:
-                continue                       # decode-only FP8 mode
+            if arm == "fp8_native" and phase == "prefill" and not self.fp8_prefill_enabled \
+                    and self.fp8_activations == "e4m3":
+                continue                       # decode-only FP8 mode (with bf16 activations it serves prefill too)
             return arm
         raise WeightFormatError(f"{self.name}: no weights installed for {phase} (arms: {self.installed_arms()})")
 
@@ -205,6 +219,8 @@ class Projection(nnx.Module):
         if arm == "fp8_native":
             if decode:
                 return "w8a16_gemv"
+            if self.fp8_activations == "bf16":
+                return "w8a16_gemm"            # weight-only: the activations stay as they come
             return "w8a16_gemm_pipelined" if registry.resolved("w8a16_gemm_pipelined", self.kernels) else "w8a16_gemm"
         if arm == "w4a4":
             return "w4a4_gemm"

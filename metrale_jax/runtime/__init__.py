@@ -12,6 +12,7 @@ _LAZY = {
     "PrefixCache": "metrale_jax.runtime.prefix_cache",
     "PrefixHit": "metrale_jax.runtime.prefix_cache",
     "SpeculativeConfig": "metrale_jax.runtime.speculative",
+    "SamplingParams": "metrale_jax.runtime.sampling_params",
     "NgramDrafter": "metrale_jax.runtime.speculative",
     "MtpDrafter": "metrale_jax.runtime.speculative",
 }

@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import time
 import typing
+import weakref
 from collections.abc import Callable, Sequence
 
 import jax
@@ -35,13 +36,15 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from metrale_jax import adapters, sharding
+from metrale_jax.arguments import prompts_ids
 from metrale_jax.errors import ConfigError, ShapeError
 from metrale_jax.layers import lora
 from metrale_jax.model import Generation
 from metrale_jax.runtime import steps
 from metrale_jax.runtime.executables import Executables, bucket, pick_bucket
 from metrale_jax.runtime.prefix_cache import PrefixCache
-from metrale_jax.runtime.sampling import SlotSampling, sample_slots, start_request
+from metrale_jax.runtime.sampling import SlotSampling, TokenLogprobs, draw_slots, start_request
+from metrale_jax.runtime.sampling_params import MAX_LOGPROBS, SamplingParams, per_request, resolve
 from metrale_jax.runtime.speculative import MtpDrafter, SpeculativeConfig, make_drafter
 from metrale_jax.state.kv_pool import KvSlotState
 from metrale_jax.state.slots import SlotAllocator
@@ -58,6 +61,9 @@ class Request:
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    top_k: int = 0                       # 0: off
+    min_p: float = 0.0                   # 0: off
+    want_logprobs: int | None = None     # SamplingParams.logprobs: None, 0 (chosen tokens) or n (and the top n)
     stop_ids: frozenset = frozenset()    # the caller's stop tokens (finish_reason 'stop'; eos ids: 'eos')
     stop_strings: tuple = ()             # finish_reason 'stop' once the text holds one
     on_token: Callable[[int, int], None] | None = None
@@ -70,7 +76,8 @@ class Request:
     pending: int | None = None          # the last emitted token read back, not yet fed to the model
     finish_reason: str | None = None
     text_end: int | None = None          # with a stop string: where it starts in the decoded text
-    logprobs: list[float] = dataclasses.field(default_factory=list)
+    logprobs: list[float] = dataclasses.field(default_factory=list)    # scoring: the prompt's; else the tokens'
+    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)   # with want_logprobs n
     drafter: object = None
     prefix_hit: int = 0                 # prompt tokens restored from the prefix cache
     t_submit: float = 0.0
@@ -102,6 +109,21 @@ class _ChunkInputs(typing.NamedTuple):
 
 def _groups(items: list, size: int):
     return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def _logprobs_bucket(requests) -> int | None:
+    """The log-prob width a sampling / verify executable computes for these requests: None when none asks (the
+    plain executable), 0 when they ask for the chosen tokens' only, else MAX_LOGPROBS alternatives (each request
+    keeps its own n of them): three variants at most, and top_k over the vocabulary costs about the same for 4
+    as for 20."""
+    asked = [r.want_logprobs for r in requests if r.want_logprobs is not None]
+    if not asked:
+        return None
+    return MAX_LOGPROBS if max(asked) else 0
+
+
+def _lp_arrays(lp: TokenLogprobs) -> tuple:
+    return lp.chosen, lp.top_ids, lp.top_logprobs
 
 
 def _powers(lo: int, hi: int) -> tuple[int, ...]:
@@ -300,10 +322,11 @@ class Engine:
         return self.exe.run(entry, fn, *args, **kw)
 
     # ---- requests ------------------------------------------------------------------------------
-    def submit(self, prompt, max_new_tokens: int = 16, *, temperature: float = 0.0, top_p: float = 1.0,
-               seed: int = 0, stop=(), on_token: Callable[[int, int], None] | None = None,
-               adapter: str | None = None) -> int:
-        """Queue a generation request (token ids); returns its id. on_token(id, token) streams tokens.
+    def submit(self, prompt, params: SamplingParams | int | None = None, *,
+               on_token: Callable[[int, int], None] | None = None, adapter: str | None = None, **overrides) -> int:
+        """Queue a generation request (token ids); returns its id. params: a SamplingParams (or, as before,
+        max_new_tokens); keyword overrides (temperature=, top_p=, top_k=, min_p=, seed=, stop=, logprobs=,
+        max_new_tokens=) replace its fields. on_token(id, token) streams tokens.
         stop: token ids and strings (strings need the model's tokenizer) that end the request with
         finish_reason 'stop': a stop token is not kept; with a stop string the tokens through the one that
         completed it are kept and Generation.text ends before it. The model's eos ids end it with 'eos'.
@@ -314,35 +337,28 @@ class Engine:
         if adapter is not None and self._slot_adapters is None:
             raise ConfigError("adapter", f"{adapter!r} was loaded after this Engine was made (it serves the model's "
                                          f"weights as they were then); load adapters before creating the Engine")
-        if max_new_tokens < 0 or temperature < 0 or not 0 < top_p <= 1:
-            raise ConfigError("submit", f"need max_new_tokens >= 0, temperature >= 0, 0 < top_p <= 1; got "
-                                        f"{max_new_tokens}, {temperature}, {top_p}")
-        if len(tokens) + max_new_tokens > self.max_len:
-            raise ShapeError(f"prompt: {len(tokens)} tokens + max_new_tokens {max_new_tokens} exceed the engine's "
+        sp = resolve(params, **overrides)
+        if len(tokens) + sp.max_new_tokens > self.max_len:
+            raise ShapeError(f"prompt: {len(tokens)} tokens + max_new_tokens {sp.max_new_tokens} exceed the engine's "
                              f"max_len {self.max_len}")
-        return self._enqueue(Request(rid=0, prompt=tokens, max_new_tokens=int(max_new_tokens),
-                                     temperature=float(temperature), top_p=float(top_p), seed=int(seed) % 2**31,
-                                     **self._stops(stop), on_token=on_token, adapter=adapter))
+        return self._enqueue(Request(rid=0, prompt=tokens, max_new_tokens=sp.max_new_tokens,
+                                     temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed % 2**31,
+                                     top_k=min(sp.top_k, self.model.config.vocab_size),   # int32 on the device
+                                     min_p=sp.min_p, want_logprobs=sp.logprobs,
+                                     **self._stops(sp.stop), on_token=on_token, adapter=adapter))
 
-    def _stops(self, stop) -> dict:
-        """A request's stop ids and stop strings from `stop` (a list mixing both)."""
-        if isinstance(stop, (str, bytes, int, np.integer)):
-            stop = [stop]
-        ids, strings = set(), []
+    def _stops(self, stop: tuple) -> dict:
+        """A request's stop ids and stop strings from SamplingParams.stop (checked there; here against the model:
+        ids in the vocabulary, strings only with a tokenizer)."""
         V = self.model.config.vocab_size
         for s in stop:
-            if isinstance(s, str):
-                if not s:
-                    raise ConfigError("stop", "an empty stop string would end every request at once")
-                if self.model.tokenizer is None:
-                    raise ConfigError("stop", f"stop string {s!r} needs a tokenizer; this model has none "
-                                              "(pass stop token ids)")
-                strings.append(s)
-            elif isinstance(s, (int, np.integer)) and not isinstance(s, bool) and 0 <= s < V:
-                ids.add(int(s))
-            else:
+            if isinstance(s, str) and self.model.tokenizer is None:
+                raise ConfigError("stop", f"stop string {s!r} needs a tokenizer; this model has none (pass stop "
+                                          "token ids)")
+            if isinstance(s, int) and s >= V:
                 raise ConfigError("stop", f"expected token ids in [0, {V}) or non-empty strings, got {s!r}")
-        return dict(stop_ids=frozenset(ids), stop_strings=tuple(strings))
+        return dict(stop_ids=frozenset(s for s in stop if isinstance(s, int)),
+                    stop_strings=tuple(s for s in stop if isinstance(s, str)))
 
     def submit_score(self, ids) -> int:
         """Queue a scoring request: log p(ids[t+1] | ids[:t+1]) for every t."""
@@ -463,8 +479,9 @@ class Engine:
             self.cache = self._state_op("zero_slot", steps.zero_slot, self.cache, self._dev(slot),
                                         donate_argnums=(0,))
             self.sampling = self.exe.run("start_request", start_request, self.sampling,
-                                         *self._devs(np.int32(slot), np.float32(r.temperature),
-                                                     np.float32(r.top_p), np.int32(r.seed)), donate_argnums=(0,))
+                                         *self._devs(np.int32(slot), np.float32(r.temperature), np.float32(r.top_p),
+                                                     np.int32(r.top_k), np.float32(r.min_p), np.int32(r.seed)),
+                                         donate_argnums=(0,))
             r.slot = slot
             self.running[slot] = r
             if self._slot_adapters is not None:
@@ -507,18 +524,21 @@ class Engine:
                             self._dev(slot), self._dev(self._mtp_block_start(j)), static=block)
 
     # ---- emitting and finishing ------------------------------------------------------------------
-    def _emit(self, r: Request, tokens) -> None:
+    def _emit(self, r: Request, tokens, lp: tuple | None = None) -> None:
         """Append tokens read back for r (up to a stop token or max_new_tokens), stream them, finish r. A
-        request that finished already drew them after its end: they are discarded."""
+        request that finished already drew them after its end: they are discarded. lp: the tokens' log-probs
+        as read back (chosen [m], top ids [m, n], top log-probs [m, n]) when r asked for them."""
         if r.finish_reason is not None:
             return
-        for t in tokens:
+        for j, t in enumerate(tokens):
             t = int(t)
             if r.t_first is None:
                 r.t_first = time.perf_counter()
             if t in self.eos_ids or t in r.stop_ids:
                 return self._finish(r, "eos" if t in self.eos_ids else "stop")
             r.tokens.append(t)
+            if r.want_logprobs is not None:
+                self._keep_logprobs(r, lp, j)
             self.counters["generated_tokens"] += 1
             if r.drafter is not None:
                 r.drafter.append(t)
@@ -529,6 +549,15 @@ class Engine:
             if len(r.tokens) >= r.max_new_tokens:
                 return self._finish(r, "length")
         r.pending = r.tokens[-1]
+
+    @staticmethod
+    def _keep_logprobs(r: Request, lp: tuple, j: int) -> None:
+        """Token j's log-prob (and its request's top n of the step's bucket of alternatives) onto r."""
+        chosen, top_ids, top_lp = lp
+        r.logprobs.append(float(chosen[j]))
+        if r.want_logprobs:
+            n = r.want_logprobs
+            r.top_logprobs.append([(int(i), float(v)) for i, v in zip(top_ids[j, :n], top_lp[j, :n])])
 
     def _stop_string_ends(self, r: Request) -> bool:
         """Whether r's last token completed one of its stop strings; if so r.text_end marks where the first
@@ -557,15 +586,20 @@ class Engine:
 
     def _sample(self, logits, group: list[Request], slots, draw) -> None:
         """Draw the next token of each row whose `draw` is set (on the device, into self.sampling); the
-        tokens are read back a step later and emitted to their requests."""
-        sampling = any(r.temperature > 0 for r, d in zip(group, draw) if d)
-        tokens, self.sampling = self.exe.run(
-            "sample", functools.partial(sample_slots, sampling=sampling), logits, self.sampling, slots,
-            self._dev_cached(np.asarray(draw, bool)), donate_argnums=(1,), static=sampling)
+        tokens (and their log-probs, when a row asks) are read back a step later and emitted to their requests."""
         rows = [(b, r) for b, (r, d) in enumerate(zip(group, draw)) if d]
+        sampling = any(r.temperature > 0 for _, r in rows)
+        n = _logprobs_bucket(r for _, r in rows)
+        tokens, self.sampling, lp = self.exe.run(
+            "sample", functools.partial(draw_slots, sampling=sampling, logprobs=n), logits, self.sampling, slots,
+            self._dev_cached(np.asarray(draw, bool)), donate_argnums=(1,), static=(sampling, n))
         for _, r in rows:
             r.drawn += 1
-        self._later((tokens,), lambda toks: [self._emit(r, [toks[b]]) for b, r in rows])
+        if lp is None:
+            self._later((tokens,), lambda toks: [self._emit(r, [toks[b]]) for b, r in rows])
+        else:
+            self._later((tokens, *_lp_arrays(lp)), lambda toks, *lps: [
+                self._emit(r, [toks[b]], tuple(a[b:b + 1] for a in lps)) for b, r in rows])
 
     # ---- decode --------------------------------------------------------------------------------
     def _decode(self, reqs: list[Request]) -> None:
@@ -601,30 +635,31 @@ class Engine:
                 tokens[i, 1 + len(d):] = tokens[i, len(d)]          # filler rows: never accepted
                 num_draft[i] = len(d)
             sampling = any(r.temperature > 0 for r in group)
+            nlp = _logprobs_bucket(group)
             live = np.arange(n) < len(group)
             inputs = self._devs(np.array(slots, np.int32), tokens, num_draft, live)
-            out, accepted = self._verify(sampling, *inputs, slots=slots[:len(group)])
+            out, accepted, lp = self._verify(sampling, nlp, *inputs, slots=slots[:len(group)])
             out, accepted = np.asarray(out), np.asarray(accepted)
+            lp = None if lp is None else tuple(np.asarray(a) for a in _lp_arrays(lp))
             self.counters["verify_rows"] += len(group)
             self.counters["drafted_tokens"] += int(num_draft.sum())
             self.counters["accepted_tokens"] += int(accepted[:len(group)].sum())
             for i, r in enumerate(group):
                 r.drawn += int(accepted[i]) + 1
-                self._emit(r, out[i, :accepted[i] + 1])
+                self._emit(r, out[i, :accepted[i] + 1], None if lp is None else tuple(a[i] for a in lp))
 
-    def _verify(self, sampling: bool, *inputs, slots=()):
+    def _verify(self, sampling: bool, logprobs: int | None, *inputs, slots=()):
         """steps.verify_sampled on self.cache and self.sampling (and self.mtp with MTP drafting, all donated);
-        returns (out, accepted) and keeps the new state."""
-        fn = functools.partial(steps.verify_sampled, sampling_rows=sampling)
-        if self.mtp is None:
-            out, accepted, self.cache, self.sampling = self.call(
-                "verify", fn, self.cache, self.sampling, *inputs, decode=True, donate_argnums=(1, 2), slots=slots,
-                static=sampling)
-        else:
-            out, accepted, self.cache, self.sampling, self.mtp = self.call(
-                "verify", fn, self.cache, self.sampling, *inputs, self.mtp, decode=True, donate_argnums=(1, 2, 7),
-                slots=slots, static=sampling)
-        return out, accepted
+        returns (out, accepted, TokenLogprobs or None) and keeps the new state."""
+        fn = functools.partial(steps.verify_sampled, sampling_rows=sampling, logprobs=logprobs)
+        mtp = () if self.mtp is None else (self.mtp,)
+        donate = (1, 2) if self.mtp is None else (1, 2, 7)
+        out, accepted, self.cache, self.sampling, new_mtp, lp = self.call(
+            "verify", fn, self.cache, self.sampling, *inputs, *mtp, decode=True, donate_argnums=donate, slots=slots,
+            static=(sampling, logprobs))
+        if self.mtp is not None:
+            self.mtp = new_mtp
+        return out, accepted, lp
 
     def _mtp_drafts(self, group: list[Request], slots: list[int], limits: dict[int, int]) -> dict[int, list[int]]:
         """Each request's MTP drafts (up to its limit) from its pending token, for one verify batch."""
@@ -760,9 +795,11 @@ class Engine:
         return self.exe.run("mtp_slot_hidden", steps.mtp_slot_hidden, self.mtp, self._dev(slot))
 
     # ---- warm-up -------------------------------------------------------------------------------
-    def warmup(self, *, sampling: bool = False, score: bool = False) -> int:
+    def warmup(self, *, sampling: bool = False, score: bool = False, logprobs: bool = False) -> int:
         """Compile every executable the engine can reach (all on the padding slot, so no live state changes).
-        sampling / score: also the sampling and scoring variants. Returns the number of compiles."""
+        sampling / score / logprobs: also the sampling, scoring and log-prob returning variants. Returns the number
+        of compiles."""
+        lp_variants = [None, 0, MAX_LOGPROBS] if logprobs else [None]
         before = self.compiles
         pad = self.pad
         mb = max(self.capture_rows, 1)
@@ -781,13 +818,14 @@ class Engine:
         for B in sorted(set(self.prefill_buckets) | set(self.decode_buckets)):
             logits = jax.device_put(np.zeros((B, V), np.float32), self._logits_sharding)
             for s in ([False, True] if sampling else [False]):
-                _, self.sampling = self.exe.run(
-                    "sample", functools.partial(sample_slots, sampling=s), logits, self.sampling,
-                    self._dev_cached(np.full(B, pad, np.int32)), self._dev_cached(np.zeros(B, bool)),
-                    donate_argnums=(1,), static=s)
+                for n in lp_variants:
+                    _, self.sampling, _ = self.exe.run(
+                        "sample", functools.partial(draw_slots, sampling=s, logprobs=n), logits, self.sampling,
+                        self._dev_cached(np.full(B, pad, np.int32)), self._dev_cached(np.zeros(B, bool)),
+                        donate_argnums=(1,), static=(s, n))
         self.sampling = self.exe.run("start_request", start_request, self.sampling,
-                                     *self._devs(np.int32(pad), np.float32(0), np.float32(1), np.int32(0)),
-                                     donate_argnums=(0,))
+                                     *self._devs(np.int32(pad), np.float32(0), np.float32(1), np.int32(0),
+                                                 np.float32(0), np.int32(0)), donate_argnums=(0,))
         if self.decode_exe.graphs:
             for B in self.decode_buckets:
                 _, self.cache = self.call("decode", steps.decode_pending_step, self.cache, self.sampling.pending,
@@ -799,8 +837,9 @@ class Engine:
                     if self.mtp is not None:
                         self._mtp_drafts([], [pad] * n, {})
                     for s in ([False, True] if sampling else [False]):
-                        self._verify(s, *self._devs(np.full(n, pad, np.int32), np.zeros((n, k), np.int32),
-                                                    np.zeros(n, np.int32), np.zeros(n, bool)))
+                        for nlp in lp_variants:
+                            self._verify(s, nlp, *self._devs(np.full(n, pad, np.int32), np.zeros((n, k), np.int32),
+                                                             np.zeros(n, np.int32), np.zeros(n, bool)))
         self.cache = self._state_op("zero_slot", steps.zero_slot, self.cache, self._dev(pad), donate_argnums=(0,))
         if self.prefix_cache is not None:
             state = self._state_op("slot_ssm_state", steps.slot_ssm_state, self.cache, self._dev(pad))
@@ -819,28 +858,29 @@ class Engine:
         return self.compiles - before
 
     # ---- batch jobs ----------------------------------------------------------------------------
-    def generate(self, prompts, max_new_tokens: int = 16, *, temperature: float = 0.0, top_p: float = 1.0,
-                 seed: int = 0, stop=(), stream: Callable[[int, int], None] | None = None,
-                 progress: bool | None = False) -> list[Generation]:
+    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | int | None = None, *,
+                 stream: Callable[[int, int], None] | None = None, progress: bool | None = False,
+                 adapter: str | None = None, **overrides) -> list[Generation]:
         """Continue each prompt (token ids, or strings when the model has a tokenizer) through the engine.
-        Request i samples with its own stream (seed, i); stream(i, token) gets tokens as they come."""
-        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not len(prompts):
-            raise ShapeError("prompts: expected a non-empty list of token-id lists or strings")
-        as_text = isinstance(prompts[0], str)
-        if any(isinstance(p, str) != as_text for p in prompts):
-            raise ShapeError("prompts: mix of strings and token lists")
-        tok = self.model.tokenizer
-        if as_text and tok is None:
-            raise ConfigError("tokenizer", "string prompts need a tokenizer; this model has none (pass token ids)")
+        params: one SamplingParams for all (request i then samples with its own stream (seed, i)), a list of one
+        per prompt (each with its own seed as given), or max_new_tokens as before; keyword overrides (temperature=,
+        stop=, logprobs=, ...) apply to each. stream(i, token) gets tokens as they come. adapter: a loaded LoRA
+        adapter for every prompt (`submit` takes one per request)."""
+        seqs, as_text = prompts_ids(prompts, self.model.tokenizer)
+        return self.generate_ids(seqs, per_request(params, len(seqs), **overrides), as_text=as_text, stream=stream,
+                                 progress=progress, adapter=adapter)
+
+    def generate_ids(self, seqs: list[list[int]], params: list[SamplingParams], *, as_text: bool = False,
+                     stream: Callable[[int, int], None] | None = None, progress: bool | None = False,
+                     adapter: str | None = None) -> list[Generation]:
+        """`generate` for prompts already as token ids, one SamplingParams each; as_text: give each Generation its
+        text (the model's tokenizer)."""
         rids = []
-        for i, p in enumerate(prompts):
+        for i, (p, sp) in enumerate(zip(seqs, params)):
             cb = None if stream is None else (lambda _rid, t, i=i: stream(i, t))
-            rids.append(self.submit(tok.encode(p) if as_text else p, max_new_tokens, temperature=temperature,
-                                    top_p=top_p, seed=(seed * 1_000_003 + i) % 2**31, stop=stop, on_token=cb))
+            rids.append(self.submit(p, sp, on_token=cb, adapter=adapter))
         self._run_until(rids, progress)
-        reqs = [self.pop(rid) for rid in rids]
-        return [Generation(tokens=list(r.tokens), text=tok.decode(r.tokens)[:r.text_end] if as_text else None,
-                           finish_reason=r.finish_reason) for r in reqs]
+        return [generation(self.pop(rid), self.model.tokenizer if as_text else None) for rid in rids]
 
     def score(self, ids, lengths=None, *, progress: bool | None = False) -> np.ndarray:
         """log p(ids[b, t+1] | ids[b, :t+1]) [B, T-1] float32, zero past each row's length."""
@@ -885,3 +925,30 @@ class Engine:
         if self.prefix_cache is not None:
             out["prefix_cache"] = self.prefix_cache.stats()
         return out
+
+
+def generation(r: Request, tokenizer=None) -> Generation:
+    """A finished request as a Generation: its text (cut before a stop string) when a tokenizer is given, its
+    tokens' log-probs when it asked for them."""
+    lp = r.want_logprobs is not None
+    return Generation(tokens=list(r.tokens), text=tokenizer.decode(r.tokens)[:r.text_end] if tokenizer else None,
+                      finish_reason=r.finish_reason, logprobs=list(r.logprobs) if lp else None,
+                      top_logprobs=list(r.top_logprobs) if lp and r.want_logprobs else None)
+
+
+# executables for model.generate, one registry per model: held while the model lives (a weak key), so that each
+# call's engine (built for the batch's buckets) finds the steps its shapes compiled before
+_GENERATE_EXECUTABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def generate_engine(model, batch: int, max_len: int) -> Engine:
+    """An engine for one model.generate call: slots for `batch` prompts rounded up to a power of two (one batch
+    bucket, so that requests finishing early do not compile smaller decode batches), max_len tokens each, on the
+    model's executables registry. The engine itself is fresh (its cache and sampling state are the call's own,
+    and it sees the model's current weights)."""
+    exe = _GENERATE_EXECUTABLES.get(model)
+    if exe is None:
+        exe = _GENERATE_EXECUTABLES[model] = Executables(graphs=model.levers.graphs)
+    B = bucket(batch)
+    return Engine(model, max_slots=B, max_len=max_len, batch_buckets=(B,), prefill_batch_buckets=(B,),
+                  executables=exe)

@@ -14,6 +14,8 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 import jax
 from jax.sharding import NamedSharding
 
+FROZEN_KEPT = 8              # frozen arguments whose signature id is remembered (see Executables._frozen_signature)
+
 
 def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
     """The smallest power of two >= max(n, minimum); inputs are padded to it."""
@@ -71,7 +73,9 @@ class Executables:
         self.eager_runs: collections.Counter[str] = collections.Counter()
         self._cache: dict[tuple, jax.stages.Compiled] = {}
         self._by_slot: dict[int, set[tuple]] = collections.defaultdict(set)
-        self._frozen: dict[int, tuple[object, int]] = {}        # id -> (the object, its signature's id)
+        # id -> (the object, its signature's id), the latest few objects (an engine per model.generate call passes
+        # a new weights list each time; older ones are dropped rather than kept alive)
+        self._frozen: collections.OrderedDict[int, tuple[object, int]] = collections.OrderedDict()
         self._signature_ids: dict[tuple, int] = {}
 
     def _frozen_signature(self, arg) -> int:
@@ -82,6 +86,10 @@ class Executables:
         if hit is None or hit[0] is not arg:
             sig = _signature((arg,))
             hit = self._frozen[id(arg)] = (arg, self._signature_ids.setdefault(sig, len(self._signature_ids)))
+            if len(self._frozen) > FROZEN_KEPT:
+                self._frozen.popitem(last=False)
+        else:
+            self._frozen.move_to_end(id(arg))
         return hit[1]
 
     def intern(self, obj: Hashable) -> int:

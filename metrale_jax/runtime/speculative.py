@@ -112,12 +112,14 @@ def make_drafter(model, config: SpeculativeConfig):
 
 
 def accept_drafts(logits: jax.Array, tokens: jax.Array, num_draft: jax.Array, temperature: jax.Array,
-                  top_p: jax.Array, seeds: jax.Array, counters: jax.Array, *, sampling: bool):
+                  top_p: jax.Array, seeds: jax.Array, counters: jax.Array, *, sampling: bool,
+                  top_k: jax.Array | None = None, min_p: jax.Array | None = None):
     """Acceptance for one verify step.
 
     logits [n, k, V] (row j predicts the token after tokens[:, j]), tokens [n, k] (the pending token, then
-    the drafts), num_draft [n] (real drafts per row, <= k-1), per-row sampling parameters; counters [n]
-    is the index of the first token this step emits.  Returns (out [n, k], accepted [n]): the step emits
+    the drafts), num_draft [n] (real drafts per row, <= k-1), per-row sampling parameters (top_k / min_p: None
+    is off; the target distribution is what sampling.filtered_logits keeps); counters [n] is the index of the
+    first token this step emits.  Returns (out [n, k], accepted [n]): the step emits
     out[i, :accepted[i] + 1] and keeps the model state after row accepted[i].
     """
     n, k, V = logits.shape
@@ -129,7 +131,8 @@ def accept_drafts(logits: jax.Array, tokens: jax.Array, num_draft: jax.Array, te
         ok = (pred[:, :-1] == drafts) & real
         accepted = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
         return pred, accepted
-    z = filtered_logits(logits, temperature[:, None], top_p[:, None])         # [n, k, V]
+    per_row = lambda a: None if a is None else a[:, None]
+    z = filtered_logits(logits, temperature[:, None], top_p[:, None], per_row(top_k), per_row(min_p))   # [n, k, V]
     logp = jax.nn.log_softmax(z, axis=-1)
     p_draft = jnp.exp(jnp.take_along_axis(logp[:, :-1], drafts[..., None], axis=-1)[..., 0])   # [n, k-1]
     idx = counters[:, None] + j[None, :]                                       # token index of each row

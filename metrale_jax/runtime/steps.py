@@ -33,7 +33,7 @@ from metrale_jax.errors import ConfigError
 from metrale_jax.layers.mtp import MtpCache
 from metrale_jax.layers.stack import DecodeRows, PrefillRows, run_blocks
 from metrale_jax.model import _logits, _rmsnorm, _token_logprobs, decode_step, prefill_hidden  # noqa: F401
-from metrale_jax.runtime.sampling import SlotSampling, record_tokens
+from metrale_jax.runtime.sampling import SlotSampling, record_tokens, token_logprobs
 from metrale_jax.runtime.speculative import accept_drafts
 from metrale_jax.state import slot_pool
 from metrale_jax.state.cache import ModelCache, zero_slot  # noqa: F401  (zero_slot: a step the engine runs)
@@ -154,24 +154,28 @@ def mtp_draft_step(model, cache: ModelCache, mtp: MtpCache, slots, pending, *, n
 
 
 def verify_step(model, cache: ModelCache, slots, tokens, num_draft, temperature, top_p, seeds, counters,
-                mtp: MtpCache | None = None, *, sampling: bool):
+                mtp: MtpCache | None = None, top_k=None, min_p=None, *, sampling: bool, logprobs: int | None = None):
     """Speculative verify with write-on-accept for n sequences in one sweep.
 
     tokens [n, k]: each sequence's pending token then its drafts (num_draft [n] real ones). Every layer
     runs the n*k rows (Mamba layers through decode_verify_multi, which keeps the state after every row;
-    attention writes the k rows' keys/values). After acceptance (speculative.accept_drafts) each Mamba
+    attention writes the k rows' keys/values). After acceptance (speculative.accept_drafts, with each row's
+    temperature, top_p and optional top_k / min_p) each Mamba
     layer commits the state after the last kept row and seq_len advances by accepted + 1; keys/values
     past it are masked by seq_len and overwritten later. Returns (out [n, k], accepted [n], cache): the
     sequence emits out[i, :accepted[i] + 1]. On a mesh every device runs the same acceptance on the whole
     vocabulary's logits (gathered), so out / accepted agree everywhere and each commits its own heads.
     mtp: also run the MTP head over the pairs the k rows complete (positions seq_len - 1 ..): returns
-    (out, accepted, cache, mtp), MtpCache.hidden holding the hidden state after the last accepted row."""
+    (out, accepted, cache, mtp), MtpCache.hidden holding the hidden state after the last accepted row.
+    logprobs = n: one more result at the end, the raw log-probs of out [n, k] and the n most likely
+    (sampling.TokenLogprobs)."""
     if model.tp is not None:
         if mtp is not None:
             raise ConfigError("mtp", "the MTP head does not run on a mesh-sharded model")
-        out_specs = (P(), P(), sharding.cache_specs(model.config, model.tp))
+        out_specs = (P(), P(), sharding.cache_specs(model.config, model.tp)) + ((P(),) if logprobs is not None else ())
         return sharding.run_sharded(verify_step, model, cache, slots, tokens, num_draft, temperature, top_p, seeds,
-                                    counters, out_specs=out_specs, sampling=sampling)
+                                    counters, None, top_k, min_p, out_specs=out_specs, sampling=sampling,
+                                    logprobs=logprobs)
     n, k = tokens.shape
     pad = cache.padding_slot
     pos = cache.seq_lens[slots]
@@ -184,7 +188,8 @@ def verify_step(model, cache: ModelCache, slots, tokens, num_draft, temperature,
         logits = jax.lax.all_gather(logits, model.vocab_axis, axis=1, tiled=True)
     logits = logits.reshape(n, k, -1)
     out, accepted = accept_drafts(logits, tokens, num_draft, temperature, top_p, seeds, counters,
-                                  sampling=sampling)
+                                  sampling=sampling, top_k=top_k, min_p=min_p)
+    lp = () if logprobs is None else (token_logprobs(logits, out, logprobs),)
     rows = jnp.arange(n)
     conv, state = new.ssm.conv_state, new.ssm.ssm_state
     for l, st in steps:
@@ -193,13 +198,13 @@ def verify_step(model, cache: ModelCache, slots, tokens, num_draft, temperature,
     seq_lens = cache.seq_lens.at[slots].set(pos + accepted + 1).at[pad].set(0)
     new_cache = ModelCache(SsmPool(conv, state), new.kv, seq_lens)
     if mtp is None:
-        return out, accepted, new_cache
+        return out, accepted, new_cache, *lp
     hk = hn.reshape(n, k, -1)
     hidden = jnp.concatenate([mtp.hidden[slots][:, None].astype(hk.dtype), hk[:, :-1]], axis=1)   # h_{p-1}
     _, mkv = model.mtp.rows(mtp.kv, slots, model.embeddings[...][tokens.reshape(-1)], hidden.reshape(n * k, -1),
                             jnp.maximum(pos - 1, 0), k)
     carried = mtp.hidden.at[slots].set(hk[rows, accepted].astype(mtp.hidden.dtype))
-    return out, accepted, new_cache, MtpCache(mkv, carried)
+    return out, accepted, new_cache, MtpCache(mkv, carried), *lp
 
 
 def decode_pending_step(model, cache: ModelCache, pending, slots):
@@ -209,16 +214,19 @@ def decode_pending_step(model, cache: ModelCache, pending, slots):
 
 
 def verify_sampled(model, cache: ModelCache, sampling: SlotSampling, slots, tokens, num_draft, live,
-                   mtp: MtpCache | None = None, *, sampling_rows: bool):
+                   mtp: MtpCache | None = None, *, sampling_rows: bool, logprobs: int | None = None):
     """`verify_step` with each slot's sampling parameters and stream taken from `sampling`, which records what
     the live rows (live [n]) emitted: accepted + 1 tokens, the last one pending. Returns (out, accepted, cache,
-    sampling[, mtp])."""
+    sampling, mtp or None, TokenLogprobs of out or None)."""
     res = verify_step(model, cache, slots, tokens, num_draft, sampling.temperature[slots], sampling.top_p[slots],
-                      sampling.seed[slots], sampling.counter[slots], mtp, sampling=sampling_rows)
-    out, accepted = res[0], res[1]
+                      sampling.seed[slots], sampling.counter[slots], mtp, sampling.top_k[slots],
+                      sampling.min_p[slots], sampling=sampling_rows, logprobs=logprobs)
+    out, accepted, new_cache = res[:3]
+    new_mtp = res[3] if mtp is not None else None
+    lp = res[-1] if logprobs is not None else None
     last = out[jnp.arange(out.shape[0]), accepted]
     sampling = record_tokens(sampling, slots, last, jnp.where(live, accepted + 1, 0))
-    return (out, accepted, res[2], sampling, *res[3:])
+    return out, accepted, new_cache, sampling, new_mtp, lp
 
 
 # ---- slot helpers -----------------------------------------------------------------------------

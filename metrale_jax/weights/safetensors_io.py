@@ -22,7 +22,7 @@ import safetensors
 from metrale_jax import files
 from metrale_jax.errors import CheckpointError
 from metrale_jax.files import open_regular, read_json
-from metrale_jax.tokenizer import BYTE_TOKENIZER_FILE
+from metrale_jax.tokenizer import BYTE_TOKENIZER_FILE, TOKENIZER_CONFIG_FILE
 
 DTYPES: dict[str, np.dtype] = {
     "F64": np.dtype(np.float64), "F32": np.dtype(np.float32), "F16": np.dtype(np.float16),
@@ -141,7 +141,8 @@ def _check_listing(path: Path, header: dict, listing: dict) -> None:
 
 INDEX = "model.safetensors.index.json"
 # the files of a checkpoint directory besides its model*.safetensors (see is_checkpoint_file)
-CHECKPOINT_FILES = ("config.json", "hf_quant_config.json", INDEX, "tokenizer.json", BYTE_TOKENIZER_FILE)
+CHECKPOINT_FILES = ("config.json", "hf_quant_config.json", INDEX, "tokenizer.json", BYTE_TOKENIZER_FILE,
+                    TOKENIZER_CONFIG_FILE)
 
 
 def is_checkpoint_file(name: str) -> bool:

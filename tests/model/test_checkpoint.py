@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from metrale_jax.config import ModelConfig
-from metrale_jax.errors import CheckpointError, ConfigError
+from metrale_jax.errors import CheckpointError, ConfigError, ModelNotFoundError
 from metrale_jax.model import NemotronH
 from metrale_jax.runtime import Engine, SpeculativeConfig
 from metrale_jax.weights.checkpoint import expected_tensors, mtp_tensors
@@ -227,7 +227,7 @@ def test_tied_embeddings(tmp_path, rng):
 
 
 def test_bad_directories(tmp_path):
-    with pytest.raises(ConfigError, match="config.json"):
+    with pytest.raises(ModelNotFoundError, match="missing: no such directory"):
         NemotronH.from_pretrained(tmp_path / "missing")
     (tmp_path / "config.json").write_text(json.dumps(CFG.to_hf_dict()))
     with pytest.raises(CheckpointError, match="no model.safetensors"):

@@ -10,7 +10,8 @@ from metrale_jax.config import ModelLevers
 from tests.tiny_models import ALL_KINDS
 from metrale_jax.errors import ConfigError, ShapeError, SlotError
 from metrale_jax.layers.capabilities import combine_capabilities
-from metrale_jax.model import _IMPLS, _JITTED, TRACE_COUNTS, NemotronH, _sample
+from metrale_jax.model import _IMPLS, _JITTED, TRACE_COUNTS, NemotronH
+from metrale_jax.runtime.sampling import sample_tokens
 from tests import numpy_refs_model as ref
 from tests.numpy_refs import rel_err
 
@@ -156,7 +157,9 @@ def test_sampling(model, ids16):
 def test_top_p_keeps_the_smallest_set_reaching_p():
     """probs (0.4, 0.3, 0.2, 0.1), top_p 0.5: only tokens 0 and 1 are drawn, in the ratio 4 : 3."""
     logits = jnp.tile(jnp.log(jnp.array([0.4, 0.3, 0.2, 0.1])), (4000, 1))
-    draws = np.asarray(_sample(logits, jax.random.key(0), jnp.float32(1.0), jnp.float32(0.5), greedy=False))
+    n = logits.shape[0]
+    draws = np.asarray(sample_tokens(logits, jnp.ones(n), jnp.full(n, 0.5), jnp.arange(n), jnp.zeros(n, jnp.int32),
+                                     sampling=True))
     assert set(draws.tolist()) == {0, 1}
     assert abs((draws == 0).mean() - 4 / 7) < 0.03
 

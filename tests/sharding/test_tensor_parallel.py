@@ -4,6 +4,7 @@ kind, keeps its pools sharded, loads a checkpoint straight to its shards, and co
 collectives are one all-reduce per block."""
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -15,7 +16,8 @@ from jax.sharding import PartitionSpec as P
 from metrale_jax import sharding
 from metrale_jax.config import ModelConfig
 from metrale_jax.errors import CheckpointError, ConfigError
-from metrale_jax.model import _JITTED, NemotronH, _sample
+from metrale_jax.model import _JITTED, NemotronH
+from metrale_jax.runtime.sampling import sample_tokens
 from tests.numpy_refs import rel_err
 
 # every block kind; Mamba groups, kv heads, experts and intermediate sizes divisible by 4; latent MoE;
@@ -155,18 +157,29 @@ def test_compiled_prefill_has_one_all_reduce_per_block(models, rng):
 
 def test_score_and_sampling_over_a_split_vocabulary(models, rng):
     """score's log-softmax over a vocabulary split across devices (a max, a sum and the target's logit
-    reduced) matches the single device; generate's sampler takes vocabulary-split logits as they come."""
+    reduced) matches the single device, and so do its greedy flags (against the forward's argmax); the sampler
+    (with top-k and min-p) takes vocabulary-split logits as they come."""
     one, many = models(CFG, 1), models(CFG, 2)
     ids = rng.integers(0, CFG.vocab_size, (2, 10)).astype(np.int32)
     lens = np.array([10, 7])
     _close(np.asarray(many.score(ids, lens)), np.asarray(one.score(ids, lens)))
+    for t in range(1, 9):                                         # row 0 continues greedily from its 2nd token
+        ids[0, t + 1] = np.argmax(np.asarray(one.forward(ids))[0, t])
+    lp, greedy = many.score(ids, lens, greedy=True)
+    logits = np.asarray(one.forward(ids))[:, :-1]
+    want = np.take_along_axis(logits, ids[:, 1:, None], -1)[..., 0] >= logits.max(-1)
+    want &= np.arange(1, 10) < lens[:, None]
+    _close(np.asarray(lp), np.asarray(one.score(ids, lens)))
+    np.testing.assert_array_equal(np.asarray(greedy), want)
+    assert want[0, 1:].all()                                      # the generated tokens are the greedy ones
     logits = jax.device_put(rng.standard_normal((4, CFG.vocab_size)).astype(np.float32),
                             NamedSharding(many.tp.mesh, P(None, "tp")))
     host = np.asarray(logits)
-    key = jax.random.key(int(rng.integers(1 << 30)))
-    np.testing.assert_array_equal(np.asarray(_sample(logits, key, 1.0, 1.0, greedy=True)), host.argmax(-1))
-    np.testing.assert_array_equal(np.asarray(_sample(logits, key, 1.0, 0.5, greedy=False)),
-                                  np.asarray(_sample(jnp.asarray(host), key, 1.0, 0.5, greedy=False)))
+    seeds, counters = jnp.asarray(rng.integers(0, 1 << 30, 4), jnp.int32), jnp.zeros(4, jnp.int32)
+    sample = lambda x, **kw: np.asarray(jax.jit(functools.partial(sample_tokens, **kw))(
+        x, jnp.ones(4), jnp.full(4, 0.5), seeds, counters, top_k=jnp.full(4, 3, jnp.int32), min_p=jnp.full(4, 0.01)))
+    np.testing.assert_array_equal(sample(logits, sampling=False), host.argmax(-1))
+    np.testing.assert_array_equal(sample(logits, sampling=True), sample(jnp.asarray(host), sampling=True))
 
 
 def test_weights_sit_on_their_shards(models):
