@@ -9,7 +9,7 @@ import pytest
 
 from metrale_jax import cli
 from metrale_jax.builtin import load_builtin
-from metrale_jax.runtime import Engine
+from metrale_jax.runtime import Engine, bucket
 from metrale_jax.runtime.engine import _GENERATE_EXECUTABLES
 from metrale_jax.runtime.sampling_params import SamplingParams
 
@@ -29,8 +29,9 @@ def test_generate_is_the_engine_and_a_repeated_call_compiles_nothing(model, rng)
     again = model.generate(PROMPTS[2:], sp)                       # the same (slots, length) buckets
     assert exe.total_compiles == compiles, exe.stats()
     assert model.generate(PROMPTS[:2], sp) == first                # seeded: reproducible
-    eng = Engine(model, max_slots=4, max_len=64)
-    assert eng.generate(PROMPTS[:2], sp) == first                  # other slots and buckets, the same draws
+    longest = max(len(model.tokenizer.encode(p)) for p in PROMPTS[:2]) + sp.max_new_tokens
+    eng = Engine(model, max_slots=2, max_len=bucket(longest, 16))    # generate's engine shapes, built by hand
+    assert eng.generate(PROMPTS[:2], sp) == first
     assert all(g.text and g.finish_reason in ("length", "eos") for g in first + again)
 
 
@@ -53,7 +54,9 @@ def test_generate_stops_on_strings_and_ids_and_takes_one_params_per_prompt(model
     out = model.generate(PROMPTS, per)
     assert out[0].tokens == free[0].tokens[:first] and out[0].finish_reason == "stop"
     assert out[1].tokens == free[1].tokens[:5] and out[1].finish_reason == "length"
-    assert out[2] == model.generate(PROMPTS[2:3], [per[2]])[0]        # a request's own seed, alone or not
+    # a request's own seed, whatever its neighbours (the same shapes: another bucket or cache length rounds the
+    # dense matmuls differently, which can flip a sampled token at a near tie)
+    assert out[2] == model.generate(PROMPTS[::-1], per[::-1])[1]
     assert len(out[3].logprobs) == len(out[3].tokens) == 2
 
 

@@ -22,7 +22,6 @@ from metrale_jax.layers.lora import LoraOverlay, LoraParam
 from metrale_jax.layers.projection import Projection
 from metrale_jax.layers.stack import DecodeRows
 from metrale_jax.model import NemotronH, forward_step, random_tensors
-from metrale_jax.weights.checkpoint import linear_module
 from metrale_jax.weights.containers import quantize_fp8_block_weight, quantize_nvfp4_weight
 from metrale_jax.weights.lora import CONFIG_FILE, WEIGHTS_FILE
 from metrale_jax.weights.safetensors_io import SafetensorsFile, save_safetensors
@@ -228,7 +227,7 @@ def test_adapters_that_do_not_fit_name_the_tensor(saved):
     cases = {
         "shape": ({**tensors, f"{QP}.lora_B.weight": np.zeros((33, 4), np.float32)}, config,
                   rf"{QP}.lora_B.weight: shape \[33, 4\], expected \[32, 4\]"),
-        "rank": (tensors, {**config, "r": 8}, rf"lora_A.weight: shape \[4, 32\], expected \[8, 32\]"),
+        "rank": (tensors, {**config, "r": 8}, r"lora_A.weight: shape \[4, 32\], expected \[8, 32\]"),
         "module": ({**tensors, "base_model.model.model.layers.0.mixer.conv1d.lora_A.weight": np.zeros((4, 4))},
                    config, "layers.0.mixer.conv1d is not a projection of this model"),
         "kind": ({**tensors, "base_model.model.model.layers.1.mixer.in_proj.lora_A.weight": np.zeros((4, 32)),
