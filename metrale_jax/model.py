@@ -36,12 +36,13 @@ from metrale_jax import adapters as lora_adapters
 from metrale_jax import sharding
 from metrale_jax.arguments import integer, prompts_ids
 from metrale_jax.config import ModelConfig, ModelLevers
-from metrale_jax.errors import CheckpointError, ConfigError, KernelUnavailableError, ShapeError, SlotError
+from metrale_jax.errors import CheckpointError, ConfigError, ShapeError, SlotError
 from metrale_jax.init import iter_random_tensors, random_tensors  # noqa: F401  (random_tensors: API)
 from metrale_jax.hub import resolve_checkpoint
 from metrale_jax.layers.attention import NemotronAttentionLayer
 from metrale_jax.layers import lora
 from metrale_jax.layers.capabilities import ModelCapabilities, combine_capabilities
+from metrale_jax.layers.install import cast_tensors, infer_quant_config, mamba_layer
 from metrale_jax.layers.mamba2 import NemotronMamba2Layer
 from metrale_jax.layers.mlp import NemotronMLPLayer
 from metrale_jax.layers.moe import NemotronMoELayer
@@ -53,14 +54,11 @@ from metrale_jax.state.cache import ModelCache
 from metrale_jax.tokenizer import load_tokenizer
 from metrale_jax.weights.checkpoint import (
     EXPERTS_PATTERN, MAX_SHARD_BYTES, QUANTIZED_SUFFIXES, checkpoint_quantization, checkpoint_tensors, has_mtp,
-    is_quantized, layer_tensors, layer_weights, missing_tensors, model_tensors, mtp_layer_tensors, mtp_weights,
+    is_quantized, layer_tensors, layer_weights, missing_tensors, mtp_layer_tensors, mtp_weights,
     parameter_count, read_checkpoint, unsupported, write_checkpoint)
-from metrale_jax.weights.containers import (DenseWeight, Fp8Weight, Nvfp4Weight, StackedExperts, W4a4Weight,
-                                            WeightQuantFormat, fp8_prefill_copy, fp8_to_block_scaled,
-                                            quantize_nvfp4_weight)
+from metrale_jax.weights.containers import DenseWeight, Nvfp4Weight, StackedExperts, W4a4Weight
 from metrale_jax.weights.quant_config import QuantConfig
-from metrale_jax.weights.quant_formats import NVFP4_GROUP
-from pallas_kernels import mgpu_gemm_nvfp4, registry
+from pallas_kernels import registry
 
 LAYER_CLASSES = {"M": NemotronMamba2Layer, "*": NemotronAttentionLayer, "-": NemotronMLPLayer,
                  "E": NemotronMoELayer}
@@ -106,7 +104,7 @@ class NemotronH(nnx.Module):
         if scales:
             raise CheckpointError([f"{n}: a scale in the checkpoint layout; give the module's container (Fp8Weight, "
                                    f"Nvfp4Weight) under its .weight name, as from_pretrained does" for n in scales])
-        self.quant_config = quant_config if quant_config is not None else _infer_quant_config(tensors, quantized)
+        self.quant_config = quant_config if quant_config is not None else infer_quant_config(tensors, quantized)
         self.config = config
         self.tp = None if mesh is None else sharding.tensor_parallel(mesh)   # steps run through shard_map
         self.vocab_axis = shard_of.axis if shard_of is not None and shard_of.vocab else None   # a view's lm_head
@@ -133,14 +131,14 @@ class NemotronH(nnx.Module):
             raise CheckpointError(missing)
         if self.tp is not None:
             tensors = sharding.shard_tensors(config, tensors, self.tp, self.dtype)
-        t = _cast(config, tensors, self.dtype)
+        t = cast_tensors(config, tensors, self.dtype)
         self.embeddings = nnx.Param(t["backbone.embeddings.weight"])
         layers = []
         for i, kind in enumerate(config.hybrid_override_pattern):
             norm, weights = layer_weights(config, i, t)
             kw = {"expert_shards": shard_of.size} if shard_of is not None and kind == "E" else {}
             if kind == "M":
-                layer = _mamba_layer(norm, weights, config, i, self.levers, self.dtype)
+                layer = mamba_layer(norm, weights, config, i, self.levers, self.dtype)
             else:
                 layer = LAYER_CLASSES[kind](norm, weights, config, i, levers=self.levers, **kw)
             if shard_of is not None:
@@ -207,12 +205,12 @@ class NemotronH(nnx.Module):
         c = self.config
         out: dict[str, object] = {"backbone.embeddings.weight": self.embeddings[...]}
         for i, layer in enumerate(self.layers):
-            out.update(layer_tensors(c, i, layer.input_norm[...], _layer_weights(layer)))
+            out.update(layer_tensors(c, i, layer.input_norm[...], layer.checkpoint_weights()))
         out["backbone.norm_f.weight"] = self.norm_f[...]
         if self.lm_head is not None:
             out["lm_head.weight"] = self.lm_head.base_weight()
         if self.mtp is not None:
-            blocks = [(layer.input_norm[...], _layer_weights(layer)) for layer in self.mtp.layers]
+            blocks = [(layer.input_norm[...], layer.checkpoint_weights()) for layer in self.mtp.layers]
             out.update(mtp_layer_tensors(c, blocks, self.mtp.step_weights()))
         if self.tp is not None:                          # undo the device-major row order
             return {n: sharding.checkpoint_order(n, v.weight if isinstance(v, DenseWeight) else v, c, self.tp)
@@ -622,92 +620,6 @@ _JITTED = {
 
 
 # ---- helpers ------------------------------------------------------------------------------------
-def _layer_weights(layer):
-    if isinstance(layer, NemotronMamba2Layer):
-        return layer.ssm_weights()
-    if isinstance(layer, NemotronAttentionLayer):
-        return layer.attention_weights()
-    if isinstance(layer, NemotronMLPLayer):
-        return layer.mlp_weights()
-    return layer.moe_weights()
-
-
-def _cast(config: ModelConfig, tensors: Mapping[str, object], dtype) -> dict[str, object]:
-    """Every tensor in the model dtype, except those the table keeps in float32 (no copy when it already is);
-    quantized containers stay as they are, a DenseWeight is cast like an array."""
-    f32 = {n for n, s in model_tensors(config, tensors).items() if s.keep_f32}
-    out: dict[str, object] = {}
-    for n, v in tensors.items():
-        if is_quantized(v):
-            out[n] = v
-        else:
-            arr = v.weight if isinstance(v, DenseWeight) else v
-            out[n] = jnp.asarray(arr).astype(jnp.float32 if n in f32 else dtype)
-    return out
-
-
-def _infer_quant_config(tensors: Mapping[str, object], quantized: Sequence[str]) -> QuantConfig | None:
-    """The QuantConfig of containers given without one: 'none' for dense weights, the one format they share,
-    or None when they mix formats (such a model runs, but cannot be saved)."""
-    methods = {_method_of(tensors[n]) for n in quantized}
-    if len(methods) > 1:
-        return None
-    return QuantConfig(methods.pop() if methods else "none")
-
-
-def _method_of(w) -> str:
-    w = w.member if isinstance(w, StackedExperts) else w
-    if isinstance(w, (Nvfp4Weight, W4a4Weight)):
-        return "nvfp4"
-    return "fp8" if w.format is WeightQuantFormat.FP8_PER_TENSOR else "fp8_block"
-
-
-def nvfp4_prefill_copy_pays(shape: tuple[int, int], dtype, kernels: str, platform: str | None = None) -> bool:
-    """Whether an NVFP4 projection [N, K] gets a transposed prefill copy (w4a16_gemm_t). Not where the plain-layout
-    GEMM (w4a16_gemm) resolves to its Mosaic arm and takes the shape: that arm serves prefill from the layer's own
-    weights at least as fast (on the H200 at the 8B shapes; benchmarks/notes/quant_prefill.md) and the copy would
-    cost another 0.56 N K bytes. Elsewhere the plain GEMM is Triton's (8x slower)."""
-    try:
-        plain = registry.resolve("w4a16_gemm", kernels, platform).impl == "mosaic"
-    except KernelUnavailableError:
-        return True
-    return not (plain and mgpu_gemm_nvfp4.supports_shape(*shape, dtype, dtype))
-
-
-def _mamba_layer(norm, w, config: ModelConfig, i: int, levers: ModelLevers, dtype) -> NemotronMamba2Layer:
-    """A Mamba-2 layer with the arms its projections' formats call for (each projection on its own):
-      dense           BF16 native.
-      NVFP4           the default w4a16 arm (decode), and for prefill the plain Mosaic w4a16_gemm on Hopper or
-                      else a transposed copy (w4a16_gemm_t; `nvfp4_prefill_copy_pays`).
-      FP8 (block, or per-tensor expanded to the block grid), by levers.native_fp8_ssm:
-        full          native FP8 for decode and prefill (w8a16_gemv / w8a16_gemm_pipelined).
-        decode        native FP8 for decode only + a pre-dequantized FP8 E4M3 prefill copy (fp8_gemm_t).
-        off           requantized to NVFP4 (the double quantization FP8 -> NVFP4 that native FP8 avoids) and
-                      then served as NVFP4 (decode w4a16_gemv, prefill w4a16_gemm_t).
-      With levers.fp8_activations 'bf16', full and decode both serve prefill weight-only from the native FP8
-      weights (w8a16_gemm; NemotronH.__init__ sets every projection's mode): no E4M3 prefill copy is made."""
-    mode = levers.native_fp8_ssm
-    names = ("in_proj", "out_proj")
-    projs = {k: getattr(w, k) for k in names}
-    fp8 = {k: fp8_to_block_scaled(v) for k, v in projs.items() if isinstance(v, Fp8Weight)}
-    projs.update(fp8)
-    if mode == "off":
-        for k, v in fp8.items():
-            if v.shape[1] % NVFP4_GROUP:
-                raise ConfigError("native_fp8_ssm", f"'off' requantizes backbone.layers.{i}.mixer.{k} to NVFP4, "
-                                                    f"but its K = {v.shape[1]} is not a multiple of {NVFP4_GROUP}; "
-                                                    "use 'decode' or 'full'")
-            projs[k] = quantize_nvfp4_weight(v)
-    layer = NemotronMamba2Layer(norm, dataclasses.replace(w, **projs), config, i, levers=levers)
-    if fp8 and mode == "decode" and levers.fp8_activations == "e4m3":   # bf16: fp8_native serves prefill itself
-        layer.set_fp8_prefill_weights(*(fp8_prefill_copy(fp8[k]) if k in fp8 else None for k in names))
-    nvfp4 = {k: v for k, v in projs.items()
-             if isinstance(v, Nvfp4Weight) and nvfp4_prefill_copy_pays(v.shape, dtype, levers.kernels)}
-    if nvfp4:
-        layer.set_prefill_weights(*(nvfp4[k].transposed() if k in nvfp4 else None for k in names))
-    return layer
-
-
 def _check_prefill_rows(slots: np.ndarray, lengths: np.ndarray, padding_slot: int) -> None:
     """A padding-slot row is a no-op row, so it has no tokens; a live slot's row has at least one (a live slot
     prefilled with nothing would return logits of no token)."""

@@ -134,6 +134,8 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
             *(p.base_weight() for p in self._projections()), q_bias=value_of(self.q_bias),
             k_bias=value_of(self.k_bias), v_bias=value_of(self.v_bias), o_bias=value_of(self.o_bias))
 
+    checkpoint_weights = attention_weights          # what every block kind answers (the model's state_dict)
+
     def active_arm(self, phase: str, tokens: int) -> dict[str, str]:
         return {p.name.rsplit(".", 1)[-1]: p.active_arm(phase, tokens) for p in self._projections()}
 

@@ -139,6 +139,8 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
             conv1d_bias=None if self.conv1d_bias is None else self.conv1d_bias[...],
             dt_bias=self.dt_bias[...], A_log=self.A_log[...], D=self.D[...], norm_weight=self.norm_weight[...])
 
+    checkpoint_weights = ssm_weights          # what every block kind answers (the model's state_dict)
+
     def active_arm(self, phase: str, tokens: int) -> dict[str, str]:
         return {"in_proj": self.in_proj.active_arm(phase, tokens),
                 "out_proj": self.out_proj.active_arm(phase, tokens)}

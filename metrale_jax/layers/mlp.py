@@ -106,6 +106,8 @@ class NemotronMLPLayer(StatelessRows, LayerCapabilities, nnx.Module):
     def mlp_weights(self) -> NemotronMlpWeights:
         return self.mlp.weights()
 
+    checkpoint_weights = mlp_weights          # what every block kind answers (the model's state_dict)
+
     def __call__(self, hidden: jax.Array, *, phase: str = "prefill") -> jax.Array:
         """hidden [T, D] -> hidden + mlp(norm(hidden)), rows independent."""
         check_array("hidden", hidden, (None, self.config.hidden_size), floating=True)

@@ -197,6 +197,8 @@ class NemotronMoELayer(StatelessRows, LayerCapabilities, nnx.Module):
             fc1_latent_proj=own(self.fc1_latent_proj), fc2_latent_proj=own(self.fc2_latent_proj),
             fc1_latent_bias=value_of(self.fc1_latent_bias), fc2_latent_bias=value_of(self.fc2_latent_bias))
 
+    checkpoint_weights = moe_weights          # what every block kind answers (the model's state_dict)
+
     def route(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Router on normalised rows x [T, D]: (experts [T, k] int32, weights [T, k] float32)."""
         c = self.config

@@ -24,7 +24,6 @@ replicated, and the logits come out split over the vocabulary (sampling reduces 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import functools
 import time
 import typing
@@ -41,59 +40,16 @@ from metrale_jax.errors import ConfigError, ShapeError
 from metrale_jax.layers import lora
 from metrale_jax.model import Generation
 from metrale_jax.runtime import steps
-from metrale_jax.runtime.executables import Executables, bucket, pick_bucket
-from metrale_jax.runtime.prefix_cache import PrefixCache
-from metrale_jax.runtime.sampling import SlotSampling, TokenLogprobs, draw_slots, start_request
+from metrale_jax.runtime.executables import Executables, bucket, check_buckets, pick_bucket, powers_of_two
+from metrale_jax.runtime.engine_prefix import PrefixSnapshots
+from metrale_jax.runtime.engine_speculation import Speculation, _groups
+from metrale_jax.runtime.prefill_plan import Chunk, chunk_arrays, plan_chunk
+from metrale_jax.runtime.request import (Request, check_prompt, generation, keep_logprobs, logprobs_bucket,
+                                         lp_arrays, stop_string_ends, stops_for)
+from metrale_jax.runtime.sampling import SlotSampling, draw_slots, start_request
 from metrale_jax.runtime.sampling_params import MAX_LOGPROBS, SamplingParams, per_request, resolve
-from metrale_jax.runtime.speculative import MtpDrafter, SpeculativeConfig, make_drafter
-from metrale_jax.state.kv_pool import KvSlotState
+from metrale_jax.runtime.speculative import MtpDrafter, SpeculativeConfig
 from metrale_jax.state.slots import SlotAllocator
-from metrale_jax.state.ssm_pool import SlotState
-
-
-@dataclasses.dataclass(eq=False)
-class Request:
-    """One request's parameters and progress (host side)."""
-
-    rid: int
-    prompt: list[int]
-    max_new_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    top_k: int = 0                       # 0: off
-    min_p: float = 0.0                   # 0: off
-    want_logprobs: int | None = None     # SamplingParams.logprobs: None, 0 (chosen tokens) or n (and the top n)
-    stop_ids: frozenset = frozenset()    # the caller's stop tokens (finish_reason 'stop'; eos ids: 'eos')
-    stop_strings: tuple = ()             # finish_reason 'stop' once the text holds one
-    on_token: Callable[[int, int], None] | None = None
-    score: bool = False
-    adapter: str | None = None          # the LoRA adapter its rows use (model.adapters), None for the base
-    slot: int = -1
-    done: int = 0                       # prompt tokens in the cache
-    drawn: int = 0                      # tokens sampled on the device (read back or not)
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    pending: int | None = None          # the last emitted token read back, not yet fed to the model
-    finish_reason: str | None = None
-    text_end: int | None = None          # with a stop string: where it starts in the decoded text
-    logprobs: list[float] = dataclasses.field(default_factory=list)    # scoring: the prompt's; else the tokens'
-    top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)   # with want_logprobs n
-    drafter: object = None
-    prefix_hit: int = 0                 # prompt tokens restored from the prefix cache
-    t_submit: float = 0.0
-    t_first: float | None = None        # when the first token was emitted (time to first token)
-    t_done: float | None = None
-
-
-@dataclasses.dataclass
-class _Chunk:
-    """One prefill chunk's plan: rows (request, tokens of it in this chunk), captures (row, request, cut point),
-    whether a row scores, and whether the snapshots are taken in the pass (replay tail) or after it."""
-
-    rows: list
-    captures: list
-    scoring: bool
-    in_pass: bool
 
 
 class _ChunkInputs(typing.NamedTuple):
@@ -105,40 +61,6 @@ class _ChunkInputs(typing.NamedTuple):
     cuts: jax.Array | None = None
     capture_rows: jax.Array | None = None
     targets: jax.Array | None = None
-
-
-def _groups(items: list, size: int):
-    return [items[i:i + size] for i in range(0, len(items), size)]
-
-
-def _logprobs_bucket(requests) -> int | None:
-    """The log-prob width a sampling / verify executable computes for these requests: None when none asks (the
-    plain executable), 0 when they ask for the chosen tokens' only, else MAX_LOGPROBS alternatives (each request
-    keeps its own n of them): three variants at most, and top_k over the vocabulary costs about the same for 4
-    as for 20."""
-    asked = [r.want_logprobs for r in requests if r.want_logprobs is not None]
-    if not asked:
-        return None
-    return MAX_LOGPROBS if max(asked) else 0
-
-
-def _lp_arrays(lp: TokenLogprobs) -> tuple:
-    return lp.chosen, lp.top_ids, lp.top_logprobs
-
-
-def _powers(lo: int, hi: int) -> tuple[int, ...]:
-    out, b = [], max(1, lo)
-    while b < hi:
-        out.append(b)
-        b *= 2
-    return tuple(out) + (hi,)
-
-
-def _buckets(name: str, given, default) -> tuple[int, ...]:
-    b = tuple(sorted({int(x) for x in (default if given is None else given)}))
-    if not b or b[0] < 1:
-        raise ConfigError(name, f"expected positive sizes, got {given}")
-    return b
 
 
 def _sizes(levers, max_slots: int, max_len: int, prefill_token_budget: int | None) -> tuple[int, int]:
@@ -171,7 +93,7 @@ def _on_mesh(model, mesh):
     return model
 
 
-class Engine:
+class Engine(PrefixSnapshots, Speculation):
     """Continuous-batching server over one model and one slot pool.
 
     max_slots sequences at once (more queue), each up to max_len tokens (prompt + new tokens).
@@ -244,10 +166,10 @@ class Engine:
     def _init_buckets(self, max_slots: int, batch_buckets, token_buckets, prefill_batch_buckets,
                       min_token_bucket: int) -> None:
         """The padded shapes steps compile for; a layer without batched decode / verify gets batches of one."""
-        self.batch_buckets = _buckets("batch_buckets", batch_buckets, _powers(1, bucket(max_slots)))
+        self.batch_buckets = check_buckets("batch_buckets", batch_buckets, powers_of_two(1, bucket(max_slots)))
         top = bucket(min(self.budget, self.max_len))
-        self.token_buckets = _buckets("token_buckets", token_buckets, _powers(min(min_token_bucket, top), top))
-        self.prefill_buckets = _buckets("prefill_batch_buckets", prefill_batch_buckets, self.batch_buckets)
+        self.token_buckets = check_buckets("token_buckets", token_buckets, powers_of_two(min(min_token_bucket, top), top))
+        self.prefill_buckets = check_buckets("prefill_batch_buckets", prefill_batch_buckets, self.batch_buckets)
         self.decode_buckets = (1,) if self.caps.multi_seq_per_sequence else self.batch_buckets
         self.verify_buckets = (1,) if self.caps.verify_per_sequence else self.batch_buckets
 
@@ -259,38 +181,6 @@ class Engine:
             self.decode_exe = Executables(graphs=False)
         else:
             self.decode_exe = decode_executables or self.exe
-
-    def _make_prefix_cache(self, nbytes: int, block: int | None) -> PrefixCache | None:
-        """A prefix cache of `nbytes` snapshotting every `block` tokens (default the SSD chunk), or None; refused
-        when a layer's state or prefill would make a snapshot wrong."""
-        if not nbytes:
-            return None
-        chunk = self.model.levers.ssm_chunk_size(self.model.config)
-        block = chunk if block is None else int(block)
-        if block < 1 or block % chunk:
-            raise ConfigError("prefix_block", f"must be a positive multiple of the SSD chunk size {chunk}, got {block}")
-        if self.caps.has_aux_state:
-            raise ConfigError("prefix_cache_bytes", "a layer carries aux state (has_aux_state), which snapshots do "
-                                                    "not hold yet; turn the prefix cache off")
-        if any(getattr(l, "uses_local_mla_prefill", False) for l in self.model.layers):
-            raise ConfigError("prefix_cache_bytes", "a layer's prefill attends only to its own tokens "
-                                                    "(uses_local_mla_prefill); a prefix skip would hide the prefix "
-                                                    "from it")
-        if self.capture_rows < 1:
-            raise ConfigError("capture_rows", f"must be >= 1, got {self.capture_rows}")
-        return PrefixCache(block, nbytes)
-
-    def _make_drafter(self, speculative: SpeculativeConfig | None, drafter):
-        """The drafter speculative decoding uses (the config's, or the one given), or None without speculation;
-        refused when a layer declines rollback."""
-        if speculative is None:
-            if drafter is not None:
-                raise ConfigError("drafter", "a drafter needs speculative=SpeculativeConfig(...) (num_draft)")
-            return None
-        if self.caps.rollback_unsupported:
-            raise ConfigError("speculative", "a layer declines rollback (decode_rollback_unsupported); "
-                                             "speculative decoding commits an earlier state")
-        return make_drafter(self.model, speculative) if drafter is None else drafter
 
     def _dev(self, x, dtype=np.int32):
         """A host array onto the device (replicated over the model's mesh)."""
@@ -332,7 +222,7 @@ class Engine:
         completed it are kept and Generation.text ends before it. The model's eos ids end it with 'eos'.
         adapter: the name of a LoRA adapter the model has loaded (None: the base weights); rows with different
         adapters share a step."""
-        tokens = self._check_prompt(prompt, "prompt")
+        tokens = check_prompt(prompt, "prompt", self.model.config.vocab_size)
         adapters.index_of(self.model, adapter)                     # ConfigError naming an unknown adapter
         if adapter is not None and self._slot_adapters is None:
             raise ConfigError("adapter", f"{adapter!r} was loaded after this Engine was made (it serves the model's "
@@ -345,36 +235,14 @@ class Engine:
                                      temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed % 2**31,
                                      top_k=min(sp.top_k, self.model.config.vocab_size),   # int32 on the device
                                      min_p=sp.min_p, want_logprobs=sp.logprobs,
-                                     **self._stops(sp.stop), on_token=on_token, adapter=adapter))
-
-    def _stops(self, stop: tuple) -> dict:
-        """A request's stop ids and stop strings from SamplingParams.stop (checked there; here against the model:
-        ids in the vocabulary, strings only with a tokenizer)."""
-        V = self.model.config.vocab_size
-        for s in stop:
-            if isinstance(s, str) and self.model.tokenizer is None:
-                raise ConfigError("stop", f"stop string {s!r} needs a tokenizer; this model has none (pass stop "
-                                          "token ids)")
-            if isinstance(s, int) and s >= V:
-                raise ConfigError("stop", f"expected token ids in [0, {V}) or non-empty strings, got {s!r}")
-        return dict(stop_ids=frozenset(s for s in stop if isinstance(s, int)),
-                    stop_strings=tuple(s for s in stop if isinstance(s, str)))
+                                     **stops_for(sp.stop, self.model), on_token=on_token, adapter=adapter))
 
     def submit_score(self, ids) -> int:
         """Queue a scoring request: log p(ids[t+1] | ids[:t+1]) for every t."""
-        tokens = self._check_prompt(ids, "ids")
+        tokens = check_prompt(ids, "ids", self.model.config.vocab_size)
         if len(tokens) > self.max_len:
             raise ShapeError(f"ids: {len(tokens)} tokens exceed the engine's max_len {self.max_len}")
         return self._enqueue(Request(rid=0, prompt=tokens, max_new_tokens=0, score=True))
-
-    def _check_prompt(self, prompt, name: str) -> list[int]:
-        arr = np.asarray(prompt)
-        if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
-            raise ShapeError(f"{name}: expected a non-empty list of token ids, got {arr.dtype}{list(arr.shape)}")
-        V = self.model.config.vocab_size
-        if arr.min() < 0 or arr.max() >= V:
-            raise ShapeError(f"{name}: token ids must lie in [0, {V}), got range [{arr.min()}, {arr.max()}]")
-        return [int(t) for t in arr]
 
     def _enqueue(self, r: Request) -> int:
         r.rid, self._next_id = self._next_id, self._next_id + 1
@@ -492,37 +360,6 @@ class Engine:
                     self._restore(slot, hit)
                     r.done = r.prefix_hit = hit.length
 
-    def _restore(self, slot: int, hit) -> None:
-        self.cache = self._state_op("restore_ssm", steps.restore_ssm, self.cache, self._dev(slot), hit.ssm,
-                                    self._dev(hit.length), donate_argnums=(0,))
-        if self.cache.kv.num_layers:
-            for j, blk in enumerate(hit.kv_blocks):
-                self.cache = self._state_op("kv_block_put", steps.kv_block_put, self.cache, self._dev(slot),
-                                            self._dev(j * self.prefix_cache.block), blk, donate_argnums=(0,))
-        if self.mtp is not None:
-            self.mtp = self.exe.run("mtp_restore_hidden", steps.mtp_restore_hidden, self.mtp, self._dev(slot),
-                                    hit.mtp_hidden, donate_argnums=(0,))
-            if self.mtp.kv.num_layers:                 # in order: block j rewrites block j-1's scratch last row
-                for j, blk in enumerate(hit.mtp_blocks):
-                    self.mtp = self.exe.run("mtp_block_put", steps.mtp_block_put, self.mtp, self._dev(slot),
-                                            self._dev(self._mtp_block_start(j)), blk, donate_argnums=(0,))
-
-    def _kv_block(self, slot: int, j: int) -> KvSlotState:
-        block = self.prefix_cache.block
-        return self._state_op("kv_block_get", functools.partial(steps.kv_block_get, block=block), self.cache,
-                              self._dev(slot), self._dev(j * block), static=block)
-
-    def _mtp_block_start(self, j: int) -> int:
-        """Block j's MTP keys/values are those of the pairs whose next token lies in the block: positions
-        j*block-1 .. (j+1)*block-2. Block 0 starts at 0, so its last row (the pair after the cut) is scratch,
-        rewritten by block 1 or by the prefill after a restore."""
-        return max(j * self.prefix_cache.block - 1, 0)
-
-    def _mtp_block(self, slot: int, j: int) -> KvSlotState:
-        block = self.prefix_cache.block
-        return self.exe.run("mtp_block_get", functools.partial(steps.mtp_block_get, block=block), self.mtp,
-                            self._dev(slot), self._dev(self._mtp_block_start(j)), static=block)
-
     # ---- emitting and finishing ------------------------------------------------------------------
     def _emit(self, r: Request, tokens, lp: tuple | None = None) -> None:
         """Append tokens read back for r (up to a stop token or max_new_tokens), stream them, finish r. A
@@ -538,40 +375,17 @@ class Engine:
                 return self._finish(r, "eos" if t in self.eos_ids else "stop")
             r.tokens.append(t)
             if r.want_logprobs is not None:
-                self._keep_logprobs(r, lp, j)
+                keep_logprobs(r, lp, j)
             self.counters["generated_tokens"] += 1
             if r.drafter is not None:
                 r.drafter.append(t)
             if r.on_token is not None:
                 r.on_token(r.rid, t)
-            if r.stop_strings and self._stop_string_ends(r):
+            if r.stop_strings and stop_string_ends(r, self.model.tokenizer.decode):
                 return self._finish(r, "stop")
             if len(r.tokens) >= r.max_new_tokens:
                 return self._finish(r, "length")
         r.pending = r.tokens[-1]
-
-    @staticmethod
-    def _keep_logprobs(r: Request, lp: tuple, j: int) -> None:
-        """Token j's log-prob (and its request's top n of the step's bucket of alternatives) onto r."""
-        chosen, top_ids, top_lp = lp
-        r.logprobs.append(float(chosen[j]))
-        if r.want_logprobs:
-            n = r.want_logprobs
-            r.top_logprobs.append([(int(i), float(v)) for i, v in zip(top_ids[j, :n], top_lp[j, :n])])
-
-    def _stop_string_ends(self, r: Request) -> bool:
-        """Whether r's last token completed one of its stop strings; if so r.text_end marks where the first
-        one starts. Only the last few tokens are decoded per check: a token holds at least one byte, a
-        character at most four."""
-        decode = self.model.tokenizer.decode
-        window = 4 * max(len(s) for s in r.stop_strings) + 4
-        if not any(s in decode(r.tokens[-window:]) for s in r.stop_strings):
-            return False
-        text = decode(r.tokens)
-        starts = [i for i in (text.find(s) for s in r.stop_strings) if i >= 0]
-        if starts:
-            r.text_end = min(starts)
-        return bool(starts)
 
     def _finish(self, r: Request, reason: str) -> None:
         r.finish_reason = reason
@@ -589,7 +403,7 @@ class Engine:
         tokens (and their log-probs, when a row asks) are read back a step later and emitted to their requests."""
         rows = [(b, r) for b, (r, d) in enumerate(zip(group, draw)) if d]
         sampling = any(r.temperature > 0 for _, r in rows)
-        n = _logprobs_bucket(r for _, r in rows)
+        n = logprobs_bucket(r for _, r in rows)
         tokens, self.sampling, lp = self.exe.run(
             "sample", functools.partial(draw_slots, sampling=sampling, logprobs=n), logits, self.sampling, slots,
             self._dev_cached(np.asarray(draw, bool)), donate_argnums=(1,), static=(sampling, n))
@@ -598,7 +412,7 @@ class Engine:
         if lp is None:
             self._later((tokens,), lambda toks: [self._emit(r, [toks[b]]) for b, r in rows])
         else:
-            self._later((tokens, *_lp_arrays(lp)), lambda toks, *lps: [
+            self._later((tokens, *lp_arrays(lp)), lambda toks, *lps: [
                 self._emit(r, [toks[b]], tuple(a[b:b + 1] for a in lps)) for b, r in rows])
 
     # ---- decode --------------------------------------------------------------------------------
@@ -611,148 +425,22 @@ class Engine:
             self.counters["decode_rows"] += len(group)
             self._sample(logits, group, slots, [True] * len(group) + [False] * (B - len(group)))
 
-    def _speculate(self, reqs: list[Request]) -> None:
-        nd_max = self.speculative.num_draft
-        limits = {r.rid: min(nd_max, r.max_new_tokens - len(r.tokens) - 1) for r in reqs}
-        if self.mtp is None:
-            drafts = {r.rid: r.drafter.propose(limits[r.rid]) for r in reqs}
-            if not any(drafts.values()):
-                return self._decode(reqs)
-        elif max(limits.values()) <= 0:
-            return self._decode(reqs)                  # each emits its last token: the MTP state is not needed
-        k = nd_max + 1
-        for group in _groups(reqs, self.verify_buckets[-1]):
-            n = pick_bucket(len(group), self.verify_buckets, "verify batch")
-            slots = [r.slot for r in group] + [self.pad] * (n - len(group))
-            if self.mtp is not None:
-                drafts = self._mtp_drafts(group, slots, limits)
-            tokens = np.zeros((n, k), np.int32)
-            num_draft = np.zeros(n, np.int32)
-            for i, r in enumerate(group):
-                d = drafts[r.rid]
-                tokens[i, 0] = r.pending
-                tokens[i, 1:1 + len(d)] = d
-                tokens[i, 1 + len(d):] = tokens[i, len(d)]          # filler rows: never accepted
-                num_draft[i] = len(d)
-            sampling = any(r.temperature > 0 for r in group)
-            nlp = _logprobs_bucket(group)
-            live = np.arange(n) < len(group)
-            inputs = self._devs(np.array(slots, np.int32), tokens, num_draft, live)
-            out, accepted, lp = self._verify(sampling, nlp, *inputs, slots=slots[:len(group)])
-            out, accepted = np.asarray(out), np.asarray(accepted)
-            lp = None if lp is None else tuple(np.asarray(a) for a in _lp_arrays(lp))
-            self.counters["verify_rows"] += len(group)
-            self.counters["drafted_tokens"] += int(num_draft.sum())
-            self.counters["accepted_tokens"] += int(accepted[:len(group)].sum())
-            for i, r in enumerate(group):
-                r.drawn += int(accepted[i]) + 1
-                self._emit(r, out[i, :accepted[i] + 1], None if lp is None else tuple(a[i] for a in lp))
-
-    def _verify(self, sampling: bool, logprobs: int | None, *inputs, slots=()):
-        """steps.verify_sampled on self.cache and self.sampling (and self.mtp with MTP drafting, all donated);
-        returns (out, accepted, TokenLogprobs or None) and keeps the new state."""
-        fn = functools.partial(steps.verify_sampled, sampling_rows=sampling, logprobs=logprobs)
-        mtp = () if self.mtp is None else (self.mtp,)
-        donate = (1, 2) if self.mtp is None else (1, 2, 7)
-        out, accepted, self.cache, self.sampling, new_mtp, lp = self.call(
-            "verify", fn, self.cache, self.sampling, *inputs, *mtp, decode=True, donate_argnums=donate, slots=slots,
-            static=(sampling, logprobs))
-        if self.mtp is not None:
-            self.mtp = new_mtp
-        return out, accepted, lp
-
-    def _mtp_drafts(self, group: list[Request], slots: list[int], limits: dict[int, int]) -> dict[int, list[int]]:
-        """Each request's MTP drafts (up to its limit) from its pending token, for one verify batch."""
-        nd = self.speculative.num_draft
-        pending = [r.pending for r in group] + [0] * (len(slots) - len(group))
-        d, self.mtp = self.call("mtp_draft", functools.partial(steps.mtp_draft_step, num_draft=nd), self.cache,
-                                self.mtp, *self._devs(np.array(slots, np.int32), np.array(pending, np.int32)),
-                                decode=True, donate_argnums=(2,), slots=slots[:len(group)], static=nd)
-        d = np.asarray(d)
-        return {r.rid: d[i, :max(limits[r.rid], 0)].tolist() for i, r in enumerate(group)}
-
     # ---- prefill -------------------------------------------------------------------------------
-    def _cut(self, r: Request, n: int) -> int | None:
-        """The snapshot point in r's next n prompt tokens: the last block boundary in (done, done+n] not
-        cached yet, or None."""
-        if self.prefix_cache is None or r.score:
-            return None
-        b = self.prefix_cache.block
-        m = (r.done + n) // b * b
-        if m <= r.done or m < b or self.prefix_cache.contains(r.prompt[:m]):
-            return None
-        return m
-
     def _prefill(self, reqs: list[Request]) -> None:
         """One prefill chunk for the waiting prompts (in order, under the token budget): planned, dispatched,
         then its snapshots inserted and the first tokens of the prompts it completes drawn."""
-        chunk = self._plan_chunk(reqs)
-        entry, inputs = self._chunk_inputs(chunk)
+        chunk = plan_chunk(reqs, budget=self.budget, max_rows=self.prefill_buckets[-1],
+                           max_tokens=self.token_buckets[-1], cut=self._cut, capture_rows=self.capture_rows,
+                           replay_tail=self.replay_tail)
+        entry, arrays = chunk_arrays(chunk, batch_buckets=self.prefill_buckets, token_buckets=self.token_buckets,
+                                     pad=self.pad, capture_rows=self.capture_rows)
+        inputs = _ChunkInputs(self._dev_cached(arrays.pop("slots")), **{k: self._dev(v) for k, v in arrays.items()})
         out = self._prefill_call(entry, inputs, slots=[r.slot for r, _ in chunk.rows])
         self.counters["prefill_tokens"] += sum(n for _, n in chunk.rows)
         self._insert_snapshots(chunk, out)
         self._after_chunk(chunk, out, inputs.slots)
 
-    def _plan_chunk(self, reqs: list[Request]) -> _Chunk:
-        """Which prompts go into this chunk and how many tokens of each; where a snapshot is cut."""
-        budget, rows, captures = self.budget, [], []
-        max_rows, max_tokens = self.prefill_buckets[-1], self.token_buckets[-1]
-        for r in reqs:
-            if budget <= 0 or len(rows) == max_rows:
-                break
-            n = min(len(r.prompt) - r.done, budget, max_tokens)
-            m = self._cut(r, n) if len(captures) < self.capture_rows else None
-            if m is not None:
-                if not self.replay_tail:
-                    n = m - r.done                     # two-pass split: this chunk ends at the cut
-                captures.append((len(rows), r, m))
-            rows.append((r, n))
-            budget -= n
-        scoring = any(r.score for r, _ in rows)
-        if scoring and self.replay_tail:
-            captures = []                              # one variant fewer: no in-pass capture beside scoring
-        return _Chunk(rows, captures, scoring, in_pass=bool(captures) and self.replay_tail)
-
-    def _chunk_inputs(self, chunk: _Chunk) -> tuple[str, _ChunkInputs]:
-        """The chunk's padded device inputs and the executable's entry name (capture and scoring variants)."""
-        B = pick_bucket(len(chunk.rows), self.prefill_buckets, "prefill batch")
-        T = pick_bucket(max(n for _, n in chunk.rows), self.token_buckets, "prefill chunk")
-        ids, lengths = np.zeros((B, T), np.int32), np.zeros(B, np.int32)
-        slots = np.full(B, self.pad, np.int32)
-        for b, (r, n) in enumerate(chunk.rows):
-            ids[b, :n] = r.prompt[r.done:r.done + n]
-            lengths[b], slots[b] = n, r.slot
-        inputs = _ChunkInputs(self._dev_cached(slots), self._dev(ids), self._dev(lengths))
-        entry = "prefill"
-        if chunk.in_pass:
-            cuts, rows = lengths.copy(), np.zeros(self.capture_rows, np.int32)
-            for c, (b, r, m) in enumerate(chunk.captures):
-                cuts[b], rows[c] = m - r.done, b
-            inputs = inputs._replace(cuts=self._dev(cuts), capture_rows=self._dev(rows))
-            entry = "prefill_capture"
-        if chunk.scoring:
-            targets = np.zeros((B, T), np.int32)
-            for b, (r, n) in enumerate(chunk.rows):
-                nxt = r.prompt[r.done + 1:r.done + n + 1]
-                targets[b, :len(nxt)] = nxt
-            inputs = inputs._replace(targets=self._dev(targets))
-            entry += "_score"
-        return entry, inputs
-
-    def _insert_snapshots(self, chunk: _Chunk, out: steps.PrefillOut) -> None:
-        """Each capture's state at its cut into the prefix cache (from the pass, or read from the slot after a
-        two-pass chunk that ended at the cut)."""
-        for c, (b, r, m) in enumerate(chunk.captures):
-            if r.adapter is not None:                  # an adapter's states are not the base's: not cached
-                continue
-            state = out.captured[c] if chunk.in_pass else self._slot_state(r.slot)
-            mtp = {}
-            if self.mtp is not None:                   # the hidden state at position m-1, the MTP blocks before it
-                hidden = out.captured_hidden[c] if chunk.in_pass else self._mtp_hidden(r.slot)
-                mtp = dict(mtp_hidden=hidden, mtp_block=functools.partial(self._mtp_block, r.slot))
-            self.prefix_cache.insert(r.prompt[:m], state, functools.partial(self._kv_block, r.slot), **mtp)
-
-    def _after_chunk(self, chunk: _Chunk, out: steps.PrefillOut, slots) -> None:
+    def _after_chunk(self, chunk: Chunk, out: steps.PrefillOut, slots) -> None:
         """Advance each prompt; scoring rows get their log-probs (read back later), a completed prompt its first
         token (drawn on the device), a request for no new tokens its end."""
         draw, scored = np.zeros(slots.shape[0], bool), []
@@ -787,12 +475,6 @@ class Engine:
             self.mtp = out.mtp
         self.cache = out.cache
         return out
-
-    def _slot_state(self, slot: int) -> SlotState:
-        return self._state_op("slot_ssm_state", steps.slot_ssm_state, self.cache, self._dev(slot))
-
-    def _mtp_hidden(self, slot: int):
-        return self.exe.run("mtp_slot_hidden", steps.mtp_slot_hidden, self.mtp, self._dev(slot))
 
     # ---- warm-up -------------------------------------------------------------------------------
     def warmup(self, *, sampling: bool = False, score: bool = False, logprobs: bool = False) -> int:
@@ -925,15 +607,6 @@ class Engine:
         if self.prefix_cache is not None:
             out["prefix_cache"] = self.prefix_cache.stats()
         return out
-
-
-def generation(r: Request, tokenizer=None) -> Generation:
-    """A finished request as a Generation: its text (cut before a stop string) when a tokenizer is given, its
-    tokens' log-probs when it asked for them."""
-    lp = r.want_logprobs is not None
-    return Generation(tokens=list(r.tokens), text=tokenizer.decode(r.tokens)[:r.text_end] if tokenizer else None,
-                      finish_reason=r.finish_reason, logprobs=list(r.logprobs) if lp else None,
-                      top_logprobs=list(r.top_logprobs) if lp and r.want_logprobs else None)
 
 
 # executables for model.generate, one registry per model: held while the model lives (a weak key), so that each

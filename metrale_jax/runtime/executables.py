@@ -37,6 +37,25 @@ def pick_bucket(n: int, buckets: Sequence[int], what: str = "size") -> int:
     raise ValueError(f"{what} {n} exceeds the largest bucket {buckets[-1]}")
 
 
+def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, 2 lo, 4 lo, ... below hi, then hi: the default buckets of a size up to hi."""
+    out, b = [], max(1, lo)
+    while b < hi:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (hi,)
+
+
+def check_buckets(name: str, given, default) -> tuple[int, ...]:
+    """Buckets as a sorted tuple of positive sizes (`default` when none are given); ConfigError naming `name`."""
+    from metrale_jax.errors import ConfigError
+
+    b = tuple(sorted({int(x) for x in (default if given is None else given)}))
+    if not b or b[0] < 1:
+        raise ConfigError(name, f"expected positive sizes, got {given}")
+    return b
+
+
 def _placement(x) -> Hashable:
     """An array's sharding as a key: a NamedSharding by mesh and spec without trailing Nones, since a compiled
     step returns P(None, 'tp') for an input placed as P(None, 'tp', None) (the same layout)."""

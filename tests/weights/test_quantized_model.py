@@ -429,7 +429,7 @@ def test_latent_projections_and_biases_of_a_random_model(tmp_path, rng, fmt):
 def test_nvfp4_prefill_copy_only_where_the_plain_gemm_is_not_mosaic():
     """On Hopper the plain-layout Mosaic GEMM serves NVFP4 prefill from the layer's own weights, so no transposed
     copy is built; where the plain GEMM would be Triton's (or Mosaic does not take the shape / dtype) it is."""
-    from metrale_jax.model import nvfp4_prefill_copy_pays
+    from metrale_jax.layers.install import nvfp4_prefill_copy_pays
     bf16 = jnp.bfloat16
     assert not nvfp4_prefill_copy_pays((18560, 4096), bf16, "auto", platform="gpu")
     assert not nvfp4_prefill_copy_pays((4096, 8192), bf16, "pallas", platform="gpu")
