@@ -148,7 +148,7 @@ def merge(model, name: str | None = None) -> None:
     info = model.adapters[i - 1]
     for n in info.modules:
         p = projs[n]
-        if p.bf16_native is None or p.installed_arms() != ("bf16_native",):
+        if p.dense is None or p.installed_arms() != ("dense",):
             raise WeightFormatError(f"{n}: merge_adapter folds LoRA into dense weights, but this projection's base "
                                     f"is quantized (arms {p.installed_arms()}); serve the adapter as an overlay")
         if p.lora.merged:
@@ -160,7 +160,7 @@ def merge(model, name: str | None = None) -> None:
         w = base.weight.astype(jnp.float32) + p.lora.scale[i - 1] * (p.lora.b[i - 1] @ p.lora.a[i - 1])
         p.lora.unmerged = UnmergedWeight(base)
         p.lora.merged = i
-        p.install("bf16_native", p.prepare("bf16_native", DenseWeight(w.astype(base.weight.dtype))))
+        p.install("dense", p.prepare("dense", DenseWeight(w.astype(base.weight.dtype))))
 
 
 def remove(model, name: str | None = None) -> None:
@@ -177,7 +177,7 @@ def _remove_one(model, i: int) -> None:
         if lo is None:
             continue
         if lo.merged == i:                                     # the exact original weights back
-            proj.install("bf16_native", lo.unmerged.get_value())
+            proj.install("dense", lo.unmerged.get_value())
             lo.merged, lo.unmerged = 0, None
         keep = [s for s in range(lo.num_adapters) if s != i - 1]
         if not keep:

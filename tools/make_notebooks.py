@@ -247,7 +247,7 @@ QUICKSTART = [
     ### Inside the pool and the layer
 
     The layer is a Flax NNX module (so a pytree); treescope shows its weights and which projection arms are
-    installed (`bf16_native` here; see `quantization.ipynb` for the others). `render_array` draws one slot's SSM
+    installed (`dense` here; see `quantization.ipynb` for the others). `render_array` draws one slot's SSM
     state (heads x head_dim, first state column) as a heat map.
     """),
     code("""
@@ -812,8 +812,8 @@ QUANTIZATION = [
     A `Projection` holds whichever weight copies (arms) were installed and takes the first that applies, in a fixed
     order per phase (`docs/API.md` has the table):
 
-    * decode: `bf16_native` > `fp8_native` > `w4a4` > `nvfp4`
-    * prefill: `bf16_native` > `fp8_native` (if installed with prefill=True) > `w4a4` > `fp8_prefill` >
+    * decode: `dense` > `fp8_native` > `w4a4` > `nvfp4`
+    * prefill: `dense` > `fp8_native` (if installed with prefill=True) > `w4a4` > `fp8_prefill` >
       `nvfp4_t` > `nvfp4`
 
     Here Mamba-2 block 0 is rebuilt from each checkpoint's containers (the rest of its weights as in the original).

@@ -107,7 +107,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
 
     def set_bf16_weights(self, in_proj, out_proj) -> None:
         """Install dense projections; decode and prefill then use the dense arm ahead of any other."""
-        self._install_pair("bf16_native", in_proj, out_proj)
+        self._install_pair("dense", in_proj, out_proj)
 
     def bf16_native_ready(self) -> bool:
         return self.in_proj.dense_ready() and self.out_proj.dense_ready()

@@ -3,8 +3,8 @@
 Each installed copy is an *arm*; a call takes the first arm of its phase's fixed order that is installed
 (DESIGN.md, "Projection arms"):
 
-  decode:  bf16_native > fp8_native (w8a16_gemv) > w4a4 > nvfp4 (w4a16_gemv, the default)
-  prefill: bf16_native > fp8_native (only if installed with prefill=True: w8a16_gemm_pipelined, else
+  decode:  dense > fp8_native (w8a16_gemv) > w4a4 > nvfp4 (w4a16_gemv, the default)
+  prefill: dense > fp8_native (only if installed with prefill=True: w8a16_gemm_pipelined, else
            w8a16_gemm) > w4a4 > fp8_prefill (fp8_gemm_t) > nvfp4_t (w4a16_gemm_t, or w4a16_gemm_t_m128
            above 128 tokens when it resolved) > nvfp4 (w4a16_gemm)
   With fp8_activations "bf16" (ModelLevers.fp8_activations) the FP8 weights serve prefill weight-only: fp8_native
@@ -31,12 +31,12 @@ from metrale_jax.weights.containers import (DenseWeight, Fp8PrefillWeight, Fp8We
 from metrale_jax.weights.quant_formats import Fp8Activations
 from pallas_kernels import registry
 
-DECODE_ORDER = ("bf16_native", "fp8_native", "w4a4", "nvfp4")
-PREFILL_ORDER = ("bf16_native", "fp8_native", "w4a4", "fp8_prefill", "nvfp4_t", "nvfp4")
-ARMS = ("bf16_native", "fp8_native", "w4a4", "fp8_prefill", "nvfp4_t", "nvfp4")
+DECODE_ORDER = ("dense", "fp8_native", "w4a4", "nvfp4")
+PREFILL_ORDER = ("dense", "fp8_native", "w4a4", "fp8_prefill", "nvfp4_t", "nvfp4")
+ARMS = ("dense", "fp8_native", "w4a4", "fp8_prefill", "nvfp4_t", "nvfp4")
 # kernels each arm needs at install; an entry (a, b) means "a or b"
 ARM_KERNELS = {
-    "bf16_native": ("dense_matmul",),
+    "dense": ("dense_matmul",),
     "fp8_native": ("w8a16_gemv", ("w8a16_gemm_pipelined", "w8a16_gemm")),   # the prefill pair only with prefill=True
     "w4a4": ("w4a4_gemm",),
     "fp8_prefill": ("fp8_gemm_t",),
@@ -48,7 +48,7 @@ INPUT_QUANT = {"fp8_gemm_t": "rows", "w8a16_gemm_pipelined": "blocks"}
 PREFILL_ONLY_ARMS = ("fp8_prefill", "nvfp4_t")   # copies no decode call reads
 M128_ABOVE = 128   # prefill tokens above which the transposed NVFP4 arm takes w4a16_gemm_t_m128
 # the layer's own ("base") weights: the first installed of these (what ssm_weights() reports)
-BASE_PRIORITY = ("nvfp4", "w4a4", "bf16_native", "fp8_native")
+BASE_PRIORITY = ("nvfp4", "w4a4", "dense", "fp8_native")
 
 
 class QuantWeight(nnx.Variable):
@@ -77,7 +77,7 @@ class Projection(nnx.Module):
     def prepare(self, arm: str, weight, *, prefill: bool = True):
         """Check `weight` for `arm` (tag, dtypes, scale shapes, kernels) and return the container to install;
         raises WeightFormatError / KernelUnavailableError and installs nothing."""
-        if arm == "bf16_native":
+        if arm == "dense":
             w = as_dense(self.name, weight, self.shape)
         elif arm == "fp8_native":
             w = clear_zero_scale_blocks(check_fp8(self.name, weight, self.shape,
@@ -103,13 +103,13 @@ class Projection(nnx.Module):
     def install(self, arm: str, prepared, *, prefill: bool = True) -> None:
         """Install a container returned by `prepare` (two-step so a layer can check both of its
         projections before installing either)."""
-        setattr(self, arm, nnx.Param(prepared) if arm == "bf16_native" else QuantWeight(prepared))
+        setattr(self, arm, nnx.Param(prepared) if arm == "dense" else QuantWeight(prepared))
         if arm == "fp8_native":
             self.fp8_prefill_enabled = bool(prefill)
 
     def set_dense(self, weight) -> None:
         """BF16 native arm (ahead of every other arm in both phases)."""
-        self.install("bf16_native", self.prepare("bf16_native", weight))
+        self.install("dense", self.prepare("dense", weight))
 
     def set_fp8(self, weight: Fp8Weight, *, prefill: bool) -> None:
         """FP8 native arm: only FP8_BLOCK_SCALED weights with the exact [ceil(N/128), ceil(K/128)] f32 grid.
@@ -134,13 +134,13 @@ class Projection(nnx.Module):
         self.install("nvfp4_t", self.prepare("nvfp4_t", weight))
 
     def arm_for(self, weight) -> str:
-        """The arm a container's type names (arrays and DenseWeight: bf16_native)."""
+        """The arm a container's type names (arrays and DenseWeight: dense)."""
         for cls, arm in ((W4a4Weight, "w4a4"), (Nvfp4Weight, "nvfp4"), (Nvfp4WeightT, "nvfp4_t"),
                          (Fp8PrefillWeight, "fp8_prefill"), (Fp8Weight, "fp8_native")):
             if isinstance(weight, cls):
                 return arm
         if isinstance(weight, DenseWeight) or hasattr(weight, "shape"):
-            return "bf16_native"
+            return "dense"
         raise WeightFormatError(f"{self.name}: cannot install a {type(weight).__name__} as a weight")
 
     def set_weight(self, weight, *, fp8_prefill: bool = True) -> str:
@@ -171,19 +171,19 @@ class Projection(nnx.Module):
         return v.get_value()
 
     def base_weight(self):
-        """The layer's own weights: the first installed of nvfp4, w4a4, bf16_native, fp8_native."""
+        """The layer's own weights: the first installed of nvfp4, w4a4, dense, fp8_native."""
         for arm in BASE_PRIORITY:
             if getattr(self, arm) is not None:
                 return self.arm_weight(arm)
         raise WeightFormatError(f"{self.name}: no weights installed")
 
     def dense_ready(self) -> bool:
-        return self.bf16_native is not None and registry.resolved("dense_matmul", self.kernels)
+        return self.dense is not None and registry.resolved("dense_matmul", self.kernels)
 
     def dense_weight(self) -> DenseWeight:
-        if self.bf16_native is None:
+        if self.dense is None:
             raise WeightFormatError(f"{self.name}: no dense weights installed (arms: {self.installed_arms()})")
-        return self.bf16_native.get_value()
+        return self.dense.get_value()
 
     def set_fp8_activations(self, mode: str) -> None:
         """ModelLevers.fp8_activations for this projection: "e4m3" (the default dispatch) or "bf16" (FP8 weights
@@ -214,7 +214,7 @@ class Projection(nnx.Module):
         """The registry kernel that serves a call (the arm's kernel for this phase and token count)."""
         arm = self.active_arm(phase, tokens)
         decode = phase == "decode"
-        if arm == "bf16_native":
+        if arm == "dense":
             return "dense_matmul"
         if arm == "fp8_native":
             if decode:
@@ -261,7 +261,7 @@ class Projection(nnx.Module):
 
 def _run_arm(fn, arm: str, w, x, phase: str, out_dtype) -> jax.Array:
     """The arm's kernel `fn` on its weight container `w`."""
-    if arm == "bf16_native":
+    if arm == "dense":
         return fn(x, w.weight, out_dtype=out_dtype)
     if arm == "fp8_native":
         return fn(x, w.weight, w.scale, out_dtype=out_dtype)

@@ -23,7 +23,7 @@ def _containers(rng):
     """Every arm's copy, each made from its own random weight so that the arms' results all differ."""
     w = lambda: rng.standard_normal((N, K)).astype(np.float32)
     q, s = qf.quantize_fp8_block(w())
-    return {"bf16_native": C.DenseWeight(jnp.asarray(w(), jnp.bfloat16)),
+    return {"dense": C.DenseWeight(jnp.asarray(w(), jnp.bfloat16)),
             "fp8_native": C.Fp8Weight(jnp.asarray(q), jnp.asarray(s)),
             "w4a4": C.W4a4Weight(C.quantize_nvfp4_weight(w())),
             "fp8_prefill": C.fp8_prefill_copy(w()),
@@ -42,7 +42,7 @@ def _own_result(arm, w, x, phase, tokens):
     """The arm's kernel reference applied to the arm's own container."""
     ref = lambda name: registry.resolve(name, "reference").fn
     f32 = jnp.float32
-    if arm == "bf16_native":
+    if arm == "dense":
         return ref("dense_matmul")(x, w.weight, out_dtype=f32)
     if arm == "fp8_native":
         return ref("w8a16_gemv" if phase == "decode" else "w8a16_gemm_pipelined")(x, w.weight, w.scale, out_dtype=f32)
@@ -171,7 +171,7 @@ def test_layer_default_nvfp4_and_seed_installers(rng):
     assert layer.active_arm("prefill", 9)["in_proj"] == "fp8_native"
     assert isinstance(layer.ssm_weights().in_proj, C.Nvfp4Weight)                  # still the layer's own weights
     layer.set_bf16_weights(dense.in_proj, dense.out_proj)
-    assert layer.bf16_native_ready() and layer.active_arm("decode", 1)["out_proj"] == "bf16_native"
+    assert layer.bf16_native_ready() and layer.active_arm("decode", 1)["out_proj"] == "dense"
 
 
 def test_layer_install_errors_are_atomic_and_named(rng):

@@ -63,7 +63,7 @@ def test_forward_gradients_through_the_kernels_equal_the_reference(rng):
     tensors = random_tensors(ALL_KINDS, jax.random.key(int(rng.integers(1 << 30))), jnp.float32)
     got = _compare(tensors, rng, "M*E-")
     # the Mamba mixer's own parameters see the conv and the scan
-    for leaf in ("conv1d_weight", "A_log", "dt_bias", "D", "norm_weight", "in_proj.bf16_native"):
+    for leaf in ("conv1d_weight", "A_log", "dt_bias", "D", "norm_weight", "in_proj.dense"):
         assert np.any(got[next(n for n in got if n.startswith(f"layers.0.{leaf}.value"))]), leaf
 
 

@@ -147,7 +147,7 @@ def test_overlay_runs_beside_every_arm(rng, fmt, phase):
     with lora.slot_adapters(table), lora.block_rows(DecodeRows(jnp.arange(M), jnp.zeros(M, jnp.int32)),
                                                     packed=False):
         got = np.asarray(proj(x, phase=phase, out_dtype=F32))
-    assert proj.active_arm(phase, M) == {"dense": "bf16_native", "fp8_block": "fp8_native", "nvfp4": "nvfp4"}[fmt]
+    assert proj.active_arm(phase, M) == {"dense": "dense", "fp8_block": "fp8_native", "nvfp4": "nvfp4"}[fmt]
     xd = np.asarray(x, np.float64)
     want = base.astype(np.float64)
     want[0] += 2.0 * (xd[0] @ a[0].T) @ b[0].T

@@ -149,7 +149,7 @@ def test_each_projection_gets_its_arm_and_the_files_numbers(ckpts, loaded, fmt):
     for name, p in _linears(model):                                       # attention, MLP, shared experts
         assert p.installed_arms() == (("nvfp4",) if nv else ("fp8_native",)), name
         assert _same_tree(p.base_weight(), load_linear(reader, name, p.shape, q, fp8_to_block=True)), name
-    assert model.lm_head.installed_arms() == ("bf16_native",)             # excluded: the stored BF16 values
+    assert model.lm_head.installed_arms() == ("dense",)             # excluded: the stored BF16 values
     np.testing.assert_array_equal(np.asarray(model.lm_head.dense_weight().weight),
                                   np.asarray(reader.get("lm_head.weight"), np.float32))
     moe = next(l for l in model.layers if isinstance(l, NemotronMoELayer))  # stacked experts: kept quantized
