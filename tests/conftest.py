@@ -9,14 +9,15 @@ if ON_CPU:
 # tests/sharding + tests/model/test_hf_equivalence from 128 to 77 s cold on 2 cores (2026-12-02).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4"
                       + (" --xla_backend_optimization_level=0" if ON_CPU else ""))
-# One on-disk compilation cache for every test, xdist worker and notebook kernel: they compile many identical
-# programs (the built-in model, interpreted kernels). 2026-12-02, 2 cores: tests/weights 108 -> 78 s, a clean-clone
-# suite unchanged (16:43 vs 16:39), reruns reuse it. No size cap: JAX's eviction lists the whole directory on
-# every write (a capped cache made the suite far slower).
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__))), ".jax_test_cache"))
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+# METRALE_TEST_CACHE=1: one on-disk compilation cache (.jax_test_cache/) for every test, xdist worker and notebook
+# kernel, so that a rerun reuses the compiles (a clean run is no faster with it). Off by default: XLA:CPU's
+# executable serialization, which the cache write calls, crashed a worker once on a clean-clone run (a segfault in
+# put_executable_and_time, not reproduced alone). No size cap: JAX's eviction lists the directory on every write.
+if os.environ.get("METRALE_TEST_CACHE"):
+    os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(
+        os.path.abspath(__file__))), ".jax_test_cache"))
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
