@@ -115,7 +115,9 @@ def bench_rows(model, weights: str, state: str, batches, sz, bw, exe, rows: list
                "kernels_per_step": prof.get("kernels_per_step"),
                "engine_vs_device": engine_tok_s * dev_s / B, "device_vs_floor": floor_s / dev_s,
                "step_bytes": int(floor_s * bw), "idle_us_per_step": prof.get("idle_us_per_step"),
-               "by_class_us": {k: round(v["us_per_step"], 1) for k, v in prof.get("by_class", {}).items()}}
+               "by_class_us": {k: round(v["us_per_step"], 1) for k, v in prof.get("by_class", {}).items()},
+               "top_kernels": {k: {"us": round(v["us_per_step"], 1), "n": round(v["count_per_step"], 1)}
+                               for k, v in prof.get("top_kernels", {}).items()}}
         rows.append(row)
         save()                                           # a run cut short keeps the rows it finished
         log(f"{weights} / {state} B={B}: engine {engine_tok_s:,.0f} tok/s ({row['engine_vs_device']:.0%} of the "

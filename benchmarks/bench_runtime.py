@@ -24,6 +24,7 @@ writes DIR/runtime_<date>.json (DIR default benchmarks/results).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -324,6 +325,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--tiny", action="store_true", help="tiny config and sizes (a CPU dry run)")
+    ap.add_argument("--tag", default="", help="appended to the JSON's name (e.g. _act-bf16)")
     ap.add_argument("--config", default=CONFIG_8B, help="HF config.json (default: Nemotron-H-8B shapes)")
     ap.add_argument("--sections", default="prefill,ttft,spec,spec_builtin")
     ap.add_argument("--deadline", type=float, default=float("inf"), help="skip sections that start after this")
@@ -347,6 +349,7 @@ def main():
     out["arms"] = {"mamba_decode_B1": first_mamba.active_arm("decode", 1),
                    "mamba_prefill_T2048": first_mamba.active_arm("prefill", 2048)}
     out["kernels"] = registry.report()
+    out["levers"] = dataclasses.asdict(model.levers)
     bw, flops = copy_bandwidth(), matmul_rate(dtype)
     out["baselines"] = {"copy_bytes_per_s": bw, "matmul_flops_per_s": flops, "nominal_bytes_per_s": sz["nominal_bw"],
                         "nominal_flops_per_s": sz["nominal_flops"]}
@@ -369,7 +372,7 @@ def main():
     out["wall_s"] = time.time() - T0
     os.makedirs(args.out, exist_ok=True)
     path = os.path.join(args.out, f"runtime_{datetime.date.today().isoformat()}{'_tiny' if args.tiny else ''}"
-                                  f"{'' if args.weights == 'bf16' else '_' + args.weights}.json")
+                                  f"{'' if args.weights == 'bf16' else '_' + args.weights}{args.tag}.json")
     with open(path, "w") as fh:
         json.dump(out, fh, indent=1, default=str)
     log(f"wrote {path}")
