@@ -33,7 +33,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from metrale_jax import adapters as lora_adapters
-from metrale_jax import sharding
+from metrale_jax import sharding, sharding_quant
 from metrale_jax.arguments import integer, prompts_ids
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import CheckpointError, ConfigError, ShapeError, SlotError
@@ -92,15 +92,11 @@ class NemotronH(nnx.Module):
         """tensors: HF names -> arrays; a linear module's weight may instead be a container (DenseWeight,
         Fp8Weight, Nvfp4Weight, W4a4Weight), installed in the arms `_mamba_layer` / Projection.set_weight give it.
         quant_config: the quantization those containers came in (what save_pretrained writes); default: inferred
-        from the containers. mesh: split the model over the mesh's devices (dense weights only; tensors are
-        placed on their shards unless they come as sharding.ShardedTensors). shard_of: build one device's view
+        from the containers. mesh: split the model over the mesh's devices (quantized containers too: sharding_quant;
+        tensors are placed on their shards unless they come as sharding.ShardedTensors). shard_of: build one device's view
         instead (sharding.py does)."""
         quantized = sorted(n for n, v in tensors.items() if is_quantized(v))
         scales = sorted(n for n in tensors if n.rsplit(".", 1)[-1] in QUANTIZED_SUFFIXES)
-        if (quantized or scales) and (mesh is not None or shard_of is not None):
-            shown = ", ".join((quantized + scales)[:3]) + (" ..." if len(quantized + scales) > 3 else "")
-            raise ConfigError("mesh", f"quantized weights ({shown}) cannot be split over a mesh: tensor parallelism "
-                                      "splits dense weights only")
         if scales:
             raise CheckpointError([f"{n}: a scale in the checkpoint layout; give the module's container (Fp8Weight, "
                                    f"Nvfp4Weight) under its .weight name, as from_pretrained does" for n in scales])
@@ -129,20 +125,29 @@ class NemotronH(nnx.Module):
         missing = missing_tensors(config, tensors)
         if missing:
             raise CheckpointError(missing)
-        if self.tp is not None:
+        self.shard_formats = ()                    # a sharded model's quantized containers (sharding_quant)
+        if self.tp is not None and any(is_quantized(v) for v in tensors.values()) and \
+                not isinstance(tensors, sharding.ShardedTensors):
+            tensors, self.shard_formats = sharding_quant.shard_quantized(config, tensors, self.tp, self.dtype,
+                                                                         self.levers)
+        elif self.tp is not None:
             tensors = sharding.shard_tensors(config, tensors, self.tp, self.dtype)
         t = cast_tensors(config, tensors, self.dtype)
         self.embeddings = nnx.Param(t["backbone.embeddings.weight"])
+        # a sharded model's blocks hold every device's share side by side (groups / kv heads repeated per device)
+        stored = config if self.tp is None else sharding.storage_config(config, self.tp.size)
         layers = []
         for i, kind in enumerate(config.hybrid_override_pattern):
-            norm, weights = layer_weights(config, i, t)
+            norm, weights = layer_weights(stored, i, t)
             kw = {"expert_shards": shard_of.size} if shard_of is not None and kind == "E" else {}
             if kind == "M":
-                layer = mamba_layer(norm, weights, config, i, self.levers, self.dtype)
+                layer = mamba_layer(norm, weights, stored, i, self.levers, self.dtype)
             else:
-                layer = LAYER_CLASSES[kind](norm, weights, config, i, levers=self.levers, **kw)
+                layer = LAYER_CLASSES[kind](norm, weights, stored, i, levers=self.levers, **kw)
             if shard_of is not None:
                 layer.tp_axis = shard_of.axis
+                if kind == "M" and shard_of.norm_group is not None:
+                    layer.norm_group = shard_of.norm_group
             layers.append(layer)
         self.layers = nnx.List(layers)
         self.norm_f = nnx.Param(t["backbone.norm_f.weight"])
@@ -172,8 +177,8 @@ class NemotronH(nnx.Module):
         HF cache first, then a download unless HF_HUB_OFFLINE; ModelNotFoundError when neither).
         A quantized checkpoint (ModelOpt FP8 / NVFP4, block FP8) keeps its linear weights quantized in the
         arms `_mamba_layer` and Projection.set_weight choose (levers.native_fp8_ssm for the Mamba ones).
-        mesh: split the model over its devices, each tensor read from the memory map straight to its shards
-        (dense checkpoints only: a quantized one with a mesh is a ConfigError).
+        mesh: split the model over its devices, each dense tensor read from the memory map straight to its shards
+        (a quantized checkpoint is read whole, then its containers placed by sharding_quant).
         check_finite: a weight holding a NaN or an infinity (as loaded, after the cast to `dtype`) is a
         CheckpointError naming it, instead of a model whose every logit is NaN. It reads each weight once more,
         where it lives (an elementwise test per tensor, one host sync): on the built-in model (57 tensors, 5 MB,
@@ -204,17 +209,18 @@ class NemotronH(nnx.Module):
         its checkpoint tensors (weight + scales, in `checkpoint_quant_config()`'s layout)."""
         c = self.config
         out: dict[str, object] = {"backbone.embeddings.weight": self.embeddings[...]}
+        stored = c if self.tp is None else sharding.storage_config(c, self.tp.size)
         for i, layer in enumerate(self.layers):
-            out.update(layer_tensors(c, i, layer.input_norm[...], layer.checkpoint_weights()))
+            out.update(layer_tensors(stored, i, layer.input_norm[...], layer.checkpoint_weights()))
         out["backbone.norm_f.weight"] = self.norm_f[...]
         if self.lm_head is not None:
             out["lm_head.weight"] = self.lm_head.base_weight()
         if self.mtp is not None:
             blocks = [(layer.input_norm[...], layer.checkpoint_weights()) for layer in self.mtp.layers]
             out.update(mtp_layer_tensors(c, blocks, self.mtp.step_weights()))
-        if self.tp is not None:                          # undo the device-major row order
-            return {n: sharding.checkpoint_order(n, v.weight if isinstance(v, DenseWeight) else v, c, self.tp)
-                    for n, v in out.items()}
+        if self.tp is not None:                          # undo the device-major row order and the padding
+            out = {n: sharding_quant.unshard(n, v.weight if isinstance(v, DenseWeight) else v, c, self.tp)
+                   for n, v in out.items()}
         return checkpoint_tensors(out, self.checkpoint_quant_config())
 
     def checkpoint_quant_config(self) -> QuantConfig:

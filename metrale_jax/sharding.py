@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import re
 from collections.abc import Mapping, Sequence
 
@@ -64,11 +65,13 @@ class TensorParallel:
 @dataclasses.dataclass(frozen=True)
 class DeviceShare:
     """How one device's view of a sharded model is cut (NemotronH(shard_of=...)): the axis its blocks
-    reduce over, the number of devices, and whether lm_head is split by vocabulary row."""
+    reduce over, the number of devices, whether lm_head is split by vocabulary row, and the global size (in
+    channels) of a Mamba gated-norm group when such a group is split over devices (else None)."""
 
     axis: str
     size: int
     vocab: bool
+    norm_group: int | None = None
 
 
 def make_mesh(tp: int | None = None, devices: Sequence | None = None, axis: str = TP_AXIS) -> Mesh:
@@ -104,18 +107,45 @@ def vocab_sharded(config: ModelConfig, tp: int) -> bool:
     return tp > 1 and not config.tie_word_embeddings and config.vocab_size % tp == 0
 
 
+def _group_runs(heads: int, groups: int, tp: int) -> list[list[int]]:
+    """For each device, the global group of each run of its heads: device d holds heads [d*Hl, (d+1)*Hl)
+    (Hl = heads/tp) cut into runs of gcd(Hl, heads/groups) heads, each inside one group (a group smaller than
+    tp's share or split over devices is repeated on every device that needs it, as vLLM does)."""
+    hl, per = heads // tp, heads // groups
+    run = math.gcd(hl, per)
+    return [[(d * hl + r * run) // per for r in range(hl // run)] for d in range(tp)]
+
+
+def mamba_groups(config: ModelConfig, tp: int) -> list[list[int]]:
+    """Device d's local Mamba groups (indices of the checkpoint's B/C groups, a group repeated where needed)."""
+    return _group_runs(config.mamba_num_heads, config.n_groups, tp)
+
+
+def kv_groups(config: ModelConfig, tp: int) -> list[list[int]]:
+    """Device d's local kv heads (indices of the checkpoint's kv heads, repeated where its query heads need)."""
+    return _group_runs(config.num_attention_heads, config.num_key_value_heads, tp)
+
+
+def norm_spans_devices(config: ModelConfig, tp: int) -> bool:
+    """Whether a Mamba gated-norm group (d_inner / n_groups channels) is split over devices, so that its mean
+    square is reduced over the axis (blocks.gated_rmsnorm_across_devices)."""
+    return "M" in config.hybrid_override_pattern and (config.mamba_num_heads // tp) % (
+        config.mamba_num_heads // config.n_groups) != 0
+
+
 def local_config(config: ModelConfig, tp: int) -> ModelConfig:
-    """The config one device's view is built with: heads, groups, intermediate sizes (and the vocabulary
-    when lm_head is split) divided by tp for the block kinds the model has. Routed experts keep the global
-    count (the router is replicated; the layer holds E/tp of them). Raises ConfigError naming the field that
-    tp does not divide."""
+    """The config one device's view is built with: heads, intermediate sizes (and the vocabulary when lm_head is
+    split) divided by tp for the block kinds the model has; n_groups and num_key_value_heads become the number
+    of groups / kv heads a device holds (`mamba_groups`, `kv_groups`: repeated where tp exceeds them or does not
+    divide them). Routed experts keep the global count (the router is replicated; the layer holds E/tp of them).
+    Raises ConfigError naming the field that tp does not divide."""
     kinds = set(config.hybrid_override_pattern)
     c = config
     need: list[tuple[str, int]] = []
     if "M" in kinds:
-        need += [("n_groups", c.n_groups), ("mamba_num_heads", c.mamba_num_heads)]
+        need += [("mamba_num_heads", c.mamba_num_heads)]
     if "*" in kinds:
-        need += [("num_key_value_heads", c.num_key_value_heads), ("num_attention_heads", c.num_attention_heads)]
+        need += [("num_attention_heads", c.num_attention_heads)]
     if "-" in kinds:
         need += [("intermediate_size", c.intermediate_size)]
     if "E" in kinds:
@@ -126,9 +156,28 @@ def local_config(config: ModelConfig, tp: int) -> ModelConfig:
         if value % tp:
             raise ConfigError(field, f"{value} is not divisible by the tensor-parallel size {tp}")
     changes = {f: v // tp for f, v in need if f != "n_routed_experts"}
+    if "M" in kinds:
+        changes["n_groups"] = len(mamba_groups(c, tp)[0])
+    if "*" in kinds:
+        changes["num_key_value_heads"] = len(kv_groups(c, tp)[0])
     if vocab_sharded(c, tp):
         changes["vocab_size"] = c.vocab_size // tp
     return dataclasses.replace(c, **changes)
+
+
+def storage_config(config: ModelConfig, tp: int) -> ModelConfig:
+    """The config of a sharded model's global arrays: tp devices' shares side by side, so n_groups and
+    num_key_value_heads count every device's (repeated) groups and kv heads. The same as `config` when tp
+    divides them."""
+    if tp == 1:
+        return config
+    local, changes = local_config(config, tp), {}
+    kinds = set(config.hybrid_override_pattern)
+    if "M" in kinds:
+        changes["n_groups"] = local.n_groups * tp
+    if "*" in kinds:
+        changes["num_key_value_heads"] = local.num_key_value_heads * tp
+    return dataclasses.replace(config, **changes)
 
 
 # ---- row permutations (checkpoint order -> device-major order) ---------------------------------
@@ -142,36 +191,70 @@ def _blocks(starts_sizes: Sequence[tuple[int, int]], tp: int) -> np.ndarray:
     return np.concatenate(parts).astype(np.int64)
 
 
+def _group_rows(start: int, size: int, groups: Sequence[int]) -> list[np.ndarray]:
+    return [np.arange(start + g * size, start + (g + 1) * size) for g in groups]
+
+
 def conv_rows(config: ModelConfig, tp: int) -> np.ndarray:
-    """conv channel order [x_d | B_d | C_d] for d = 0..tp-1, as indices into the checkpoint's [x | B | C]."""
-    I, GN = config.d_inner, config.n_groups * config.ssm_state_size
-    return _blocks([(0, I), (I, GN), (I + GN, GN)], tp)
+    """conv channel order [x_d | B_d | C_d] for d = 0..tp-1, as indices into the checkpoint's [x | B | C] (a
+    group's B / C channels repeated on each device that needs them)."""
+    I, N, GN = config.d_inner, config.ssm_state_size, config.n_groups * config.ssm_state_size
+    Il, parts = I // tp, []
+    for d, groups in enumerate(mamba_groups(config, tp)):
+        parts += [np.arange(d * Il, (d + 1) * Il), *_group_rows(I, N, groups), *_group_rows(I + GN, N, groups)]
+    return np.concatenate(parts).astype(np.int64)
 
 
 def in_proj_rows(config: ModelConfig, tp: int) -> np.ndarray:
     """in_proj row order [z_d | x_d | B_d | C_d | dt_d] for d = 0..tp-1, as indices into the checkpoint's
-    [z | x | B | C | dt], so that device d's contiguous share is its own heads' and groups' rows."""
-    I, GN, H = config.d_inner, config.n_groups * config.ssm_state_size, config.mamba_num_heads
-    return _blocks([(0, I), (I, I), (2 * I, GN), (2 * I + GN, GN), (2 * I + 2 * GN, H)], tp)
+    [z | x | B | C | dt], so that device d's contiguous share is its own heads' and groups' rows (a group's
+    B / C rows repeated on each device that needs them)."""
+    I, N, H = config.d_inner, config.ssm_state_size, config.mamba_num_heads
+    GN, Il, Hl, parts = config.n_groups * N, I // tp, H // tp, []
+    for d, groups in enumerate(mamba_groups(config, tp)):
+        parts += [np.arange(d * Il, (d + 1) * Il), np.arange(I + d * Il, I + (d + 1) * Il),
+                  *_group_rows(2 * I, N, groups), *_group_rows(2 * I + GN, N, groups),
+                  np.arange(2 * I + 2 * GN + d * Hl, 2 * I + 2 * GN + (d + 1) * Hl)]
+    return np.concatenate(parts).astype(np.int64)
+
+
+def kv_rows(config: ModelConfig, tp: int) -> np.ndarray | None:
+    """k_proj / v_proj row order: each device's (repeated) kv heads' rows, as indices into the checkpoint's
+    rows; None when tp divides the kv heads (a plain split)."""
+    if config.num_key_value_heads % tp == 0:
+        return None
+    hd = config.head_dim
+    return np.concatenate([r for groups in kv_groups(config, tp) for r in _group_rows(0, hd, groups)]
+                          ).astype(np.int64)
+
+
+def to_checkpoint_rows(arr, rows: np.ndarray | None, axis: int = 0) -> np.ndarray:
+    """A stored array (`rows` along `axis`: indices into the checkpoint's rows, a row possibly repeated) back in
+    the checkpoint's order (a repeated row's copies are equal: one is kept)."""
+    arr = np.asarray(arr)
+    if rows is None:
+        return arr
+    arr = np.moveaxis(arr, axis, 0)
+    out = np.empty((int(rows.max()) + 1, *arr.shape[1:]), arr.dtype)
+    out[rows] = arr
+    return np.moveaxis(out, 0, axis)
 
 
 def checkpoint_order(name: str, value, config: ModelConfig, tp: TensorParallel) -> np.ndarray:
     """A sharded model's tensor (rows in device-major order) back in the checkpoint's row order."""
-    rows = tensor_layout(name, config, tp).rows
-    arr = np.asarray(value)
-    if rows is None:
-        return arr
-    out = np.empty_like(arr)
-    out[rows] = arr
-    return out
+    return to_checkpoint_rows(value, tensor_layout(name, config, tp).rows)
 
 
 def conv_channels_to_checkpoint_order(conv_state, config: ModelConfig, tp: int) -> np.ndarray:
     """A sharded pool's conv_state [..., conv_dim, K-1] (device-major channels) in checkpoint channel order."""
-    arr = np.asarray(conv_state)
-    out = np.empty_like(arr)
-    out[..., conv_rows(config, tp), :] = arr
-    return out
+    return to_checkpoint_rows(conv_state, conv_rows(config, tp), axis=-2)
+
+
+def kv_heads_to_checkpoint_order(kv, config: ModelConfig, tp: int) -> np.ndarray:
+    """A sharded KV pool's keys or values [..., kv_heads, head_dim] (each device's kv heads, repeated where
+    needed) with the checkpoint's kv heads."""
+    rows = None if config.num_key_value_heads % tp == 0 else np.concatenate(kv_groups(config, tp))
+    return to_checkpoint_rows(kv, rows, axis=-2)
 
 
 # ---- where each checkpoint tensor goes -----------------------------------------------------------
@@ -204,7 +287,9 @@ def tensor_layout(name: str, config: ModelConfig, tp: TensorParallel) -> Layout:
                  "dt_bias": Layout(P(a)), "A_log": Layout(P(a)), "D": Layout(P(a)), "norm.weight": Layout(P(a)),
                  "out_proj.weight": Layout(cols_by)}
     elif kind == "*":
-        table = {f"{p}_proj.weight": Layout(rows_by) for p in "qkv"} | {f"{p}_proj.bias": Layout(P(a)) for p in "qkv"}
+        kv = kv_rows(config, n)
+        table = {f"{p}_proj.weight": Layout(rows_by, None if p == "q" else kv) for p in "qkv"}
+        table |= {f"{p}_proj.bias": Layout(P(a), None if p == "q" else kv) for p in "qkv"}
         table |= {"o_proj.weight": Layout(cols_by), "o_proj.bias": Layout(P())}
     elif kind == "-":
         table = _mlp_table("", a)
@@ -222,6 +307,12 @@ def tensor_layout(name: str, config: ModelConfig, tp: TensorParallel) -> Layout:
 def _mlp_table(prefix: str, a: str) -> dict[str, Layout]:
     return {f"{prefix}up_proj.weight": Layout(P(a, None)), f"{prefix}up_proj.bias": Layout(P(a)),
             f"{prefix}down_proj.weight": Layout(P(None, a)), f"{prefix}down_proj.bias": Layout(P())}
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether an HF name is a routed expert's weight (one expert's, or a layer's stacked experts)."""
+    m = _LAYER.match(name)
+    return m is not None and _EXPERT.match(m["suffix"]) is not None
 
 
 def _fit(spec: P, ndim: int) -> P:
@@ -248,7 +339,8 @@ def place(name: str, value, config: ModelConfig, tp: TensorParallel, dtype) -> j
             return np.asarray(value[index], dtype=dtype)
         return np.asarray(value[rows[index[0]]][(slice(None), *index[1:])], dtype=dtype)
 
-    return jax.make_array_from_callback(tuple(np.shape(value)), sharding, part)
+    shape = tuple(np.shape(value)) if rows is None else (len(rows), *np.shape(value)[1:])
+    return jax.make_array_from_callback(shape, sharding, part)
 
 
 def place_experts(name: str, members: Sequence, config: ModelConfig, tp: TensorParallel, dtype) -> jax.Array:
@@ -319,14 +411,17 @@ def device_view(model) -> DeviceView:
     """The device view of a sharded NemotronH (built once per model structure)."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(model)
     shapes = tuple((jax.tree_util.keystr(p), tuple(x.shape)) for p, x in leaves)
-    return _device_view(type(model), model.config, model.dtype, model.levers, model.tp, treedef, shapes)
+    return _device_view(type(model), model.config, model.dtype, model.levers, model.tp, treedef, shapes,
+                        getattr(model, "shard_formats", ()))
 
 
 @functools.lru_cache(maxsize=16)
-def _device_view(cls, config, dtype, levers, tp: TensorParallel, treedef, shapes) -> DeviceView:
+def _device_view(cls, config, dtype, levers, tp: TensorParallel, treedef, shapes, formats=()) -> DeviceView:
+    from metrale_jax import sharding_quant
+
     lc = local_config(config, tp.size)
     local_shapes = {}
-    for name, spec in expected_tensors(config).items():
+    for name, spec in expected_tensors(storage_config(config, tp.size)).items():
         e = _EXPERT.match(_LAYER.match(name)["suffix"]) if _LAYER.match(name) else None
         name = name if e is None else name.split(".experts.")[0] + f".experts.{e[2]}_proj"
         shape = list(spec.shape if e is None else (config.n_routed_experts, *spec.shape))
@@ -337,7 +432,9 @@ def _device_view(cls, config, dtype, levers, tp: TensorParallel, treedef, shapes
 
     def build():
         tensors = {n: jnp.zeros(s, d) for n, (s, d) in local_shapes.items()}
-        share = DeviceShare(tp.axis, tp.size, vocab_sharded(config, tp.size))
+        tensors |= {n: sharding_quant.local_container(tree, leaves) for n, tree, leaves in formats}
+        norm = config.gated_norm_group_size if norm_spans_devices(config, tp.size) else None
+        share = DeviceShare(tp.axis, tp.size, vocab_sharded(config, tp.size), norm)
         return cls(lc, tensors, dtype=dtype, levers=levers, shard_of=share)
 
     local, local_def = jax.tree_util.tree_flatten_with_path(nnx.eval_shape(build))
@@ -345,15 +442,15 @@ def _device_view(cls, config, dtype, levers, tp: TensorParallel, treedef, shapes
     if local_paths != [p for p, _ in shapes]:
         missing = sorted(set(local_paths) ^ {p for p, _ in shapes})
         raise ConfigError("mesh", f"the model's weights differ from its device view's ({missing[:4]}): only "
-                                  "models as built by NemotronH (dense weights) can be sharded")
+                                  "models as built by NemotronH can be sharded")
     specs = tuple(_spec_from_shapes(p, g, tuple(x.shape), tp) for (p, g), (_, x) in zip(shapes, local))
     return DeviceView(local_def, specs)
 
 
 def cache_specs(config: ModelConfig, tp: TensorParallel) -> ModelCache:
     """A ModelCache of partition specs: the SSM pool by head, the conv pool by channel, the KV pool by kv
-    head, seq_lens replicated."""
-    g = jax.eval_shape(lambda: ModelCache.for_config(config, 1, 1))
+    head, seq_lens replicated (groups and kv heads a device repeats are stored once per device)."""
+    g = jax.eval_shape(lambda: ModelCache.for_config(storage_config(config, tp.size), 1, 1))
     l = jax.eval_shape(lambda: ModelCache.for_config(local_config(config, tp.size), 1, 1))
     return jax.tree.map(lambda a, b: _spec_from_shapes("cache", a.shape, b.shape, tp), g, l)
 
@@ -361,7 +458,8 @@ def cache_specs(config: ModelConfig, tp: TensorParallel) -> ModelCache:
 def new_cache(config: ModelConfig, tp: TensorParallel, max_slots: int, max_len: int, dtype) -> ModelCache:
     """A zeroed ModelCache created directly on its shards."""
     shardings = jax.tree.map(tp.sharding, cache_specs(config, tp))
-    return jax.jit(lambda: ModelCache.for_config(config, max_slots, max_len, dtype), out_shardings=shardings)()
+    stored = storage_config(config, tp.size)
+    return jax.jit(lambda: ModelCache.for_config(stored, max_slots, max_len, dtype), out_shardings=shardings)()
 
 
 def logits_spec(model, ndim: int) -> P:

@@ -25,6 +25,22 @@ def reduced_linear(proj: Projection, bias, x: jax.Array, phase: str, axis: str) 
     return plus_bias(jax.lax.psum(proj(x, phase=phase, out_dtype=jnp.float32), axis), bias).astype(x.dtype)
 
 
+def gated_rmsnorm_across_devices(y: jax.Array, z: jax.Array, weight: jax.Array, *, group_size: int, eps: float,
+                                 axis: str, z_col: int | None = None, out_dtype=None) -> jax.Array:
+    """The Mamba-2 gated group norm rmsnorm_group(y * silu(z)) * weight on a tensor-parallel device that holds
+    channels [d*W, (d+1)*W) of the global width, where a group of `group_size` global channels may be split over
+    devices: each group's sum of squares is summed over `axis` (one all-reduce of [..., groups] floats).
+    y [..., W], z [..., W] (or its columns [z_col, z_col + W)), weight [W] (this device's channels)."""
+    W = y.shape[-1]
+    z = z if z_col is None else z[..., z_col:z_col + W]
+    h = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))                # [..., W]
+    groups = -(-W * jax.lax.axis_size(axis) // group_size)
+    gid = (jax.lax.axis_index(axis) * W + jnp.arange(W)) // group_size              # [W] global group per channel
+    sums = jnp.zeros((*h.shape[:-1], groups), jnp.float32).at[..., gid].add(h * h)  # [..., groups]
+    var = jax.lax.psum(sums, axis)[..., gid] / group_size                           # [..., W]
+    return (h * jax.lax.rsqrt(var + eps) * weight.astype(jnp.float32)).astype(out_dtype or y.dtype)
+
+
 def plus_bias(y: jax.Array, bias) -> jax.Array:
     """A float32 accumulator y + an optional bias Param (in float32)."""
     return y if bias is None else y + bias[...].astype(jnp.float32)

@@ -17,7 +17,7 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import ShapeError, WeightFormatError
-from metrale_jax.layers.blocks import reduced_linear
+from metrale_jax.layers.blocks import gated_rmsnorm_across_devices, reduced_linear
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import check_array, check_layer_index, check_slots
 from metrale_jax.layers.projection import Projection
@@ -63,6 +63,8 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
     block_kind = "mamba"
     # mesh axis out_proj's partial sums are reduced over; set on a tensor-parallel device view (sharding.py)
     tp_axis: str | None = None
+    # global channels of a gated-norm group when such a group is split over the devices (sharding.DeviceShare)
+    norm_group: int | None = None
 
     def __init__(self, input_norm, ssm: NemotronSsmWeights, config: ModelConfig, layer_idx: int, *,
                  pool_layer: int | None = None, levers: ModelLevers | None = None):
@@ -209,7 +211,10 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
                                 c.gated_norm_group_size)
         kw = dict(group_size=c.gated_norm_group_size, eps=c.layer_norm_epsilon, out_dtype=hidden.dtype)
         y = y.reshape(y.shape[0], c.d_inner)
-        if quant:
+        if self.norm_group is not None:
+            g = gated_rmsnorm_across_devices(y, z, self.norm_weight[...], axis=self.tp_axis, z_col=z_col,
+                                             **(kw | dict(group_size=self.norm_group)))
+        elif quant:
             z = z if z_col is None else z[:, z_col:z_col + c.d_inner]
             g = self._kernel("gated_rmsnorm_fp8")(y, z, self.norm_weight[...], **quant, **kw)
         else:

@@ -25,7 +25,7 @@ from flax import nnx
 
 from metrale_jax.errors import ConfigError, KernelUnavailableError, ShapeError, WeightFormatError
 from metrale_jax.layers.lora import row_adapters
-from metrale_jax.weights.containers import (DenseWeight, Fp8PrefillWeight, Fp8Weight, Nvfp4Weight, Nvfp4WeightT,
+from metrale_jax.weights.containers import (DenseWeight, Fp8PrefillWeight, Fp8Share, Fp8Weight, Nvfp4Weight, Nvfp4WeightT,
                                             W4a4Weight, WeightQuantFormat, as_dense, check_fp8, check_fp8_prefill,
                                             check_nvfp4, check_nvfp4_t, clear_zero_scale_blocks, fp8_to_block_scaled)
 from metrale_jax.weights.quant_formats import Fp8Activations
@@ -79,6 +79,12 @@ class Projection(nnx.Module):
         raises WeightFormatError / KernelUnavailableError and installs nothing."""
         if arm == "dense":
             w = as_dense(self.name, weight, self.shape)
+        elif arm == "fp8_native" and isinstance(weight, Fp8Share):      # a tensor-parallel device's padded share
+            if weight.shape != self.shape:
+                raise WeightFormatError(f"{self.name}: expected shape {self.shape}, got an FP8 share of {weight.shape}")
+            w = Fp8Share(clear_zero_scale_blocks(check_fp8(self.name, weight.weight,
+                                                           formats=(WeightQuantFormat.FP8_BLOCK_SCALED,))),
+                         weight.rows, weight.cols, weight.logical)
         elif arm == "fp8_native":
             w = clear_zero_scale_blocks(check_fp8(self.name, weight, self.shape,
                                                   formats=(WeightQuantFormat.FP8_BLOCK_SCALED,)))
@@ -136,7 +142,7 @@ class Projection(nnx.Module):
     def arm_for(self, weight) -> str:
         """The arm a container's type names (arrays and DenseWeight: dense)."""
         for cls, arm in ((W4a4Weight, "w4a4"), (Nvfp4Weight, "nvfp4"), (Nvfp4WeightT, "nvfp4_t"),
-                         (Fp8PrefillWeight, "fp8_prefill"), (Fp8Weight, "fp8_native")):
+                         (Fp8PrefillWeight, "fp8_prefill"), (Fp8Weight, "fp8_native"), (Fp8Share, "fp8_native")):
             if isinstance(weight, cls):
                 return arm
         if isinstance(weight, DenseWeight) or hasattr(weight, "shape"):
@@ -147,7 +153,7 @@ class Projection(nnx.Module):
         """Install any container in the arm its type names; returns the arm. A per-tensor FP8 scale is
         expanded (exactly) to the 128x128 block grid first. Arrays are taken as dense weights."""
         arm = self.arm_for(weight)
-        if arm == "fp8_native" and weight.format is WeightQuantFormat.FP8_PER_TENSOR:
+        if arm == "fp8_native" and isinstance(weight, Fp8Weight) and weight.format is WeightQuantFormat.FP8_PER_TENSOR:
             weight = fp8_to_block_scaled(check_fp8(self.name, weight, self.shape))
         self.install(arm, self.prepare(arm, weight, prefill=fp8_prefill), prefill=fp8_prefill)
         return arm
@@ -263,6 +269,10 @@ def _run_arm(fn, arm: str, w, x, phase: str, out_dtype) -> jax.Array:
     """The arm's kernel `fn` on its weight container `w`."""
     if arm == "dense":
         return fn(x, w.weight, out_dtype=out_dtype)
+    if arm == "fp8_native" and isinstance(w, Fp8Share):
+        if isinstance(x, Fp8Activations):
+            raise ShapeError("an FP8 share (tensor parallelism) takes unquantized activations")
+        return w.output(fn(w.padded_input(x), w.weight.weight, w.weight.scale, out_dtype=out_dtype))
     if arm == "fp8_native":
         return fn(x, w.weight, w.scale, out_dtype=out_dtype)
     if arm == "w4a4":

@@ -44,7 +44,7 @@ from metrale_jax.layers.mamba2 import NemotronSsmWeights
 from metrale_jax.layers.mlp import NemotronMlpWeights
 from metrale_jax.layers.moe import NemotronMoeWeights
 from metrale_jax.layers.mtp import MtpStepWeights, mtp_view
-from metrale_jax.weights.containers import (DenseWeight, Fp8Weight, Nvfp4Weight, StackedExperts, W4a4Weight,
+from metrale_jax.weights.containers import (DenseWeight, Fp8Share, Fp8Weight, Nvfp4Weight, StackedExperts, W4a4Weight,
                                             WeightQuantFormat, stack_experts)
 from metrale_jax.weights.quant_config import QuantConfig, load_linear, quant_config_from_dicts, read_quant_config
 from metrale_jax.weights.quantize import LINEAR_MODULES
@@ -306,7 +306,7 @@ def as_linear(value):
 
 
 def is_container(value) -> bool:
-    return isinstance(value, (DenseWeight, Fp8Weight, Nvfp4Weight, W4a4Weight, StackedExperts))
+    return isinstance(value, (DenseWeight, Fp8Weight, Fp8Share, Nvfp4Weight, W4a4Weight, StackedExperts))
 
 
 def _stack_given(key: str, members: list):
@@ -472,13 +472,13 @@ def read_checkpoint(directory: str | os.PathLike, config: ModelConfig, dtype=jnp
                     check_finite: bool = True) -> tuple[dict[str, object], list[str]]:
     """All tensors of an HF checkpoint, validated, cast and in HF names: (tensors, notes). A quantized
     checkpoint (qcfg, default: read from the directory) gives a container per quantized linear module.
-    mesh: each tensor goes from the memory map straight to its shards (a sharding.ShardedTensors); dense only.
+    mesh: each tensor goes from the memory map straight to its shards (a sharding.ShardedTensors); a quantized
+    checkpoint is read whole (NemotronH(mesh=...) places its containers).
     check_finite: a tensor holding a NaN or an infinity once loaded is a CheckpointError (see nonfinite_tensors)."""
     qcfg = checkpoint_quantization(directory) if qcfg is None else qcfg
     quantized_ckpt = qcfg.method != "none"
-    if quantized_ckpt and mesh is not None:
-        raise ConfigError("mesh", f"{directory} is quantized ({qcfg.method}); tensor parallelism splits dense "
-                                  "weights only, so quantized checkpoints load on one device (no mesh)")
+    if quantized_ckpt:
+        mesh = None          # read whole: NemotronH places the containers on the mesh (sharding_quant)
     reader = open_checkpoint(directory)
     try:
         problems, notes = check_checkpoint(reader, config, qcfg)

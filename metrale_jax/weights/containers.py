@@ -177,6 +177,53 @@ class Fp8PrefillWeight:
         return (self.weight.astype(jnp.float32) * self.scale[:, None]).astype(dtype)
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Share:
+    """One device's share of a block-scaled FP8 weight whose tensor-parallel split (or row permutation) puts rows
+    (columns) of 128-blocks with different scales into one 128-block of the share: `weight` holds the share padded
+    so that every 128-block holds rows (columns) of one checkpoint block only, with that block's scale (padding:
+    zero codes). Exactly the checkpoint's numbers; the projection gathers its input columns / output rows.
+      rows: int32 [N], the padded row of each of the share's output rows (a row split), or None.
+      cols: int32 [K_pad], the share's input column each padded column takes (K: a zero), or None."""
+
+    weight: Fp8Weight
+    rows: jax.Array | None
+    cols: jax.Array | None
+    logical: tuple[int, int] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.logical
+
+    @property
+    def format(self) -> WeightQuantFormat:
+        return WeightQuantFormat.FP8_BLOCK_SCALED
+
+    @property
+    def input_scale(self):
+        return self.weight.input_scale
+
+    def padded_input(self, x: jax.Array) -> jax.Array:
+        """x [M, K] -> the padded share's input [M, K_pad] (x itself for a row split)."""
+        if self.cols is None:
+            return x
+        return jnp.concatenate([x, jnp.zeros((x.shape[0], 1), x.dtype)], axis=1)[:, self.cols]
+
+    def output(self, y: jax.Array) -> jax.Array:
+        """The padded share's output [M, N_pad] -> [M, N] (y itself for a column split)."""
+        return y if self.rows is None else y[:, self.rows]
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        w = self.weight.dequantize(jnp.float32)
+        if self.rows is not None:
+            w = w[self.rows]
+        if self.cols is not None:
+            n, k = self.logical
+            w = jnp.zeros((n, k + 1), jnp.float32).at[:, self.cols].set(w)[:, :k]
+        return w.astype(dtype)
+
+
 # ---- checked constructors -------------------------------------------------------------------------
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)

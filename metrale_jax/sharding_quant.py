@@ -1,0 +1,274 @@
+"""Quantized weights under tensor parallelism: FP8 (block-scaled, or ModelOpt per-tensor expanded to the block grid)
+and NVFP4 containers placed on a mesh so that every device's share holds exactly the checkpoint's numbers, and
+taken back to the checkpoint's layout for save_pretrained.
+
+  row split (in_proj, q/k/v, up_proj, vocabulary-split lm_head): the codes go with their rows (in the row order
+      sharding.tensor_layout gives: the Mamba device-major permutation, repeated groups / kv heads). FP8: each
+      device's scale grid has ceil(N_local/128) rows, so the global grid is [tp*ceil(N_local/128), K/128]; a
+      device 128-row block whose rows come from checkpoint blocks of one scale takes that scale (a block cut by
+      the split keeps its scale on both sides). Where a device block would mix blocks of different scales the
+      share is padded instead (containers.Fp8Share: each 128-row block holds rows of one checkpoint block, zero
+      rows between, and the projection gathers its output rows).
+  column split (out_proj, o_proj, down_proj): the same along K (Fp8Share gathers its input columns). The FP8
+      prefill arm that quantizes its activations per 128 columns (fp8_activations 'e4m3') needs the split on a
+      128-column boundary with no padding, else a ConfigError names the tensor (fp8_activations 'bf16' serves any).
+  NVFP4: codes and group scales (16 along K) go with their rows; a column split needs K_local % 16 == 0
+      (ConfigError naming the tensor); the global scale (and input_scale) is replicated.
+  routed experts (StackedExperts): split by expert, every array of the stack.
+A device's view (sharding.device_view) is built with containers of each leaf's local shape (`local_container`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from metrale_jax import sharding
+from metrale_jax.config import ModelConfig, ModelLevers
+from metrale_jax.errors import ConfigError
+from metrale_jax.weights.containers import (Fp8Share, Fp8Weight, Nvfp4Weight, StackedExperts, W4a4Weight,
+                                            WeightQuantFormat, fp8_to_block_scaled)
+from metrale_jax.weights.quant_formats import FP8_BLOCK, NVFP4_GROUP, block_grid
+
+
+# ---- shares of one axis ------------------------------------------------------------------------
+def row_shards(n: int, rows: np.ndarray | None, tp: int) -> list[np.ndarray]:
+    """Device d's checkpoint rows (indices along the split axis of length n), in its order."""
+    idx = np.arange(n) if rows is None else np.asarray(rows)
+    return list(idx.reshape(tp, -1))
+
+
+def fp8_grid(scale: np.ndarray, share: np.ndarray, block: int = FP8_BLOCK) -> np.ndarray | None:
+    """The scale grid rows of a share (checkpoint rows `share`, in order) cut in 128-row blocks: block j takes the
+    scale row of the checkpoint blocks its rows come from when those agree, else None (no exact plain grid)."""
+    out = []
+    for j in range(0, len(share), block):
+        blocks = np.unique(share[j:j + block] // block)
+        if any(not np.array_equal(scale[b], scale[blocks[0]]) for b in blocks[1:]):
+            return None
+        out.append(scale[blocks[0]])
+    return np.stack(out)
+
+
+def padded_layout(share: np.ndarray, block: int = FP8_BLOCK) -> tuple[np.ndarray, np.ndarray]:
+    """(pos [n]: the padded row of each share row, blocks [nb]: the checkpoint block of each padded block): a new
+    padded block starts where the checkpoint block changes or the current one is full."""
+    pos, blocks, cur = [], [], 0
+    for r in share:
+        b = int(r) // block
+        if cur % block == 0 or blocks[-1] != b:
+            cur = -(-cur // block) * block
+            blocks.append(b)
+        pos.append(cur)
+        cur += 1
+    return np.asarray(pos, np.int32), np.asarray(blocks, np.int64)
+
+
+# ---- FP8 ---------------------------------------------------------------------------------------
+def _split_axis(spec: P, axis: str) -> int | None:
+    return next((i for i, p in enumerate(spec) if p == axis), None)
+
+
+def place_fp8(name: str, w: Fp8Weight, config: ModelConfig, tp: sharding.TensorParallel,
+              levers: ModelLevers) -> Fp8Weight | Fp8Share:
+    """A block-scaled (or per-tensor) FP8 linear weight [N, K] on its shards (see the module docstring)."""
+    if w.format is WeightQuantFormat.FP8_PER_ROW:
+        raise ConfigError("mesh", f"{name}: FP8 weights with a per-row scale are not split over a mesh (block-scaled "
+                                  "and per-tensor FP8 are)")
+    w = fp8_to_block_scaled(w)
+    layout = sharding.tensor_layout(name, config, tp)
+    split = _split_axis(layout.spec, tp.axis)
+    inp = None if w.input_scale is None else jax.device_put(w.input_scale, tp.sharding(P()))
+    q, s = np.asarray(w.weight), np.asarray(w.scale, np.float32)
+    if split is None:
+        return Fp8Weight(jax.device_put(q, tp.sharding(P())), jax.device_put(s, tp.sharding(P())), inp, w.format)
+    if split == 1:                                   # work on [K, N]: columns become rows
+        q, s = q.T, s.T
+    n, k = q.shape
+    shares = row_shards(n, layout.rows if split == 0 else None, tp.size)
+    grids = [fp8_grid(s, sh) for sh in shares]
+    spec = P(tp.axis, None) if split == 0 else P(None, tp.axis)
+    put = lambda a, t: jax.device_put(a.T if t else a, tp.sharding(spec))
+    aligned = split == 0 or (len(shares[0]) % FP8_BLOCK == 0)
+    if all(g is not None for g in grids):
+        if split == 1 and not aligned and levers.fp8_activations == "e4m3":
+            raise _e4m3_refusal(name, len(shares[0]))
+        return Fp8Weight(put(q[np.concatenate(shares)], split), put(np.concatenate(grids), split), inp, w.format)
+    if split == 1 and levers.fp8_activations == "e4m3":
+        raise _e4m3_refusal(name, len(shares[0]))
+    layouts = [padded_layout(sh) for sh in shares]
+    n_pad = max(-(-(int(pos[-1]) + 1) // FP8_BLOCK) * FP8_BLOCK for pos, _ in layouts)
+    codes = np.zeros((tp.size * n_pad, k), q.dtype)
+    grid = np.ones((tp.size * n_pad // FP8_BLOCK, s.shape[1]), np.float32)
+    index = []
+    for d, (sh, (pos, blocks)) in enumerate(zip(shares, layouts)):
+        codes[d * n_pad + pos] = q[sh]
+        grid[d * n_pad // FP8_BLOCK + np.arange(len(blocks))] = s[blocks]
+        if split == 0:
+            index.append(pos)
+        else:                                        # padded column -> share column (len(sh): a zero column)
+            src = np.full(n_pad, len(sh), np.int32)
+            src[pos] = np.arange(len(sh))
+            index.append(src)
+    inner = Fp8Weight(put(codes, split), put(grid, split), inp, WeightQuantFormat.FP8_BLOCK_SCALED)
+    idx = jax.device_put(np.concatenate(index).astype(np.int32), tp.sharding(P(tp.axis)))
+    logical = (len(shares[0]), k) if split == 0 else (k, len(shares[0]))
+    return Fp8Share(inner, idx if split == 0 else None, idx if split == 1 else None, logical)
+
+
+def _e4m3_refusal(name: str, k_local: int) -> ConfigError:
+    return ConfigError("fp8_activations", f"{name}: its column split gives each device {k_local} input columns, "
+                                          f"which cut the {FP8_BLOCK}-column blocks that FP8 prefill with E4M3 "
+                                          "activations quantizes per device; use fp8_activations='bf16' on this mesh "
+                                          "(weight-only FP8 prefill) or a tp whose split lands on a 128-column "
+                                          "boundary")
+
+
+# ---- NVFP4 -------------------------------------------------------------------------------------
+def place_nvfp4(name: str, w: Nvfp4Weight, config: ModelConfig, tp: sharding.TensorParallel) -> Nvfp4Weight:
+    """An NVFP4 linear weight on its shards: packed codes and group scales with their rows (columns)."""
+    layout = sharding.tensor_layout(name, config, tp)
+    split = _split_axis(layout.spec, tp.axis)
+    rep = lambda a: None if a is None else jax.device_put(a, tp.sharding(P()))
+    packed, scale = np.asarray(w.packed), np.asarray(w.scale)
+    if split == 0 and layout.rows is not None:
+        packed, scale = packed[layout.rows], scale[layout.rows]
+    if split == 1:
+        k_local = w.shape[1] // tp.size
+        if w.shape[1] % tp.size or k_local % NVFP4_GROUP:
+            raise ConfigError("mesh", f"{name}: K = {w.shape[1]} split over {tp.size} devices is not a multiple of "
+                                      f"{NVFP4_GROUP} per device, so NVFP4 group scales cannot follow their elements")
+    spec = P() if split is None else P(tp.axis, None) if split == 0 else P(None, tp.axis)
+    put = lambda a: jax.device_put(a, tp.sharding(spec))
+    return Nvfp4Weight(put(packed), put(scale), rep(w.global_scale), rep(w.input_scale))
+
+
+# ---- the model's tensors --------------------------------------------------------------------------
+def place_container(name: str, w, config: ModelConfig, tp: sharding.TensorParallel, levers: ModelLevers):
+    """A quantized container (HF name of its weight, or a layer's stacked experts) on its shards."""
+    if isinstance(w, W4a4Weight):
+        raise ConfigError("nvfp4_activations", f"{name}: the W4A4 arm (nvfp4_activations='nvfp4') quantizes "
+                                               "activations with a scale of the whole row, which a split model does "
+                                               "not have on one device; it is not supported on a mesh")
+    if isinstance(w, StackedExperts):
+        spec = lambda a: P(tp.axis, *(None,) * (a.ndim - 1))
+        return StackedExperts(jax.tree.map(lambda a: jax.device_put(a, tp.sharding(spec(a))), w.member))
+    if isinstance(w, Fp8Weight):
+        return place_fp8(name, w, config, tp, levers)
+    if isinstance(w, Nvfp4Weight):
+        return place_nvfp4(name, w, config, tp)
+    raise ConfigError("mesh", f"{name}: a {type(w).__name__} cannot be split over a mesh")
+
+
+def check_levers(config: ModelConfig, tensors: Mapping[str, object], levers: ModelLevers) -> None:
+    """Levers a quantized model cannot use on a mesh: the native FP8 SSM modes that build per-device copies
+    ('decode': an E4M3 prefill copy; 'off': requantized to NVFP4) are ConfigErrors."""
+    fp8_mamba = [n for n, v in tensors.items() if isinstance(v, Fp8Weight) and n.endswith(("in_proj.weight",
+                                                                                           "out_proj.weight"))]
+    if fp8_mamba and levers.native_fp8_ssm != "full":
+        raise ConfigError("native_fp8_ssm", f"{levers.native_fp8_ssm!r} builds another copy of the Mamba FP8 "
+                                            f"weights ({fp8_mamba[0]}, ...), which is not supported on a mesh; use "
+                                            "'full' (native FP8 for decode and prefill)")
+
+
+def shard_quantized(config: ModelConfig, tensors: Mapping[str, object], tp: sharding.TensorParallel, dtype,
+                    levers: ModelLevers) -> tuple[sharding.ShardedTensors, tuple]:
+    """Place a model's tensors, some of them quantized containers, on the mesh: (placed tensors, the formats the
+    device view is built with: (name, container structure, each leaf's (local shape, dtype)) per container)."""
+    from metrale_jax.weights.checkpoint import is_quantized
+
+    check_levers(config, tensors, levers)
+    quantized = {n: v for n, v in tensors.items() if is_quantized(v)}
+    out = sharding.shard_tensors(config, {n: v for n, v in tensors.items() if n not in quantized}, tp, dtype)
+    formats = []
+    for name, w in quantized.items():
+        out[name] = placed = place_container(name, w, config, tp, levers)
+        leaves, treedef = jax.tree.flatten(placed)
+        formats.append((name, treedef, tuple((tuple(a.sharding.shard_shape(a.shape)), jnp.dtype(a.dtype).name)
+                                             for a in leaves)))
+    return out, tuple(formats)
+
+
+def local_container(treedef, leaves):
+    """A zero container of one device's shapes (the device view's stand-in for a placed container)."""
+    return jax.tree.unflatten(treedef, [jnp.zeros(shape, dtype) for shape, dtype in leaves])
+
+
+# ---- back to the checkpoint --------------------------------------------------------------------
+def unshard(name: str, w, config: ModelConfig, tp: sharding.TensorParallel):
+    """A placed tensor or container back in the checkpoint's layout (host numpy; containers stay containers), so
+    that save_pretrained writes what the unsharded model writes."""
+    if isinstance(w, StackedExperts) or sharding.is_routed_expert(name):     # split by expert: whole experts
+        return jax.tree.map(np.asarray, w)
+    layout = sharding.tensor_layout(name, config, tp)
+    if isinstance(w, Fp8Share):
+        return _unshard_fp8_share(w, name, config, tp)
+    if isinstance(w, Fp8Weight):
+        return _unshard_fp8(w, layout, tp)
+    if isinstance(w, Nvfp4Weight):
+        rows = layout.rows if _split_axis(layout.spec, tp.axis) == 0 else None
+        return Nvfp4Weight(sharding.to_checkpoint_rows(w.packed, rows), sharding.to_checkpoint_rows(w.scale, rows),
+                           np.asarray(w.global_scale), _host(w.input_scale))
+    return sharding.to_checkpoint_rows(w, layout.rows)
+
+
+def _unshard_fp8(w: Fp8Weight, layout: sharding.Layout, tp: sharding.TensorParallel) -> Fp8Weight:
+    """A plainly split FP8 weight: codes back to checkpoint rows (columns), each checkpoint block's scale read from
+    the first device block holding one of its rows."""
+    split = _split_axis(layout.spec, tp.axis)
+    q, s = np.asarray(w.weight), np.asarray(w.scale)
+    if split is None:
+        return Fp8Weight(q, s, _host(w.input_scale), w.format)
+    if split == 1:
+        q, s = q.T, s.T
+    n_local = q.shape[0] // tp.size
+    shares = row_shards(q.shape[0], layout.rows if split == 0 else None, tp.size)
+    n = int(np.concatenate(shares).max()) + 1
+    local_blocks = -(-n_local // FP8_BLOCK)
+    src_block = {}
+    for d, sh in enumerate(shares):
+        for i, r in enumerate(sh):
+            src_block.setdefault(int(r) // FP8_BLOCK, d * local_blocks + i // FP8_BLOCK)
+    grid = np.stack([s[src_block[b]] for b in range(block_grid(n, 1)[0])])
+    codes = sharding.to_checkpoint_rows(q, np.concatenate(shares))
+    return _fp8_out(codes, grid, split, w)
+
+
+def _unshard_fp8_share(w: Fp8Share, name: str, config: ModelConfig, tp: sharding.TensorParallel) -> Fp8Weight:
+    """A padded FP8 share back to the checkpoint: each checkpoint row (column) from the first device holding it,
+    each checkpoint block's scale from the padded block holding one of its rows."""
+    split = 0 if w.rows is not None else 1
+    layout = sharding.tensor_layout(name, config, tp)
+    q, s = np.asarray(w.weight.weight), np.asarray(w.weight.scale)
+    if split == 1:
+        q, s = q.T, s.T
+    n_pad, n_local = q.shape[0] // tp.size, w.logical[split]
+    index = np.asarray(w.rows if split == 0 else w.cols).reshape(tp.size, -1)
+    codes, src_block = {}, {}
+    for d, sh in enumerate(row_shards(tp.size * n_local, layout.rows if split == 0 else None, tp.size)):
+        if split == 0:
+            pos = index[d]
+        else:                                        # padded column j takes share column index[d, j]
+            pos = np.empty(n_local, np.int64)
+            live = index[d] < n_local
+            pos[index[d][live]] = np.nonzero(live)[0]
+        for r, p in zip(sh, pos):
+            codes.setdefault(int(r), q[d * n_pad + p])
+            src_block.setdefault(int(r) // FP8_BLOCK, (d * n_pad + int(p)) // FP8_BLOCK)
+    n = max(codes) + 1
+    grid = np.stack([s[src_block[b]] for b in range(block_grid(n, 1)[0])])
+    return _fp8_out(np.stack([codes[r] for r in range(n)]), grid, split, w.weight)
+
+
+def _fp8_out(codes: np.ndarray, grid: np.ndarray, split: int, w: Fp8Weight) -> Fp8Weight:
+    if split == 1:
+        codes, grid = codes.T, grid.T
+    return Fp8Weight(codes, grid, _host(w.input_scale), WeightQuantFormat.FP8_BLOCK_SCALED)
+
+
+def _host(a):
+    return None if a is None else np.asarray(a)
