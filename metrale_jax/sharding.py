@@ -432,7 +432,7 @@ def _device_view(cls, config, dtype, levers, tp: TensorParallel, treedef, shapes
 
     def build():
         tensors = {n: jnp.zeros(s, d) for n, (s, d) in local_shapes.items()}
-        tensors |= {n: sharding_quant.local_container(tree, leaves) for n, tree, leaves in formats}
+        tensors |= {n: sharding_quant.local_container(tree, leaves, tp.size) for n, tree, leaves in formats}
         norm = config.gated_norm_group_size if norm_spans_devices(config, tp.size) else None
         share = DeviceShare(tp.axis, tp.size, vocab_sharded(config, tp.size), norm)
         return cls(lc, tensors, dtype=dtype, levers=levers, shard_of=share)

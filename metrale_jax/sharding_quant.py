@@ -116,7 +116,8 @@ def place_fp8(name: str, w: Fp8Weight, config: ModelConfig, tp: sharding.TensorP
             index.append(src)
     inner = Fp8Weight(put(codes, split), put(grid, split), inp, WeightQuantFormat.FP8_BLOCK_SCALED)
     idx = jax.device_put(np.concatenate(index).astype(np.int32), tp.sharding(P(tp.axis)))
-    logical = (len(shares[0]), k) if split == 0 else (k, len(shares[0]))
+    logical = (tp.size * len(shares[0]), k)          # the global model's shape: every device's share
+    logical = logical if split == 0 else logical[::-1]
     return Fp8Share(inner, idx if split == 0 else None, idx if split == 1 else None, logical)
 
 
@@ -193,9 +194,13 @@ def shard_quantized(config: ModelConfig, tensors: Mapping[str, object], tp: shar
     return out, tuple(formats)
 
 
-def local_container(treedef, leaves):
+def local_container(treedef, leaves, tp: int):
     """A zero container of one device's shapes (the device view's stand-in for a placed container)."""
-    return jax.tree.unflatten(treedef, [jnp.zeros(shape, dtype) for shape, dtype in leaves])
+    w = jax.tree.unflatten(treedef, [jnp.zeros(shape, dtype) for shape, dtype in leaves])
+    if isinstance(w, Fp8Share):                      # the global model's share counts every device's rows
+        n, k = w.logical
+        w = Fp8Share(w.weight, w.rows, w.cols, (n // tp, k) if w.rows is not None else (n, k // tp))
+    return w
 
 
 # ---- back to the checkpoint --------------------------------------------------------------------
@@ -246,7 +251,7 @@ def _unshard_fp8_share(w: Fp8Share, name: str, config: ModelConfig, tp: sharding
     q, s = np.asarray(w.weight.weight), np.asarray(w.weight.scale)
     if split == 1:
         q, s = q.T, s.T
-    n_pad, n_local = q.shape[0] // tp.size, w.logical[split]
+    n_pad, n_local = q.shape[0] // tp.size, w.logical[split] // tp.size
     index = np.asarray(w.rows if split == 0 else w.cols).reshape(tp.size, -1)
     codes, src_block = {}, {}
     for d, sh in enumerate(row_shards(tp.size * n_local, layout.rows if split == 0 else None, tp.size)):

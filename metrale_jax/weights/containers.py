@@ -185,7 +185,9 @@ class Fp8Share:
     so that every 128-block holds rows (columns) of one checkpoint block only, with that block's scale (padding:
     zero codes). Exactly the checkpoint's numbers; the projection gathers its input columns / output rows.
       rows: int32 [N], the padded row of each of the share's output rows (a row split), or None.
-      cols: int32 [K_pad], the share's input column each padded column takes (K: a zero), or None."""
+      cols: int32 [K_pad], the share's input column each padded column takes (K: a zero), or None.
+    On a sharded model's global arrays (every device's share side by side) `logical` is the shape of all shares
+    together; the gathers and `dequantize` are a device view's (one share)."""
 
     weight: Fp8Weight
     rows: jax.Array | None
