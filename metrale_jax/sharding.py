@@ -367,6 +367,7 @@ def shard_tensors(config: ModelConfig, tensors, tp: TensorParallel, dtype) -> Sh
     are stacked [E, ...] under "<mixer>.experts.up_proj" / ".down_proj" once all E have come."""
     if isinstance(tensors, ShardedTensors):
         return tensors
+    local_config(config, tp.size)                  # a size tp does not divide: ConfigError before any placement
     f32 = {n for n, s in expected_tensors(config).items() if s.keep_f32}
     E = config.n_routed_experts
     out = ShardedTensors()

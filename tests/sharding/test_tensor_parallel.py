@@ -220,17 +220,19 @@ def test_from_pretrained_with_a_mesh_loads_straight_to_the_shards(models, rng, t
 
 def test_parallel_sizes_that_do_not_divide_raise_config_errors():
     mamba = dataclasses.replace(CFG, n_groups=1, hybrid_override_pattern="M")
-    with pytest.raises(ConfigError, match="n_groups: 1 is not divisible by the tensor-parallel size 2"):
-        NemotronH.from_config(mamba, jax.random.key(0), dtype=jnp.float32, mesh=_mesh(2))
+    with pytest.raises(ConfigError, match="mamba_num_heads: 8 is not divisible by the tensor-parallel size 3"):
+        NemotronH.from_config(mamba, jax.random.key(0), dtype=jnp.float32, mesh=_mesh(3))
     attn = dataclasses.replace(CFG, num_key_value_heads=2, hybrid_override_pattern="*")
-    with pytest.raises(ConfigError, match="num_key_value_heads"):
-        sharding.local_config(attn, 4)
+    with pytest.raises(ConfigError, match="num_attention_heads"):
+        sharding.local_config(attn, 3)
+    assert sharding.local_config(attn, 4).num_key_value_heads == 1       # kv heads repeated (tests/sharding/
+    assert sharding.local_config(mamba, 2).n_groups == 1                 # test_tp_repeated_groups.py)
     with pytest.raises(ConfigError, match="intermediate_size"):
         sharding.local_config(dataclasses.replace(CFG, intermediate_size=30), 4)
     moe = dataclasses.replace(CFG, n_routed_experts=6, n_group=1, topk_group=1, hybrid_override_pattern="E")
     with pytest.raises(ConfigError, match="n_routed_experts"):
         sharding.local_config(moe, 4)
-    local = sharding.local_config(dataclasses.replace(mamba, n_groups=4), 2)
+    local = sharding.local_config(dataclasses.replace(CFG, hybrid_override_pattern="M"), 2)
     assert (local.n_groups, local.mamba_num_heads, local.vocab_size) == (2, 4, CFG.vocab_size // 2)
 
 
