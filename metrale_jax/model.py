@@ -211,7 +211,10 @@ class NemotronH(nnx.Module):
         out: dict[str, object] = {"backbone.embeddings.weight": self.embeddings[...]}
         stored = c if self.tp is None else sharding.storage_config(c, self.tp.size)
         for i, layer in enumerate(self.layers):
-            out.update(layer_tensors(stored, i, layer.input_norm[...], layer.checkpoint_weights()))
+            weights = layer.checkpoint_weights()
+            if self.tp is not None:          # to the host whole: slicing a split E4M3 array on the device loses -0
+                weights = jax.tree.map(np.asarray, weights)
+            out.update(layer_tensors(stored, i, layer.input_norm[...], weights))
         out["backbone.norm_f.weight"] = self.norm_f[...]
         if self.lm_head is not None:
             out["lm_head.weight"] = self.lm_head.base_weight()

@@ -1,0 +1,180 @@
+"""Quantized weights under tensor parallelism: FP8-block and NVFP4 checkpoints of the built-in model (made with
+quantize_checkpoint) split over 2 devices compute what the unsharded quantized model does and save back to the same
+files; each device's share of an FP8 weight holds exactly the checkpoint's numbers, however the split or the Mamba
+row permutation cuts its 128x128 blocks; what a mesh cannot serve raises a ConfigError saying so."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from metrale_jax import sharding, sharding_quant
+from metrale_jax.builtin import builtin_model_dir
+from metrale_jax.config import ModelConfig, ModelLevers
+from metrale_jax.errors import ConfigError
+from metrale_jax.model import NemotronH
+from metrale_jax.weights import quant_formats as qf
+from metrale_jax.weights.containers import (Fp8Share, Fp8Weight, Nvfp4Weight, StackedExperts, W4a4Weight,
+                                            WeightQuantFormat)
+from metrale_jax.weights.quantize import quantize_checkpoint
+from metrale_jax.weights.safetensors_io import CheckpointReader
+from tests.numpy_refs import rel_err
+from tests.sharding.test_tensor_parallel import TOL
+
+SLOTS, MAXLEN, T, STEPS = 2, 24, 8, 3
+BF16_ACT = ModelLevers(fp8_activations="bf16")      # FP8 prefill weight-only: no per-device activation blocks
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
+    return sharding.make_mesh(2)
+
+
+@pytest.fixture(scope="module")
+def quantized(tmp_path_factory):
+    """format -> the built-in model's checkpoint directory in that format."""
+    made = {}
+
+    def get(fmt):
+        if fmt not in made:
+            made[fmt] = tmp_path_factory.mktemp(fmt) / "ckpt"
+            quantize_checkpoint(builtin_model_dir(), made[fmt], fmt)
+        return made[fmt]
+    return get
+
+
+def _run(model, prompts, lens):
+    """Prefill (every position's logits) then STEPS greedy decode steps."""
+    cache = model.new_cache(SLOTS, MAXLEN)
+    slots = np.arange(SLOTS)
+    pre, cache = model.prefill(cache, slots, prompts, lens, all_logits=True)
+    tok = np.asarray(pre)[slots, lens - 1].argmax(-1)
+    dec, toks = [], [tok]
+    for _ in range(STEPS):
+        logits, cache = model.decode(cache, slots, tok.astype(np.int32))
+        dec.append(np.asarray(logits))
+        tok = dec[-1].argmax(-1)
+        toks.append(tok)
+    return np.asarray(pre), np.stack(dec), np.stack(toks, 1), cache
+
+
+@pytest.mark.parametrize("fmt,kinds", [("fp8-block", (Fp8Share, Fp8Weight)), ("nvfp4", (Nvfp4Weight,))])
+def test_quantized_builtin_split_over_two_devices(mesh, quantized, rng, tmp_path, fmt, kinds):
+    """Logits (prefill and decode) within the TP tolerance of the unsharded quantized model, the same greedy tokens,
+    the SSM pool's state; the weights stay quantized on their shards (routed experts split by expert); and
+    save_pretrained writes bitwise the unsharded model's tensors (the MTP head is not kept on a mesh)."""
+    path = quantized(fmt)
+    one = NemotronH.from_pretrained(path, dtype=jnp.float32, levers=BF16_ACT, progress=False)
+    two = NemotronH.from_pretrained(path, dtype=jnp.float32, levers=BF16_ACT, progress=False, mesh=mesh)
+    in_proj = two.layers[0].in_proj.base_weight()
+    assert isinstance(in_proj, kinds) and isinstance(one.layers[0].in_proj.base_weight(), kinds)
+    experts = two.layers[3].moe_weights().experts_up
+    assert isinstance(experts, StackedExperts)
+    lead = jax.tree.leaves(experts.member)[0]
+    assert lead.sharding.is_equivalent_to(two.tp.sharding(P("tp", None, None)), lead.ndim)
+    lens = np.array([T, 5])
+    prompts = np.where(np.arange(T)[None] < lens[:, None], rng.integers(3, 259, (SLOTS, T)), 0).astype(np.int32)
+    want, got = _run(one, prompts, lens), _run(two, prompts, lens)
+    for b in range(SLOTS):
+        assert rel_err(got[0][b, :lens[b]], want[0][b, :lens[b]]) <= TOL
+    assert rel_err(got[1], want[1]) <= TOL
+    np.testing.assert_array_equal(got[2], want[2])
+    assert rel_err(np.asarray(got[3].ssm.ssm_state)[:, :SLOTS], np.asarray(want[3].ssm.ssm_state)[:, :SLOTS]) <= TOL
+    one.save_pretrained(tmp_path / "one")
+    two.save_pretrained(tmp_path / "two")
+    a, b = CheckpointReader(tmp_path / "one"), CheckpointReader(tmp_path / "two")
+    assert set(a.keys()) - set(b.keys()) == {n for n in a.keys() if n.startswith("mtp.")}
+    assert set(b.keys()) <= set(a.keys()) and any(n.endswith("weight_scale_inv" if fmt == "fp8-block" else
+                                                              "weight_scale_2") for n in b.keys())
+    for name in b.keys():
+        assert a.info(name) == b.info(name), name
+        np.testing.assert_array_equal(b.get(name).view(np.uint8), a.get(name).view(np.uint8), err_msg=name)
+    assert (tmp_path / "two" / "config.json").read_text() == (tmp_path / "one" / "config.json").read_text()
+
+
+def _fp8(rng, n, k, spread=True):
+    """A block-FP8 weight whose 128x128 blocks have scales far apart (or all one scale)."""
+    w = rng.standard_normal((n, k)).astype(np.float32)
+    if spread:
+        w *= np.exp(rng.uniform(-3, 3, qf.block_grid(n, k))).repeat(128, 0).repeat(128, 1)[:n, :k]
+    q, s = qf.quantize_fp8_block(w)
+    return Fp8Weight(jnp.asarray(q), jnp.asarray(s))
+
+
+def _device_rows(w, tp):
+    """Each device's dequantized share [N_local, K] (or [N, K_local]) from its own shards (a device view's call)."""
+    out = []
+    for d in range(tp):
+        take = lambda a: None if a is None else np.asarray(a.addressable_shards[d].data)
+        if isinstance(w, Fp8Share):
+            n, k = w.logical
+            local = (n // tp, k) if w.rows is not None else (n, k // tp)
+            share = Fp8Share(Fp8Weight(jnp.asarray(take(w.weight.weight)), jnp.asarray(take(w.weight.scale))),
+                             None if w.rows is None else jnp.asarray(take(w.rows)),
+                             None if w.cols is None else jnp.asarray(take(w.cols)), local)
+        else:
+            share = Fp8Weight(jnp.asarray(take(w.weight)), jnp.asarray(take(w.scale)))
+        out.append(np.asarray(share.dequantize()))
+    return out
+
+
+def test_fp8_shares_hold_exactly_the_checkpoint_numbers(mesh, rng):
+    """Row split through the Mamba row permutation (device rows from several 128-row blocks of different scales:
+    padded shares), column split at 192 (cutting a 128-column block), and a split on 128 boundaries (a plain grid
+    [tp*ceil(N_local/128), K/128]): every device's dequantized share is bitwise the checkpoint's rows / columns, and
+    the checkpoint comes back from the shards."""
+    cfg = ModelConfig.from_hf(builtin_model_dir())
+    tp = sharding.tensor_parallel(mesh)
+    cases = [("backbone.layers.0.mixer.in_proj.weight", (cfg.in_proj_dim, cfg.hidden_size), 0),
+             ("backbone.layers.0.mixer.out_proj.weight", (cfg.hidden_size, cfg.d_inner), 1),
+             ("backbone.layers.2.mixer.up_proj.weight", (cfg.intermediate_size, cfg.hidden_size), 0),
+             ("backbone.layers.2.mixer.down_proj.weight", (cfg.hidden_size, cfg.intermediate_size), 1)]
+    for name, shape, axis in cases:
+        w = _fp8(rng, *shape)
+        placed = sharding_quant.place_fp8(name, w, cfg, tp, BF16_ACT)
+        dense = np.asarray(w.dequantize())
+        rows = sharding.tensor_layout(name, cfg, tp).rows
+        for d, got in enumerate(_device_rows(placed, 2)):
+            if axis == 0:
+                want = dense[(np.arange(shape[0]) if rows is None else rows).reshape(2, -1)[d]]
+            else:
+                want = dense[:, d * shape[1] // 2:(d + 1) * shape[1] // 2]
+            np.testing.assert_array_equal(got, want, err_msg=f"{name} device {d}")
+        aligned = shape[axis] // 2 % 128 == 0 and rows is None
+        assert isinstance(placed, Fp8Weight) == aligned, name
+        if aligned:
+            local = (shape[0] // 2, shape[1]) if axis == 0 else (shape[0], shape[1] // 2)
+            grid = qf.block_grid(*local)                        # [ceil(N_local/128), ceil(K_local/128)] a device
+            assert placed.scale.shape == ((2 * grid[0], grid[1]) if axis == 0 else (grid[0], 2 * grid[1]))
+        back = sharding_quant.unshard(name, placed, cfg, tp)
+        np.testing.assert_array_equal(np.asarray(back.weight).view(np.uint8), np.asarray(w.weight).view(np.uint8))
+        np.testing.assert_array_equal(np.asarray(back.scale), np.asarray(w.scale))
+    # one scale for the whole tensor (ModelOpt FP8, expanded to the grid): a cut block needs no padding
+    uniform = Fp8Weight(w.weight, jnp.asarray(0.01, jnp.float32), format=WeightQuantFormat.FP8_PER_TENSOR)
+    placed = sharding_quant.place_fp8(name, uniform, cfg, tp, BF16_ACT)
+    assert isinstance(placed, Fp8Weight) and placed.scale.shape == (2, 2 * 3)       # down_proj: K 768 -> 384
+    np.testing.assert_array_equal(np.concatenate(_device_rows(placed, 2), 1), np.asarray(uniform.dequantize()))
+
+
+def test_what_a_mesh_cannot_serve_raises_config_errors(mesh, rng):
+    cfg = ModelConfig.from_hf(builtin_model_dir())
+    tp = sharding.tensor_parallel(mesh)
+    out_proj = "backbone.layers.0.mixer.out_proj.weight"
+    w = _fp8(rng, cfg.hidden_size, cfg.d_inner)
+    with pytest.raises(ConfigError, match="out_proj.weight: its column split gives each device 192 input columns"):
+        sharding_quant.place_fp8(out_proj, w, cfg, tp, ModelLevers(fp8_activations="e4m3"))
+    with pytest.raises(ConfigError, match="native_fp8_ssm"):
+        sharding_quant.check_levers(cfg, {out_proj: w}, ModelLevers(native_fp8_ssm="decode"))
+    packed, scale, g = qf.quantize_nvfp4(rng.standard_normal((cfg.hidden_size, cfg.d_inner)).astype(np.float32))
+    nv = Nvfp4Weight(jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(g))
+    with pytest.raises(ConfigError, match="W4A4"):
+        sharding_quant.place_container(out_proj, W4a4Weight(nv), cfg, tp, BF16_ACT)
+    narrow = Nvfp4Weight(nv.packed[:, :24], nv.scale[:, :3], nv.global_scale)          # K = 48: 24 per device
+    with pytest.raises(ConfigError, match="not a multiple of 16 per device"):
+        sharding_quant.place_nvfp4("backbone.layers.2.mixer.down_proj.weight", narrow, cfg, tp)
+    per_row = Fp8Weight(w.weight, jnp.ones(cfg.hidden_size), format=WeightQuantFormat.FP8_PER_ROW)
+    with pytest.raises(ConfigError, match="per-row scale"):
+        sharding_quant.place_fp8(out_proj, per_row, cfg, tp, BF16_ACT)
