@@ -2,10 +2,14 @@
 shard_map wrapper that runs a model step as the same layer code on every device's share of the weights.
 
 Layout over the mesh axis (tp devices), one all-reduce (psum) per block and nothing else in a step:
-  Mamba-2    heads and groups split: in_proj rows permuted into device-major [z_d | x_d | B_d | C_d | dt_d]
-             (n_groups % tp == 0), conv channels [x_d | B_d | C_d], dt_bias / A_log / D / gated-norm weight by
-             head, the SSM pool by head and the conv pool by (permuted) channel; out_proj by input column + psum.
-  attention  q/k/v rows by head (num_key_value_heads % tp == 0), the KV pool by kv head; o_proj columns + psum.
+  Mamba-2    heads split: in_proj rows permuted into device-major [z_d | x_d | B_d | C_d | dt_d], conv channels
+             [x_d | B_d | C_d], dt_bias / A_log / D / gated-norm weight by head, the SSM pool by head and the conv
+             pool by (permuted) channel; out_proj by input column + psum. B_d / C_d are the groups device d's heads
+             read (`mamba_groups`): n_groups / tp of them when tp divides n_groups, else each group repeated on
+             every device that needs it (as vLLM does); a gated-norm group split over devices adds one psum of its
+             sums of squares (blocks.gated_rmsnorm_across_devices).
+  attention  q/k/v rows by head (a kv head repeated on each device whose query heads read it when tp does not
+             divide num_key_value_heads: `kv_groups`), the KV pool by (repeated) kv head; o_proj columns + psum.
   MLP        up_proj rows, down_proj columns + psum.
   MoE        expert parallel: each device holds E/tp routed experts and adds their contributions for every
              token; the router, e_score_correction_bias and latent projections are replicated; shared
@@ -15,8 +19,11 @@ Layout over the mesh axis (tp devices), one all-reduce (psum) per block and noth
              single read of a decode step; logits come out sharded over the vocabulary, with no collective
              in the step (whoever samples reduces them). Tied or indivisible: replicated.
 A step on a sharded model (NemotronH(mesh=...)) runs inside shard_map on a *device view*: the same NemotronH
-class built with `local_config` sizes, whose layers reduce over the axis (their `tp_axis`). The conv pool's
-channels are stored in the permuted order (see `conv_channels_to_checkpoint_order`).
+class built with `local_config` sizes, whose layers reduce over the axis (their `tp_axis`). The global arrays hold
+every device's share side by side (`storage_config`: repeated groups / kv heads counted once per device); the conv
+pool's channels are stored in the permuted order (see `conv_channels_to_checkpoint_order`), and `checkpoint_order`
+restores a tensor's checkpoint rows from one copy of each. Quantized containers (FP8 block / per-tensor, NVFP4,
+stacked routed experts) are placed by sharding_quant.py with every scale beside the elements it scales.
 """
 
 from __future__ import annotations
