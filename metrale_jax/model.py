@@ -92,9 +92,9 @@ class NemotronH(nnx.Module):
         """tensors: HF names -> arrays; a linear module's weight may instead be a container (DenseWeight,
         Fp8Weight, Nvfp4Weight, W4a4Weight), installed in the arms `_mamba_layer` / Projection.set_weight give it.
         quant_config: the quantization those containers came in (what save_pretrained writes); default: inferred
-        from the containers. mesh: split the model over the mesh's devices (quantized containers too: sharding_quant;
-        tensors are placed on their shards unless they come as sharding.ShardedTensors). shard_of: build one device's view
-        instead (sharding.py does)."""
+        from the containers. mesh: split the model over the mesh's devices (quantized containers too:
+        sharding_quant; tensors are placed on their shards unless they come as sharding.ShardedTensors). shard_of:
+        build one device's view instead (sharding.py does)."""
         quantized = sorted(n for n, v in tensors.items() if is_quantized(v))
         scales = sorted(n for n in tensors if n.rsplit(".", 1)[-1] in QUANTIZED_SUFFIXES)
         if scales:

@@ -25,9 +25,10 @@ from flax import nnx
 
 from metrale_jax.errors import ConfigError, KernelUnavailableError, ShapeError, WeightFormatError
 from metrale_jax.layers.lora import row_adapters
-from metrale_jax.weights.containers import (DenseWeight, Fp8PrefillWeight, Fp8Share, Fp8Weight, Nvfp4Weight, Nvfp4WeightT,
-                                            W4a4Weight, WeightQuantFormat, as_dense, check_fp8, check_fp8_prefill,
-                                            check_nvfp4, check_nvfp4_t, clear_zero_scale_blocks, fp8_to_block_scaled)
+from metrale_jax.weights.containers import (DenseWeight, Fp8PrefillWeight, Fp8Share, Fp8Weight, Nvfp4Weight,
+                                            Nvfp4WeightT, W4a4Weight, WeightQuantFormat, as_dense, check_fp8,
+                                            check_fp8_prefill, check_nvfp4, check_nvfp4_t, clear_zero_scale_blocks,
+                                            fp8_to_block_scaled)
 from metrale_jax.weights.quant_formats import Fp8Activations
 from pallas_kernels import registry
 

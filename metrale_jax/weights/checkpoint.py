@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from metrale_jax import files
 from metrale_jax.config import ModelConfig
-from metrale_jax.errors import CheckpointError, ConfigError, WeightFormatError
+from metrale_jax.errors import CheckpointError, WeightFormatError
 from metrale_jax.layers.attention import NemotronAttentionWeights
 from metrale_jax.layers.mamba2 import NemotronSsmWeights
 from metrale_jax.layers.mlp import NemotronMlpWeights
