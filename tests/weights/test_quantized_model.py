@@ -308,22 +308,23 @@ def test_corrupted_checkpoints_raise_one_error_naming_every_tensor(ckpts, tmp_pa
         NemotronH.from_pretrained(_corrupt(ckpts["nvfp4"], tmp_path / "e", stray))
 
 
-def test_quantized_weights_refuse_a_mesh(ckpts, loaded):
+def test_quantized_weights_go_on_a_mesh_as_containers(ckpts, loaded):
+    """Containers are placed on a mesh (tests/sharding/test_tp_quantized.py checks the numbers over 2 devices); a
+    state dict in the checkpoint layout (scales beside the packed weights) is refused with or without a mesh."""
     from metrale_jax import sharding
     mesh = sharding.make_mesh(1)
-    with pytest.raises(ConfigError, match="mesh: .* is quantized \\(nvfp4\\)"):
-        NemotronH.from_pretrained(ckpts["nvfp4"], mesh=mesh)
     model = loaded["nvfp4"][0]
     tensors = {**{n: np.zeros(s.shape, np.float32) for n, s in expected_tensors(model.config).items()},
                M0 + ".weight": model.layers[0].in_proj.base_weight()}
-    with pytest.raises(ConfigError, match=f"mesh: quantized weights \\({M0}.weight\\) cannot be split"):
-        NemotronH(model.config, tensors, mesh=mesh)
+    placed = NemotronH(model.config, tensors, mesh=mesh, dtype=F32)
+    got = placed.layers[0].in_proj.base_weight()
+    assert type(got) is type(tensors[M0 + ".weight"]) and placed.quant_config.method == "nvfp4"
+    np.testing.assert_array_equal(np.asarray(got.packed), np.asarray(tensors[M0 + ".weight"].packed))
     state = model.state_dict()                          # the checkpoint layout: packed weights beside their scales
     assert state[M0 + ".weight"].dtype == np.uint8 and M0 + ".weight_scale_2" in state
-    with pytest.raises(ConfigError, match="mesh: quantized weights .* cannot be split"):
-        NemotronH(model.config, state, mesh=mesh)       # what the engine does to put a model on a mesh
-    with pytest.raises(CheckpointError, match=f"{M0}.weight_scale: a scale in the checkpoint layout"):
-        NemotronH(model.config, state)
+    for m in (mesh, None):
+        with pytest.raises(CheckpointError, match=f"{M0}.weight_scale: a scale in the checkpoint layout"):
+            NemotronH(model.config, state, mesh=m)
 
 
 # ---- (e) save_pretrained round trip --------------------------------------------------------------------------
