@@ -207,6 +207,12 @@ class NemotronH(nnx.Module):
     def state_dict(self) -> dict[str, np.ndarray]:
         """Every weight under its HF name in the HF layout (host numpy arrays); a quantized linear module as
         its checkpoint tensors (weight + scales, in `checkpoint_quant_config()`'s layout)."""
+        return checkpoint_tensors(self.checkpoint_containers(), self.checkpoint_quant_config())
+
+    def checkpoint_containers(self) -> dict[str, object]:
+        """Every weight under its HF name in the checkpoint's shapes and row order, a quantized linear module as its
+        container (Fp8Weight, Nvfp4Weight; a routed expert's own): what NemotronH(config, tensors) takes back, e.g.
+        to split an unsharded model over a mesh."""
         c = self.config
         out: dict[str, object] = {"backbone.embeddings.weight": self.embeddings[...]}
         stored = c if self.tp is None else sharding.storage_config(c, self.tp.size)
@@ -221,10 +227,10 @@ class NemotronH(nnx.Module):
         if self.mtp is not None:
             blocks = [(layer.input_norm[...], layer.checkpoint_weights()) for layer in self.mtp.layers]
             out.update(mtp_layer_tensors(c, blocks, self.mtp.step_weights()))
+        out = {n: v.weight if isinstance(v, DenseWeight) else v for n, v in out.items()}
         if self.tp is not None:                          # undo the device-major row order and the padding
-            out = {n: sharding_quant.unshard(n, v.weight if isinstance(v, DenseWeight) else v, c, self.tp)
-                   for n, v in out.items()}
-        return checkpoint_tensors(out, self.checkpoint_quant_config())
+            out = {n: sharding_quant.unshard(n, v, c, self.tp) for n, v in out.items()}
+        return out
 
     def checkpoint_quant_config(self) -> QuantConfig:
         """The quantization save_pretrained writes: the one the model was loaded in, with routed experts held

@@ -322,6 +322,12 @@ def is_routed_expert(name: str) -> bool:
     return m is not None and _EXPERT.match(m["suffix"]) is not None
 
 
+def one_expert(name: str) -> tuple[str, int] | None:
+    """(the layer's stacked name "<mixer>.experts.<proj>_proj", expert index) of one routed expert's weight."""
+    m = _ONE_EXPERT.match(name)
+    return None if m is None else (f"{m['mixer']}experts.{m['proj']}_proj", int(m["e"]))
+
+
 def _fit(spec: P, ndim: int) -> P:
     return P(*(tuple(spec) + (None,) * ndim)[:ndim])
 

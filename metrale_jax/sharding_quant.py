@@ -29,9 +29,9 @@ from jax.sharding import PartitionSpec as P
 
 from metrale_jax import sharding
 from metrale_jax.config import ModelConfig, ModelLevers
-from metrale_jax.errors import ConfigError
+from metrale_jax.errors import CheckpointError, ConfigError
 from metrale_jax.weights.containers import (Fp8Share, Fp8Weight, Nvfp4Weight, StackedExperts, W4a4Weight,
-                                            WeightQuantFormat, fp8_to_block_scaled)
+                                            WeightQuantFormat, fp8_to_block_scaled, stack_experts)
 from metrale_jax.weights.quant_formats import FP8_BLOCK, NVFP4_GROUP, block_grid
 
 
@@ -183,8 +183,9 @@ def shard_quantized(config: ModelConfig, tensors: Mapping[str, object], tp: shar
     from metrale_jax.weights.checkpoint import is_quantized
 
     check_levers(config, tensors, levers)
-    quantized = {n: v for n, v in tensors.items() if is_quantized(v)}
-    out = sharding.shard_tensors(config, {n: v for n, v in tensors.items() if n not in quantized}, tp, dtype)
+    dense = {n: v for n, v in tensors.items() if not is_quantized(v)}
+    quantized = _stack_experts(config, {n: v for n, v in tensors.items() if n not in dense})
+    out = sharding.shard_tensors(config, dense, tp, dtype)
     formats = []
     for name, w in quantized.items():
         out[name] = placed = place_container(name, w, config, tp, levers)
@@ -192,6 +193,24 @@ def shard_quantized(config: ModelConfig, tensors: Mapping[str, object], tp: shar
         formats.append((name, treedef, tuple((tuple(a.sharding.shard_shape(a.shape)), jnp.dtype(a.dtype).name)
                                              for a in leaves)))
     return out, tuple(formats)
+
+
+def _stack_experts(config: ModelConfig, quantized: dict[str, object]) -> dict[str, object]:
+    """Routed experts given one by one as containers stacked per layer (a StackedExperts under
+    "<mixer>.experts.up_proj" / ".down_proj", split by expert), as the loader stacks them."""
+    groups: dict[str, dict[int, object]] = {}
+    out = {}
+    for name, w in quantized.items():
+        m = sharding.one_expert(name)
+        if m is None:
+            out[name] = w
+        else:
+            groups.setdefault(m[0], {})[m[1]] = w
+    for key, members in groups.items():
+        if len(members) != config.n_routed_experts:
+            raise CheckpointError(f"{key}: {len(members)} of {config.n_routed_experts} routed experts given")
+        out[key] = stack_experts(key, [members[e] for e in range(config.n_routed_experts)])
+    return out
 
 
 def local_container(treedef, leaves, tp: int):

@@ -83,8 +83,9 @@ def _on_mesh(model, mesh):
         return model
     want = sharding.tensor_parallel(mesh)
     if tp is None:                        # through the host: load big checkpoints with from_pretrained(mesh=)
-        return type(model)(model.config, model.state_dict(), dtype=model.dtype, levers=model.levers,
-                           tokenizer=model.tokenizer, notes=model.load_notes, mesh=mesh)
+        return type(model)(model.config, model.checkpoint_containers(), dtype=model.dtype, levers=model.levers,
+                           tokenizer=model.tokenizer, notes=model.load_notes, mesh=mesh,
+                           quant_config=model.quant_config)
     if tp != want:
         raise ConfigError("mesh", f"the model is split over {tp.size} device(s) {tp.mesh.device_ids.tolist()} "
                                   f"(axis {tp.axis!r}), not over the mesh given ({want.size} device(s) "

@@ -14,6 +14,7 @@ from metrale_jax.builtin import builtin_model_dir
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import ConfigError
 from metrale_jax.model import NemotronH
+from metrale_jax.runtime import Engine
 from metrale_jax.weights import quant_formats as qf
 from metrale_jax.weights.containers import (Fp8Share, Fp8Weight, Nvfp4Weight, StackedExperts, W4a4Weight,
                                             WeightQuantFormat)
@@ -46,6 +47,20 @@ def quantized(tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope="module")
+def loaded(mesh, quantized):
+    """format -> (the unsharded quantized built-in model, the same split over 2 devices), float32."""
+    made = {}
+
+    def get(fmt):
+        if fmt not in made:
+            path = quantized(fmt)
+            made[fmt] = tuple(NemotronH.from_pretrained(path, dtype=jnp.float32, levers=BF16_ACT, progress=False,
+                                                        mesh=m) for m in (None, mesh))
+        return made[fmt]
+    return get
+
+
 def _run(model, prompts, lens):
     """Prefill (every position's logits) then STEPS greedy decode steps."""
     cache = model.new_cache(SLOTS, MAXLEN)
@@ -62,13 +77,11 @@ def _run(model, prompts, lens):
 
 
 @pytest.mark.parametrize("fmt,kinds", [("fp8-block", (Fp8Share, Fp8Weight)), ("nvfp4", (Nvfp4Weight,))])
-def test_quantized_builtin_split_over_two_devices(mesh, quantized, rng, tmp_path, fmt, kinds):
+def test_quantized_builtin_split_over_two_devices(loaded, rng, tmp_path, fmt, kinds):
     """Logits (prefill and decode) within the TP tolerance of the unsharded quantized model, the same greedy tokens,
     the SSM pool's state; the weights stay quantized on their shards (routed experts split by expert); and
     save_pretrained writes bitwise the unsharded model's tensors (the MTP head is not kept on a mesh)."""
-    path = quantized(fmt)
-    one = NemotronH.from_pretrained(path, dtype=jnp.float32, levers=BF16_ACT, progress=False)
-    two = NemotronH.from_pretrained(path, dtype=jnp.float32, levers=BF16_ACT, progress=False, mesh=mesh)
+    one, two = loaded(fmt)
     in_proj = two.layers[0].in_proj.base_weight()
     assert isinstance(in_proj, kinds) and isinstance(one.layers[0].in_proj.base_weight(), kinds)
     experts = two.layers[3].moe_weights().experts_up
@@ -93,6 +106,18 @@ def test_quantized_builtin_split_over_two_devices(mesh, quantized, rng, tmp_path
         assert a.info(name) == b.info(name), name
         np.testing.assert_array_equal(b.get(name).view(np.uint8), a.get(name).view(np.uint8), err_msg=name)
     assert (tmp_path / "two" / "config.json").read_text() == (tmp_path / "one" / "config.json").read_text()
+
+
+def test_engine_splits_an_unsharded_quantized_model_over_a_mesh(loaded, mesh):
+    """Engine(model, mesh=...) puts a copy of an unsharded FP8 model on the mesh (its containers, routed experts
+    one by one, placed as the loader's are) and generates the unsharded model's greedy tokens."""
+    one, _ = loaded("fp8-block")
+    engine = Engine(one, max_slots=2, max_len=32, mesh=mesh)
+    assert isinstance(engine.model.layers[0].in_proj.base_weight(), Fp8Share) and engine.model.tp.size == 2
+    assert isinstance(engine.model.layers[3].moe_weights().experts_down, StackedExperts)
+    prompts = [[5, 6, 7, 8, 9, 10], [40, 41, 42]]
+    want = [g.tokens for g in one.generate(prompts, max_new_tokens=6)]
+    assert [g.tokens for g in engine.generate(prompts, 6)] == want
 
 
 def _fp8(rng, n, k, spread=True):
