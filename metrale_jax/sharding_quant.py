@@ -5,10 +5,10 @@ taken back to the checkpoint's layout for save_pretrained.
   row split (in_proj, q/k/v, up_proj, vocabulary-split lm_head): the codes go with their rows (in the row order
       sharding.tensor_layout gives: the Mamba device-major permutation, repeated groups / kv heads). FP8: each
       device's scale grid has ceil(N_local/128) rows, so the global grid is [tp*ceil(N_local/128), K/128]; a
-      device 128-row block whose rows come from checkpoint blocks of one scale takes that scale (a block cut by
-      the split keeps its scale on both sides). Where a device block would mix blocks of different scales the
-      share is padded instead (containers.Fp8Share: each 128-row block holds rows of one checkpoint block, zero
-      rows between, and the projection gathers its output rows).
+      device 128-row block whose rows come from checkpoint blocks of one scale takes that scale. Where a device
+      block would mix blocks of different scales, or N_local is not a multiple of 128 (a block cut by the split),
+      the share is padded instead (containers.Fp8Share: each 128-row block holds rows of one checkpoint block and
+      carries its scale, zero rows between, and the projection gathers its output rows).
   column split (out_proj, o_proj, down_proj): the same along K (Fp8Share gathers its input columns). The FP8
       prefill arm that quantizes its activations per 128 columns (fp8_activations 'e4m3') needs the split on a
       128-column boundary with no padding, else a ConfigError names the tensor (fp8_activations 'bf16' serves any).
@@ -93,10 +93,8 @@ def place_fp8(name: str, w: Fp8Weight, config: ModelConfig, tp: sharding.TensorP
     grids = [fp8_grid(s, sh) for sh in shares]
     spec = P(tp.axis, None) if split == 0 else P(None, tp.axis)
     put = lambda a, t: jax.device_put(a.T if t else a, tp.sharding(spec))
-    aligned = split == 0 or (len(shares[0]) % FP8_BLOCK == 0)
-    if all(g is not None for g in grids):
-        if split == 1 and not aligned and levers.fp8_activations == "e4m3":
-            raise _e4m3_refusal(name, len(shares[0]))
+    aligned = len(shares[0]) % FP8_BLOCK == 0       # else the global grid would not be the [N, K] grid of its shape
+    if aligned and all(g is not None for g in grids):
         return Fp8Weight(put(q[np.concatenate(shares)], split), put(np.concatenate(grids), split), inp, w.format)
     if split == 1 and levers.fp8_activations == "e4m3":
         raise _e4m3_refusal(name, len(shares[0]))
@@ -165,15 +163,23 @@ def place_container(name: str, w, config: ModelConfig, tp: sharding.TensorParall
     raise ConfigError("mesh", f"{name}: a {type(w).__name__} cannot be split over a mesh")
 
 
-def check_levers(config: ModelConfig, tensors: Mapping[str, object], levers: ModelLevers) -> None:
-    """Levers a quantized model cannot use on a mesh: the native FP8 SSM modes that build per-device copies
-    ('decode': an E4M3 prefill copy; 'off': requantized to NVFP4) are ConfigErrors."""
+def check_levers(config: ModelConfig, tensors: Mapping[str, object], levers: ModelLevers, tp: int) -> None:
+    """Levers a quantized model cannot use on a mesh (ConfigError): the native FP8 SSM modes that build per-device
+    copies ('decode': an E4M3 prefill copy; 'off': requantized to NVFP4), and E4M3 activations quantized by the
+    gated norm ('group' / 'arm') where a norm group is split over devices (no device sees the group's scale)."""
     fp8_mamba = [n for n, v in tensors.items() if isinstance(v, Fp8Weight) and n.endswith(("in_proj.weight",
                                                                                            "out_proj.weight"))]
     if fp8_mamba and levers.native_fp8_ssm != "full":
         raise ConfigError("native_fp8_ssm", f"{levers.native_fp8_ssm!r} builds another copy of the Mamba FP8 "
                                             f"weights ({fp8_mamba[0]}, ...), which is not supported on a mesh; use "
                                             "'full' (native FP8 for decode and prefill)")
+    if fp8_mamba and levers.fp8_activations == "e4m3" and levers.gated_norm_quant != "off" and \
+            sharding.norm_spans_devices(config, tp):
+        raise ConfigError("gated_norm_quant", f"{levers.gated_norm_quant!r} quantizes the Mamba gated norm's output "
+                                              f"per norm group, but over {tp} devices a group of "
+                                              f"{config.gated_norm_group_size} channels is split between devices; "
+                                              "use gated_norm_quant='off' (out_proj's arm quantizes per 128 columns) "
+                                              "or fp8_activations='bf16'")
 
 
 def shard_quantized(config: ModelConfig, tensors: Mapping[str, object], tp: sharding.TensorParallel, dtype,
@@ -182,7 +188,7 @@ def shard_quantized(config: ModelConfig, tensors: Mapping[str, object], tp: shar
     device view is built with: (name, container structure, each leaf's (local shape, dtype)) per container)."""
     from metrale_jax.weights.checkpoint import is_quantized
 
-    check_levers(config, tensors, levers)
+    check_levers(config, tensors, levers, tp.size)
     dense = {n: v for n, v in tensors.items() if not is_quantized(v)}
     quantized = _stack_experts(config, {n: v for n, v in tensors.items() if n not in dense})
     out = sharding.shard_tensors(config, dense, tp, dtype)

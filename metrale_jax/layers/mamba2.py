@@ -165,8 +165,10 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         the gated norm, what levers.gated_norm_quant says (one scale per row per norm group); None: the norm runs
         in bf16 and the arm quantizes."""
         kind = proj.input_quant(phase, tokens)
-        if kind is None or self.tp_axis is not None or not registry.resolved(norm, self.kernels):
+        if kind is None or not registry.resolved(norm, self.kernels):
             return None
+        if norm == "gated_rmsnorm_fp8" and self.norm_group is not None:
+            return None              # a norm group split over devices: the bf16 norm across them, the arm quantizes
         if norm == "gated_rmsnorm_fp8":
             if self.gated_norm_quant == "off" or (self.gated_norm_quant == "group" and group % FP8_BLOCK):
                 return None

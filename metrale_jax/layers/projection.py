@@ -271,8 +271,8 @@ def _run_arm(fn, arm: str, w, x, phase: str, out_dtype) -> jax.Array:
     if arm == "dense":
         return fn(x, w.weight, out_dtype=out_dtype)
     if arm == "fp8_native" and isinstance(w, Fp8Share):
-        if isinstance(x, Fp8Activations):
-            raise ShapeError("an FP8 share (tensor parallelism) takes unquantized activations")
+        if isinstance(x, Fp8Activations) and w.cols is not None:
+            raise ShapeError("an FP8 share split by input column takes unquantized activations")
         return w.output(fn(w.padded_input(x), w.weight.weight, w.weight.scale, out_dtype=out_dtype))
     if arm == "fp8_native":
         return fn(x, w.weight, w.scale, out_dtype=out_dtype)

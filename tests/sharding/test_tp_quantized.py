@@ -192,7 +192,10 @@ def test_what_a_mesh_cannot_serve_raises_config_errors(mesh, rng):
     with pytest.raises(ConfigError, match="out_proj.weight: its column split gives each device 192 input columns"):
         sharding_quant.place_fp8(out_proj, w, cfg, tp, ModelLevers(fp8_activations="e4m3"))
     with pytest.raises(ConfigError, match="native_fp8_ssm"):
-        sharding_quant.check_levers(cfg, {out_proj: w}, ModelLevers(native_fp8_ssm="decode"))
+        sharding_quant.check_levers(cfg, {out_proj: w}, ModelLevers(native_fp8_ssm="decode"), 2)
+    with pytest.raises(ConfigError, match="gated_norm_quant: 'group' .* a group of 384 channels is split"):
+        sharding_quant.check_levers(cfg, {out_proj: w}, ModelLevers(), 2)
+    sharding_quant.check_levers(cfg, {out_proj: w}, ModelLevers(gated_norm_quant="off"), 2)
     packed, scale, g = qf.quantize_nvfp4(rng.standard_normal((cfg.hidden_size, cfg.d_inner)).astype(np.float32))
     nv = Nvfp4Weight(jnp.asarray(packed), jnp.asarray(scale), jnp.asarray(g))
     with pytest.raises(ConfigError, match="W4A4"):
