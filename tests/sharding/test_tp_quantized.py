@@ -108,6 +108,37 @@ def test_quantized_builtin_split_over_two_devices(loaded, rng, tmp_path, fmt, ki
     assert (tmp_path / "two" / "config.json").read_text() == (tmp_path / "one" / "config.json").read_text()
 
 
+# 128-aligned splits: in_proj / q / k / v / up_proj rows and out_proj / o_proj / down_proj columns of whole blocks
+ALIGNED = dict(vocab_size=256, hidden_size=256, hybrid_override_pattern="M*-E", mamba_num_heads=8, mamba_head_dim=64,
+               ssm_state_size=32, n_groups=2, chunk_size=16, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+               intermediate_size=512, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
+               moe_shared_expert_intermediate_size=256, n_shared_experts=1, n_group=1, topk_group=1)
+
+
+def test_fp8_with_e4m3_activations_on_128_aligned_splits(mesh, rng, tmp_path):
+    """The default levers (E4M3 prefill activations, the gated norm's per-group quantization) on a model whose
+    splits land on 128 boundaries: plain per-device grids (in_proj padded only around its B/C/dt rows), the fused
+    norms quantize as on one device. The weights are the same numbers (test above), but an activation block's E4M3
+    scale is its amax / 448: where the all-reduce's summation order moves an amax by an ulp the whole block rounds
+    anew, so a few positions' logits move by up to ~1e-2; most stay within the TP tolerance."""
+    cfg = ModelConfig.from_hf(ALIGNED)
+    NemotronH.from_config(cfg, jax.random.key(5), dtype=jnp.float32).save_pretrained(tmp_path / "dense")
+    quantize_checkpoint(tmp_path / "dense", tmp_path / "q", "fp8-block")
+    lev = ModelLevers()
+    assert (lev.fp8_activations, lev.gated_norm_quant) == ("e4m3", "group")
+    one = NemotronH.from_pretrained(tmp_path / "q", dtype=jnp.float32, levers=lev, progress=False)
+    two = NemotronH.from_pretrained(tmp_path / "q", dtype=jnp.float32, levers=lev, progress=False, mesh=mesh)
+    assert isinstance(two.layers[0].out_proj.base_weight(), Fp8Weight)
+    assert isinstance(two.layers[1].k_proj.base_weight(), Fp8Weight)
+    assert two.layers[0].out_proj.active_kernel("prefill", 16) == "w8a16_gemm_pipelined"
+    lens = np.array([T, 6])
+    prompts = np.where(np.arange(T)[None] < lens[:, None], rng.integers(0, 256, (SLOTS, T)), 0).astype(np.int32)
+    want, got = _run(one, prompts, lens), _run(two, prompts, lens)
+    errs = [rel_err(got[0][b, t], want[0][b, t]) for b in range(SLOTS) for t in range(lens[b])]
+    errs += [rel_err(got[1][s, b], want[1][s, b]) for s in range(STEPS) for b in range(SLOTS)]
+    assert max(errs) <= 3e-2 and np.median(errs) <= TOL, errs
+
+
 def test_engine_splits_an_unsharded_quantized_model_over_a_mesh(loaded, mesh):
     """Engine(model, mesh=...) puts a copy of an unsharded FP8 model on the mesh (its containers, routed experts
     one by one, placed as the loader's are) and generates the unsharded model's greedy tokens."""
