@@ -3,15 +3,15 @@ and NVFP4 containers placed on a mesh so that every device's share holds exactly
 taken back to the checkpoint's layout for save_pretrained.
 
   row split (in_proj, q/k/v, up_proj, vocabulary-split lm_head): the codes go with their rows (in the row order
-      sharding.tensor_layout gives: the Mamba device-major permutation, repeated groups / kv heads). FP8: each
-      device's scale grid has ceil(N_local/128) rows, so the global grid is [tp*ceil(N_local/128), K/128]; a
-      device 128-row block whose rows come from checkpoint blocks of one scale takes that scale. Where a device
-      block would mix blocks of different scales, or N_local is not a multiple of 128 (a block cut by the split),
-      the share is padded instead (containers.Fp8Share: each 128-row block holds rows of one checkpoint block and
-      carries its scale, zero rows between, and the projection gathers its output rows).
+      sharding.tensor_layout gives: the Mamba device-major permutation, repeated groups / kv heads). FP8: where
+      N_local is a multiple of 128 and each device 128-row block's rows come from checkpoint blocks of one scale,
+      the device's grid has N_local/128 rows of those scales (the global grid [tp*N_local/128, K/128]). Else (a
+      block cut by the split, or rows of differently scaled blocks brought together) the share is padded
+      (containers.Fp8Share: each 128-row block holds rows of one checkpoint block and carries its scale, so a
+      cut block keeps its scale on both sides; zero rows between; the projection gathers its output rows).
   column split (out_proj, o_proj, down_proj): the same along K (Fp8Share gathers its input columns). The FP8
-      prefill arm that quantizes its activations per 128 columns (fp8_activations 'e4m3') needs the split on a
-      128-column boundary with no padding, else a ConfigError names the tensor (fp8_activations 'bf16' serves any).
+      prefill arm that quantizes its activations per 128 columns (fp8_activations 'e4m3') needs whole blocks
+      (K_local % 128 == 0, no padding), else a ConfigError names the tensor (fp8_activations 'bf16' serves any).
   NVFP4: codes and group scales (16 along K) go with their rows; a column split needs K_local % 16 == 0
       (ConfigError naming the tensor); the global scale (and input_scale) is replicated.
   routed experts (StackedExperts): split by expert, every array of the stack.
