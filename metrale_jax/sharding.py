@@ -188,16 +188,6 @@ def storage_config(config: ModelConfig, tp: int) -> ModelConfig:
 
 
 # ---- row permutations (checkpoint order -> device-major order) ---------------------------------
-def _blocks(starts_sizes: Sequence[tuple[int, int]], tp: int) -> np.ndarray:
-    """Indices that take device d's 1/tp of every (start, size) segment, devices one after another."""
-    parts = []
-    for d in range(tp):
-        for start, size in starts_sizes:
-            n = size // tp
-            parts.append(np.arange(start + d * n, start + (d + 1) * n))
-    return np.concatenate(parts).astype(np.int64)
-
-
 def _group_rows(start: int, size: int, groups: Sequence[int]) -> list[np.ndarray]:
     return [np.arange(start + g * size, start + (g + 1) * size) for g in groups]
 
