@@ -33,6 +33,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from metrale_jax import adapter_mesh
 from metrale_jax.config import ModelConfig
 from metrale_jax.errors import CheckpointError, ConfigError
 from metrale_jax.state.cache import ModelCache
@@ -319,11 +320,12 @@ def device_view(model) -> DeviceView:
     """The device view of a sharded NemotronH (built once per model structure)."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(model)
     shapes = tuple((jax.tree_util.keystr(p), tuple(x.shape)) for p, x in leaves)
-    return _device_view(type(model), model.config, model.dtype, model.levers, model.tp, treedef, shapes)
+    return _device_view(type(model), model.config, model.dtype, model.levers, model.tp, treedef, shapes,
+                        adapter_mesh.overlay_layout(model))
 
 
 @functools.lru_cache(maxsize=16)
-def _device_view(cls, config, dtype, levers, tp: TensorParallel, treedef, shapes) -> DeviceView:
+def _device_view(cls, config, dtype, levers, tp: TensorParallel, treedef, shapes, overlays=()) -> DeviceView:
     lc = local_config(config, tp.size)
     local_shapes = {}
     for name, spec in expected_tensors(config).items():
@@ -338,7 +340,9 @@ def _device_view(cls, config, dtype, levers, tp: TensorParallel, treedef, shapes
     def build():
         tensors = {n: jnp.zeros(s, d) for n, (s, d) in local_shapes.items()}
         share = DeviceShare(tp.axis, tp.size, vocab_sharded(config, tp.size))
-        return cls(lc, tensors, dtype=dtype, levers=levers, shard_of=share)
+        view = cls(lc, tensors, dtype=dtype, levers=levers, shard_of=share)
+        adapter_mesh.install_view_overlays(view, overlays)          # LoRA overlays of local shapes
+        return view
 
     local, local_def = jax.tree_util.tree_flatten_with_path(nnx.eval_shape(build))
     local_paths = [jax.tree_util.keystr(p) for p, _ in local]
@@ -378,16 +382,18 @@ def run_sharded(step, model, *args, out_specs, **kwargs):
     specs = cache_specs(model.config, tp)
     arg_specs = {ModelCache: specs, type(specs.ssm): specs.ssm, type(specs.kv): specs.kv}
     live = [i for i, a in enumerate(args) if a is not None]
-    in_specs = (list(view.leaf_specs), *(arg_specs.get(type(args[i]), P()) for i in live))
+    table = adapter_mesh.table_argument()                  # the LoRA adapter table in scope, replicated
+    in_specs = (list(view.leaf_specs), (P(),) * len(table), *(arg_specs.get(type(args[i]), P()) for i in live))
 
-    def body(leaves, *live_args):
+    def body(leaves, table, *live_args):
         full = list(args)
         for i, a in zip(live, live_args):
             full[i] = a
-        return step(jax.tree.unflatten(view.treedef, leaves), *full, **kwargs)
+        with adapter_mesh.scoped(table):
+            return step(jax.tree.unflatten(view.treedef, leaves), *full, **kwargs)
 
     fn = jax.shard_map(body, mesh=tp.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    return fn(jax.tree.leaves(model), *(args[i] for i in live))
+    return fn(jax.tree.leaves(model), table, *(args[i] for i in live))
 
 
 def check_placement(model) -> None:
