@@ -206,3 +206,36 @@ def test_peft_made_expert_and_lm_head_adapter_matches_hf_peft_logits():
     assert "lm_head" in mods and sum(".experts." in m for m in mods) == 2 * meta["moe_layers"]
     got = np.asarray(model.forward(exp["input_ids"]))
     assert rel_err(got, exp["logits_adapter"]) < F32_TOL, rel_err(got, exp["logits_adapter"])
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "nvfp4"])
+def test_expert_overlay_beside_quantized_experts(fmt):
+    """Quantized routed experts (the grouped kernels) plus the overlay equal their dequantized twin with the
+    factors merged in by hand."""
+    from metrale_jax.layers import lora
+    from metrale_jax.layers.lora import ExpertLoraOverlay
+    from metrale_jax.layers.moe import NemotronMoELayer
+    from tests.layers.test_moe import CFG as MOE_CFG, D as MOE_D, _moe_tensors
+    from tests.layers.test_moe_quantized import _stack
+
+    rng = np.random.default_rng(3603)
+    _, _, layer = _moe_tensors(rng, MOE_CFG)
+    w = layer.moe_weights()
+    up, down = _stack(fmt, w.experts_up), _stack(fmt, w.experts_down)
+    quant = NemotronMoELayer(layer.input_norm[...], dataclasses.replace(w, experts_up=up, experts_down=down),
+                             MOE_CFG, layer_idx=1, levers=ModelLevers(kernels="reference"))
+    merged, s = {}, np.float32(0.7)
+    for p, stack in (("up", up), ("down", down)):
+        En, N, K = stack.shape
+        a = (rng.standard_normal((1, En, 2, K)) * K ** -0.5).astype(np.float32)
+        b = (rng.standard_normal((1, En, N, 2)) * 0.3).astype(np.float32)
+        setattr(quant, f"experts_{p}_lora", ExpertLoraOverlay(a, b, np.array([s])))
+        merged[p] = np.asarray(stack.dequantize(), np.float64) + s * np.einsum("enr,erk->enk", b[0], a[0])
+    twin = NemotronMoELayer(layer.input_norm[...], dataclasses.replace(
+        w, experts_up=jnp.asarray(merged["up"], F32), experts_down=jnp.asarray(merged["down"], F32)),
+        MOE_CFG, layer_idx=1)
+    x = jnp.asarray(rng.standard_normal((7, MOE_D)), F32)
+    with lora.slot_adapters(jnp.array([0, 1], jnp.int32)), lora.head_rows(jnp.ones(7, jnp.int32)):
+        got = quant(x)
+    assert rel_err(got, twin(x)) < 1e-5
+    assert rel_err(quant(x), got) > 1e-3                    # outside any adapter scope: the base alone

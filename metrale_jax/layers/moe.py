@@ -9,7 +9,9 @@ their weighted sum back; the shared experts see x itself. Exact: no capacity lim
 the experts run as two grouped GEMMs (jax.lax.ragged_dot_general) over the token-expert pairs
 sorted by expert, so a token's result does not depend on the other tokens in the batch. Experts kept
 quantized (StackedExperts: block FP8 or NVFP4) run on the grouped kernels w8a16_grouped / w4a16_grouped,
-which must resolve when the experts are installed.
+which must resolve when the experts are installed. LoRA adapters on the routed experts (experts_up_lora /
+experts_down_lora, layers/lora.py ExpertLoraOverlay) run beside the grouped GEMMs on the same sorted rows, each
+pair on its token's adapter; the expert weights are never touched.
 """
 
 from __future__ import annotations
