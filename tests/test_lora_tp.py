@@ -4,8 +4,6 @@ projections, lm_head split by vocabulary) loaded on tp=2 (host CPU devices) give
 tensor-parallel tolerance, through the model's steps and the Engine with rows of different adapters; the overlays
 lie on the mesh as the device view cuts them; save writes the checkpoint's row order back."""
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,7 +14,8 @@ from metrale_jax.adapters import lora_targets
 from metrale_jax.config import ModelConfig
 from metrale_jax.errors import ConfigError
 from metrale_jax.model import _JITTED, NemotronH
-from metrale_jax.weights.lora import LoraConfig, write_adapter
+from metrale_jax.weights.lora import WEIGHTS_FILE, LoraConfig, write_adapter
+from metrale_jax.weights.safetensors_io import SafetensorsFile
 from tests.numpy_refs import rel_err
 
 # tests/sharding/test_tensor_parallel.py's model at tp=2: Mamba groups, kv heads, experts, intermediate sizes
@@ -72,39 +71,47 @@ def test_adapters_on_tp2_equal_tp1(pair):
     np.testing.assert_array_equal(f1[0], plain[0])
     assert min(rel_err(f1[1], plain[1]), rel_err(f1[2], plain[2])) > 1e-2          # the adapters do something
     slots, lengths = jnp.arange(3, dtype=jnp.int32), jnp.full((3,), 10, jnp.int32)
-    out = {}
-    for label, m in (("tp1", one), ("tp2", two)):
-        cache = m.new_cache(3, 16)
-        table = jnp.zeros(cache.num_slots, jnp.int32).at[:3].set(mixed)
-        lp, cache = _JITTED["prefill"](m, cache, slots, ids, lengths, all_logits=False, continue_=False,
-                                       adapters=table)
-        ld, _ = _JITTED["decode"](m, cache, slots, jnp.argmax(f1[:, -1], -1).astype(jnp.int32), table)
-        out[label] = (np.asarray(lp), np.asarray(ld))
-    np.testing.assert_allclose(out["tp1"][0], f1[:, -1], rtol=1e-5, atol=1e-5)
-    for got, want in zip(out["tp2"], out["tp1"]):
-        assert rel_err(got, want) <= TOL
-    one.set_adapter("a")
-    want_a = np.asarray(one.forward(ids))
-    two.save_adapter(tmp / "a_from_tp2", "a")                  # the checkpoint's row order back
-    one.load_adapter(tmp / "a_from_tp2", "a2")
-    np.testing.assert_allclose(np.asarray(one.forward(ids)), want_a, rtol=1e-6, atol=1e-6)
-    one.unload_adapter("a2")
+    cache = two.new_cache(3, 16)
+    table = jnp.zeros(cache.num_slots, jnp.int32).at[:3].set(mixed)          # each slot's adapter
+    lp, cache = _JITTED["prefill"](two, cache, slots, ids, lengths, all_logits=False, continue_=False,
+                                   adapters=table)
+    assert rel_err(np.asarray(lp), f1[:, -1]) <= TOL
+    tok = jnp.argmax(f1[:, -1], -1).astype(jnp.int32)
+    ld, _ = _JITTED["decode"](two, cache, slots, tok, table)
+    longer = np.asarray(_JITTED["forward"](one, jnp.concatenate([ids, tok[:, None]], 1), mixed))
+    assert rel_err(np.asarray(ld), longer[:, -1]) <= TOL
+    two.save_adapter(tmp / "a_from_tp2", "a")                  # the checkpoint's row order back, bit for bit
+    saved, written = _tensors(tmp / "a_from_tp2"), _tensors(tmp / "a")
+    assert saved.keys() == written.keys()
+    for k in written:
+        np.testing.assert_array_equal(saved[k], written[k], err_msg=k)
     with pytest.raises(ConfigError, match="merge_adapter on a model split over a mesh"):
         two.merge_adapter("a")
 
 
 def test_engine_on_tp2_batches_rows_of_different_adapters(pair):
+    """Greedy tokens of the Engine on tp=2, rows of three adapters in its steps, are the argmax of the tp=1 logits
+    of the same rows with their adapters (teacher-forced: one forward of prompt + tokens)."""
     one, two, rng, _ = pair
-    prompts = [list(rng.integers(0, CFG.vocab_size, n)) for n in (5, 7, 6)]
-    adapters = (None, "a", "b")
-    got = {}
-    for label, model in (("tp1", one), ("tp2", two)):
-        engine = Engine(model, max_slots=3, max_len=24)
-        rids = [engine.submit(p, 5, adapter=a) for p, a in zip(prompts, adapters)]
-        while engine.has_work:
-            engine.step()
-        got[label] = [engine.pop(r).tokens for r in rids]
-    assert got["tp2"] == got["tp1"]
-    assert got["tp1"][1] != got["tp1"][0] or got["tp1"][2] != got["tp1"][0]   # the adapters change the tokens
+    prompts = [list(map(int, rng.integers(0, CFG.vocab_size, n))) for n in (5, 7, 6)]
+    engine = Engine(two, max_slots=3, max_len=24)
+    rids = [engine.submit(p, 5, adapter=a) for p, a in zip(prompts, (None, "a", "b"))]
+    while engine.has_work:
+        engine.step()
+    got = [engine.pop(r).tokens for r in rids]
+    ids = np.zeros((3, 12), np.int64)
+    for i, (p, t) in enumerate(zip(prompts, got)):
+        ids[i, :len(p) + len(t)] = p + t
+    logits = np.asarray(_JITTED["forward"](one, jnp.asarray(ids), jnp.array([0, 1, 2], jnp.int32)))
+    for i, (p, t) in enumerate(zip(prompts, got)):
+        assert len(t) == 5
+        assert [int(np.argmax(logits[i, len(p) - 1 + j])) for j in range(5)] == t, i
     with pytest.raises(ConfigError, match="unsharded model with LoRA adapters"):
         Engine(one, mesh=two.tp.mesh)
+
+
+def _tensors(path):
+    f = SafetensorsFile(path / WEIGHTS_FILE)
+    out = {k: np.array(f.get(k)) for k in f.keys()}
+    f.close()
+    return out
