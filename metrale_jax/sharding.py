@@ -41,6 +41,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from metrale_jax import adapter_mesh
 from metrale_jax.config import ModelConfig
 from metrale_jax.errors import CheckpointError, ConfigError
 from metrale_jax.state.cache import ModelCache
@@ -416,11 +417,12 @@ def device_view(model) -> DeviceView:
     leaves, treedef = jax.tree_util.tree_flatten_with_path(model)
     shapes = tuple((jax.tree_util.keystr(p), tuple(x.shape)) for p, x in leaves)
     return _device_view(type(model), model.config, model.dtype, model.levers, model.tp, treedef, shapes,
-                        getattr(model, "shard_formats", ()))
+                        adapter_mesh.overlay_layout(model), getattr(model, "shard_formats", ()))
 
 
 @functools.lru_cache(maxsize=16)
-def _device_view(cls, config, dtype, levers, tp: TensorParallel, treedef, shapes, formats=()) -> DeviceView:
+def _device_view(cls, config, dtype, levers, tp: TensorParallel, treedef, shapes, overlays=(),
+                 formats=()) -> DeviceView:
     from metrale_jax import sharding_quant
 
     lc = local_config(config, tp.size)
@@ -439,7 +441,9 @@ def _device_view(cls, config, dtype, levers, tp: TensorParallel, treedef, shapes
         tensors |= {n: sharding_quant.local_container(tree, leaves, tp.size) for n, tree, leaves in formats}
         norm = config.gated_norm_group_size if norm_spans_devices(config, tp.size) else None
         share = DeviceShare(tp.axis, tp.size, vocab_sharded(config, tp.size), norm)
-        return cls(lc, tensors, dtype=dtype, levers=levers, shard_of=share)
+        view = cls(lc, tensors, dtype=dtype, levers=levers, shard_of=share)
+        adapter_mesh.install_view_overlays(view, overlays)          # LoRA overlays of local shapes
+        return view
 
     local, local_def = jax.tree_util.tree_flatten_with_path(nnx.eval_shape(build))
     local_paths = [jax.tree_util.keystr(p) for p, _ in local]
@@ -480,16 +484,18 @@ def run_sharded(step, model, *args, out_specs, **kwargs):
     specs = cache_specs(model.config, tp)
     arg_specs = {ModelCache: specs, type(specs.ssm): specs.ssm, type(specs.kv): specs.kv}
     live = [i for i, a in enumerate(args) if a is not None]
-    in_specs = (list(view.leaf_specs), *(arg_specs.get(type(args[i]), P()) for i in live))
+    table = adapter_mesh.table_argument()                  # the LoRA adapter table in scope, replicated
+    in_specs = (list(view.leaf_specs), (P(),) * len(table), *(arg_specs.get(type(args[i]), P()) for i in live))
 
-    def body(leaves, *live_args):
+    def body(leaves, table, *live_args):
         full = list(args)
         for i, a in zip(live, live_args):
             full[i] = a
-        return step(jax.tree.unflatten(view.treedef, leaves), *full, **kwargs)
+        with adapter_mesh.scoped(table):
+            return step(jax.tree.unflatten(view.treedef, leaves), *full, **kwargs)
 
     fn = jax.shard_map(body, mesh=tp.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    return fn(jax.tree.leaves(model), *(args[i] for i in live))
+    return fn(jax.tree.leaves(model), table, *(args[i] for i in live))
 
 
 def check_placement(model) -> None:
