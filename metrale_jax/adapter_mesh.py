@@ -34,6 +34,15 @@ def _layout(model, name: str):
     return sharding.tensor_layout(tensor, model.config, model.tp)
 
 
+def checkpoint_shape(model, name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Target `name`'s base shape (.., N, K) as the checkpoint holds it: a sharded model's global rows may repeat
+    some (Mamba groups / kv heads repeated per device, sharding.storage_config)."""
+    layout = _layout(model, name)
+    if layout is None or layout.rows is None:
+        return tuple(shape)
+    return (*shape[:-2], int(np.max(layout.rows)) + 1, shape[-1])
+
+
 def to_model_order(model, name: str, b: np.ndarray) -> np.ndarray:
     """B [..., N, R] with its rows in the checkpoint's order -> in the order the model holds its base rows."""
     layout = _layout(model, name)

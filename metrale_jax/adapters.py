@@ -121,7 +121,8 @@ def load(model, directory: str | os.PathLike, name: str | None = None) -> str:
     config = read_config(directory)
     tgts = lora_targets(model)
     tensors, copies = split_full_copies(read_factors(directory))
-    factors = match_factors(config, tensors, {n: t.shape for n, t in tgts.items()}, model.config.num_hidden_layers)
+    shapes = {n: adapter_mesh.checkpoint_shape(model, n, t.shape) for n, t in tgts.items()}
+    factors = match_factors(config, tensors, shapes, model.config.num_hidden_layers)
     factors.update(_full_copies(model, config, copies, directory))
     if not factors and not copies:
         raise CheckpointError(f"{directory}: the adapter holds no LoRA factors")
@@ -179,7 +180,7 @@ def create(model, name: str, *, r: int, lora_alpha: float, target_modules, key: 
         raise ConfigError("target_modules", f"{tuple(target_modules)} names no projection of this model")
     factors = {}
     for i, (n, t) in enumerate(sorted(projs.items())):
-        N, K = t.shape
+        N, K = adapter_mesh.checkpoint_shape(model, n, t.shape)
         a = jax.random.uniform(jax.random.fold_in(key, i), (r, K), jnp.float32, -K ** -0.5, K ** -0.5)
         factors[n] = (np.asarray(a), np.zeros((N, r), np.float32), config.scale(pattern_name(n)))
     install(model, name, config, factors)

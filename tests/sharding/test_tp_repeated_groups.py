@@ -140,3 +140,38 @@ def test_save_pretrained_of_the_split_model_equals_the_single_device_one(pair, t
     assert set(a) - set(b) == {n for n in a if n.startswith("mtp.")} and set(b) <= set(a)
     for name in b:
         np.testing.assert_array_equal(b[name], a[name], err_msg=name)
+
+
+def test_lora_adapter_over_repeated_groups_and_kv_heads(rng, tmp_path):
+    """An adapter on every target of the built-in model, split over 2 devices: its in_proj B rows follow the
+    repeated B/C rows and its k/v_proj B rows the repeated kv heads; the logits are the single device's and
+    save_adapter writes the adapter's own rows back (one copy of each)."""
+    from metrale_jax.adapters import lora_targets
+    from metrale_jax.weights.lora import LoraConfig, write_adapter
+    from tests.test_lora_tp import _tensors
+
+    one = NemotronH.from_pretrained(builtin_model_dir(), dtype=jnp.float32, progress=False)
+    two = NemotronH.from_pretrained(builtin_model_dir(), dtype=jnp.float32, progress=False,
+                                    mesh=sharding.make_mesh(2))
+    modules = ("in_proj", "out_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj")
+    factors = {}
+    for n, t in lora_targets(one).items():
+        if n.rsplit(".", 1)[-1] in modules and ".experts." not in n:     # routed experts: tests/test_lora_tp.py
+            N, K = t.shape
+            factors[n] = ((rng.standard_normal((2, K)) * K ** -0.5).astype(np.float32),
+                          (rng.standard_normal((N, 2)) * 0.3).astype(np.float32))
+    path = tmp_path / "a"
+    write_adapter(path, LoraConfig(2, 4.0, target_modules=modules), factors)
+    one.load_adapter(path, "a")
+    two.load_adapter(path, "a")
+    sharding.check_placement(two)
+    ids = jnp.asarray(rng.integers(3, 259, (2, 9)))
+    rows = jnp.array([1, 1], jnp.int32)                        # both rows on the adapter
+    want = np.asarray(_JITTED["forward"](one, ids, rows))
+    _close(np.asarray(_JITTED["forward"](two, ids, rows)), want)
+    assert rel_err(want, np.asarray(_JITTED["forward"](one, ids, jnp.zeros(2, jnp.int32)))) > 1e-2
+    two.save_adapter(tmp_path / "back", "a")
+    saved, written = _tensors(tmp_path / "back"), _tensors(path)
+    assert saved.keys() == written.keys()
+    for k in written:
+        np.testing.assert_array_equal(saved[k], written[k], err_msg=k)
