@@ -114,6 +114,8 @@ def place_fp8(name: str, w: Fp8Weight, config: ModelConfig, tp: sharding.TensorP
             index.append(src)
     inner = Fp8Weight(put(codes, split), put(grid, split), inp, WeightQuantFormat.FP8_BLOCK_SCALED)
     idx = jax.device_put(np.concatenate(index).astype(np.int32), tp.sharding(P(tp.axis)))
+    if split == 0 and all(np.array_equal(pos, np.arange(len(pos))) for pos, _ in layouts):
+        idx = None                                   # padding after the share's rows only: its output is a slice
     logical = (tp.size * len(shares[0]), k)          # the global model's shape: every device's share
     logical = logical if split == 0 else logical[::-1]
     return Fp8Share(inner, idx if split == 0 else None, idx if split == 1 else None, logical)
@@ -224,7 +226,7 @@ def local_container(treedef, leaves, tp: int):
     w = jax.tree.unflatten(treedef, [jnp.zeros(shape, dtype) for shape, dtype in leaves])
     if isinstance(w, Fp8Share):                      # the global model's share counts every device's rows
         n, k = w.logical
-        w = Fp8Share(w.weight, w.rows, w.cols, (n // tp, k) if w.rows is not None else (n, k // tp))
+        w = Fp8Share(w.weight, w.rows, w.cols, (n // tp, k) if w.cols is None else (n, k // tp))
     return w
 
 
@@ -271,13 +273,15 @@ def _unshard_fp8(w: Fp8Weight, layout: sharding.Layout, tp: sharding.TensorParal
 def _unshard_fp8_share(w: Fp8Share, name: str, config: ModelConfig, tp: sharding.TensorParallel) -> Fp8Weight:
     """A padded FP8 share back to the checkpoint: each checkpoint row (column) from the first device holding it,
     each checkpoint block's scale from the padded block holding one of its rows."""
-    split = 0 if w.rows is not None else 1
+    split = 0 if w.cols is None else 1
     layout = sharding.tensor_layout(name, config, tp)
     q, s = np.asarray(w.weight.weight), np.asarray(w.weight.scale)
     if split == 1:
         q, s = q.T, s.T
     n_pad, n_local = q.shape[0] // tp.size, w.logical[split] // tp.size
-    index = np.asarray(w.rows if split == 0 else w.cols).reshape(tp.size, -1)
+    index = np.tile(np.arange(n_local), tp.size) if split == 0 and w.rows is None else \
+        np.asarray(w.rows if split == 0 else w.cols)
+    index = index.reshape(tp.size, -1)
     codes, src_block = {}, {}
     for d, sh in enumerate(row_shards(tp.size * n_local, layout.rows if split == 0 else None, tp.size)):
         if split == 0:

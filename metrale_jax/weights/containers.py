@@ -184,8 +184,8 @@ class Fp8Share:
     (columns) of 128-blocks with different scales into one 128-block of the share: `weight` holds the share padded
     so that every 128-block holds rows (columns) of one checkpoint block only, with that block's scale (padding:
     zero codes). Exactly the checkpoint's numbers; the projection gathers its input columns / output rows.
-      rows: int32 [N], the padded row of each of the share's output rows (a row split), or None.
-      cols: int32 [K_pad], the share's input column each padded column takes (K: a zero), or None.
+      rows: int32 [N], the padded row of each of the share's output rows (a row split), or None: the first N.
+      cols: int32 [K_pad], the share's input column each padded column takes (K: a zero), or None (a row split).
     On a sharded model's global arrays (every device's share side by side) `logical` is the shape of all shares
     together; the gathers and `dequantize` are a device view's (one share)."""
 
@@ -214,12 +214,11 @@ class Fp8Share:
 
     def output(self, y: jax.Array) -> jax.Array:
         """The padded share's output [M, N_pad] -> [M, N] (y itself for a column split)."""
-        return y if self.rows is None else y[:, self.rows]
+        return y[:, :self.logical[0]] if self.rows is None else y[:, self.rows]
 
     def dequantize(self, dtype=jnp.float32) -> jax.Array:
         w = self.weight.dequantize(jnp.float32)
-        if self.rows is not None:
-            w = w[self.rows]
+        w = w[:self.logical[0]] if self.rows is None else w[self.rows]
         if self.cols is not None:
             n, k = self.logical
             w = jnp.zeros((n, k + 1), jnp.float32).at[:, self.cols].set(w)[:, :k]

@@ -110,14 +110,14 @@ def test_quantized_builtin_split_over_two_devices(loaded, rng, tmp_path, fmt, ki
 
 # 128-aligned splits: in_proj / q / k / v / up_proj rows and out_proj / o_proj / down_proj columns of whole blocks
 ALIGNED = dict(vocab_size=256, hidden_size=256, hybrid_override_pattern="M*-E", mamba_num_heads=8, mamba_head_dim=64,
-               ssm_state_size=32, n_groups=2, chunk_size=16, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+               ssm_state_size=128, n_groups=2, chunk_size=16, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
                intermediate_size=512, n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=256,
                moe_shared_expert_intermediate_size=256, n_shared_experts=1, n_group=1, topk_group=1)
 
 
 def test_fp8_with_e4m3_activations_on_128_aligned_splits(mesh, rng, tmp_path):
     """The default levers (E4M3 prefill activations, the gated norm's per-group quantization) on a model whose
-    splits land on 128 boundaries: plain per-device grids (in_proj padded only around its B/C/dt rows), the fused
+    splits land on 128 boundaries: plain per-device grids (in_proj padded after its 4 dt rows only), the fused
     norms quantize as on one device. The weights are the same numbers (test above), but an activation block's E4M3
     scale is its amax / 448: where the all-reduce's summation order moves an amax by an ulp the whole block rounds
     anew, so a few positions' logits move by up to ~1e-2; most stay within the TP tolerance."""
@@ -130,6 +130,7 @@ def test_fp8_with_e4m3_activations_on_128_aligned_splits(mesh, rng, tmp_path):
     two = NemotronH.from_pretrained(tmp_path / "q", dtype=jnp.float32, levers=lev, progress=False, mesh=mesh)
     assert isinstance(two.layers[0].out_proj.base_weight(), Fp8Weight)
     assert isinstance(two.layers[1].k_proj.base_weight(), Fp8Weight)
+    assert two.layers[0].in_proj.base_weight().rows is None                 # its output a slice, not a gather
     assert two.layers[0].out_proj.active_kernel("prefill", 16) == "w8a16_gemm_pipelined"
     lens = np.array([T, 6])
     prompts = np.where(np.arange(T)[None] < lens[:, None], rng.integers(0, 256, (SLOTS, T)), 0).astype(np.int32)
@@ -167,7 +168,7 @@ def _device_rows(w, tp):
         take = lambda a: None if a is None else np.asarray(a.addressable_shards[d].data)
         if isinstance(w, Fp8Share):
             n, k = w.logical
-            local = (n // tp, k) if w.rows is not None else (n, k // tp)
+            local = (n // tp, k) if w.cols is None else (n, k // tp)
             share = Fp8Share(Fp8Weight(jnp.asarray(take(w.weight.weight)), jnp.asarray(take(w.weight.scale))),
                              None if w.rows is None else jnp.asarray(take(w.rows)),
                              None if w.cols is None else jnp.asarray(take(w.cols)), local)
@@ -208,6 +209,19 @@ def test_fp8_shares_hold_exactly_the_checkpoint_numbers(mesh, rng):
         back = sharding_quant.unshard(name, placed, cfg, tp)
         np.testing.assert_array_equal(np.asarray(back.weight).view(np.uint8), np.asarray(w.weight).view(np.uint8))
         np.testing.assert_array_equal(np.asarray(back.scale), np.asarray(w.scale))
+    # every device segment of in_proj on a 128 boundary but the 4 dt rows: padding after the share's rows only,
+    # so the share's output is a slice (no row gather)
+    wide = ModelConfig.from_hf(ALIGNED)
+    in_proj = "backbone.layers.0.mixer.in_proj.weight"
+    w_in = _fp8(rng, wide.in_proj_dim, wide.hidden_size)
+    placed = sharding_quant.place_fp8(in_proj, w_in, wide, tp, BF16_ACT)
+    assert isinstance(placed, Fp8Share) and placed.rows is None and placed.cols is None
+    dense, rows = np.asarray(w_in.dequantize()), sharding.in_proj_rows(wide, 2).reshape(2, -1)
+    for d, got in enumerate(_device_rows(placed, 2)):
+        np.testing.assert_array_equal(got, dense[rows[d]])
+    back = sharding_quant.unshard(in_proj, placed, wide, tp)
+    np.testing.assert_array_equal(np.asarray(back.weight).view(np.uint8), np.asarray(w_in.weight).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(back.scale), np.asarray(w_in.scale))
     # one scale for the whole tensor (ModelOpt FP8, expanded to the grid): a cut block needs no padding
     uniform = Fp8Weight(w.weight, jnp.asarray(0.01, jnp.float32), format=WeightQuantFormat.FP8_PER_TENSOR)
     placed = sharding_quant.place_fp8(name, uniform, cfg, tp, BF16_ACT)
