@@ -143,7 +143,7 @@ class NemotronH(nnx.Module):
                 layer = mamba_layer(norm, weights, config, i, self.levers, self.dtype)
             else:
                 layer = LAYER_CLASSES[kind](norm, weights, config, i, levers=self.levers, **kw)
-            if shard_of is not None:
+            if shard_of is not None and shard_of.size > 1:    # one device's share of one: the unsplit layer
                 layer.tp_axis = shard_of.axis
             layers.append(layer)
         self.layers = nnx.List(layers)

@@ -256,7 +256,8 @@ def _fit(spec: P, ndim: int) -> P:
 def place(name: str, value, config: ModelConfig, tp: TensorParallel, dtype) -> jax.Array:
     """One HF-named tensor (numpy / memory-mapped view, or jax array) on its shards, rows permuted by its
     layout and cast to dtype. From numpy, a split tensor's shares are read and converted one device at a
-    time (never the whole tensor on the host); a replicated one is converted once."""
+    time (never the whole tensor on the host), each share once per process, and only those of this process's
+    devices (so in a multi-process run each process reads its own shares of the files)."""
     layout = tensor_layout(name, config, tp)
     spec = _fit(layout.spec, np.ndim(value))
     sharding = tp.sharding(spec)
@@ -265,8 +266,6 @@ def place(name: str, value, config: ModelConfig, tp: TensorParallel, dtype) -> j
         v = value if layout.rows is None else jnp.take(value, jnp.asarray(layout.rows), axis=0)
         return jax.device_put(v.astype(dtype), sharding)
     rows = layout.rows
-    if all(p is None for p in spec):
-        return jax.device_put(np.asarray(value, dtype=dtype), sharding)
 
     def part(index):
         if rows is None:
