@@ -1,0 +1,70 @@
+"""A real multi-process run on the CPU: two processes on localhost join one jax.distributed run (gloo collectives)
+through `metrale-jax score --coordinator ... --num-processes 2 --process-id i`, each holding one device (a replica
+of the built-in model, dp = 2), and process 0 writes exactly what one process alone writes."""
+
+import json
+import os
+import socket
+import string
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from metrale_jax import cli
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _data(rng, path: Path, n: int = 7) -> None:
+    """n JSONL lines of random text (the built-in tokenizer is byte-level), one context / continuation pair and one
+    of token ids among them; lengths vary, and the one batch of 7 rows pads to 8 split over the 2 replicas."""
+    letters = np.array(list(string.ascii_lowercase + "    "))
+    text = lambda k: "".join(rng.choice(letters, k))
+    lines = [{"text": text(int(rng.integers(4, 90)))} for _ in range(n - 2)]
+    lines.append({"context": text(12), "continuation": text(7)})
+    lines.append({"ids": rng.integers(3, 259, 20).tolist()})
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+
+
+def _without_seconds(out: str) -> list[dict]:
+    rows = [json.loads(line) for line in out.splitlines()]
+    rows[-1]["total"].pop("seconds")                     # the wall time is the one field that may differ
+    return rows
+
+
+def test_two_processes_write_the_single_process_scores(rng, tmp_path, capsys):
+    data = tmp_path / "data.jsonl"
+    _data(rng, data)
+    args = ["score", "--data", str(data), "--json", "--per-token", "--batch-size", "8"]
+    assert cli.main(args) == 0                                          # one process, one device, no mesh
+    want = _without_seconds(capsys.readouterr().out)
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_backend_optimization_level=0"}           # one CPU device per process
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "metrale_jax.cli", *args, "--coordinator", f"localhost:{port}",
+                               "--num-processes", "2", "--process-id", str(i)], cwd=tmp_path, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=110) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    (out0, err0), (out1, _) = outs
+    assert out1 == ""                                                   # only process 0 writes
+    assert "Gloo" not in out0 and "Gloo" in err0 + outs[1][1]          # the collectives' own lines go to stderr
+    got = _without_seconds(out0)
+    assert got == want
+    assert len(got) == 8 and got[-1]["total"]["examples"] == 7
+
