@@ -22,6 +22,7 @@ from metrale_jax import sharding
 from metrale_jax.errors import ConfigError
 
 ENV = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+_JOINED: tuple | None = None                    # (coordinator, num_processes, process_id) once joined
 
 
 def initialize(coordinator: str | None = None, num_processes: int | None = None,
@@ -29,7 +30,9 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
     """Join a multi-process run: coordinator 'host:port' (process 0's address), the number of processes and this
     one's id, each defaulting to the environment (JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES, JAX_PROCESS_ID).
     Returns False (nothing done) when neither gives a coordinator or the run has one process; True once joined.
-    Call it before anything touches a device. The CPU backend's collectives go over gloo."""
+    Call it before anything touches a device. The CPU backend's collectives go over gloo. A second call with the
+    same arguments does nothing more."""
+    global _JOINED
     coordinator = coordinator or os.environ.get(ENV[0]) or None
     num_processes = _env_int(num_processes, ENV[1])
     process_id = _env_int(process_id, ENV[2])
@@ -41,8 +44,13 @@ def initialize(coordinator: str | None = None, num_processes: int | None = None,
         return False
     if process_id is None or not 0 <= process_id < num_processes:
         raise ConfigError("process_id", f"expected an integer in [0, {num_processes}), got {process_id!r}")
+    if _JOINED:                                   # jax.distributed.initialize may run once per process
+        if _JOINED != (coordinator, num_processes, process_id):
+            raise ConfigError("coordinator", f"this process joined the run {_JOINED} already")
+        return True
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes, process_id)
+    _JOINED = (coordinator, num_processes, process_id)
     return True
 
 

@@ -13,8 +13,8 @@ With a mesh (from_pretrained / from_config / NemotronH(..., mesh=...)) the weigh
 over the mesh's devices (tensor and expert parallelism, sharding.py) and every step runs through shard_map;
 the entry points and step functions keep their signatures. On a mesh with a data-parallel axis (make_mesh(tp=,
 dp=)) forward and score split their rows over the dp replicas, prefill / decode on a caller's cache run on every
-replica alike, and generate serves each replica its share (runtime/engine_dp.py). Such a model's Mamba in_proj / conv rows are
-stored in a device-major order: run it through its entry points or step functions, not its layers.
+replica alike, and generate serves each replica its share (runtime/engine_dp.py). Such a model's Mamba in_proj /
+conv rows are stored in a device-major order: run it through its entry points or step functions, not its layers.
 A checkpoint with MTP weights (num_nextn_predict_layers > 0, mtp.* tensors) gives `model.mtp`, a
 layers.mtp.NemotronMTP (else None), and `new_mtp_cache` its state: the engine drafts with it
 (SpeculativeConfig(method="mtp")); a model split over a mesh keeps no MTP head.

@@ -68,3 +68,15 @@ def test_two_processes_write_the_single_process_scores(rng, tmp_path, capsys):
     assert got == want
     assert len(got) == 8 and got[-1]["total"]["examples"] == 7
 
+
+
+def test_an_incomplete_run_description_is_a_usage_error(rng, tmp_path, capsys):
+    """--num-processes without a coordinator (or an out-of-range --process-id) ends with one line, exit 2, before
+    anything joins or loads."""
+    data = tmp_path / "data.jsonl"
+    _data(rng, data)
+    assert cli.main(["score", "--data", str(data), "--num-processes", "2"]) == 2
+    assert "needs the coordinator address" in capsys.readouterr().err
+    assert cli.main(["score", "--data", str(data), "--coordinator", "localhost:1", "--num-processes", "2",
+                     "--process-id", "2"]) == 2
+    assert "process_id: expected an integer in [0, 2), got 2" in capsys.readouterr().err

@@ -18,7 +18,8 @@ layer whose graphs go stale on a new sequence drops that slot's executables at a
 without the in-pass replay-tail capture takes prefix snapshots by ending a prefill chunk at the cut.
 A model split over a mesh (tensor / expert parallel, sharding.py) is served the same way: its steps run
 through shard_map, the cache and prefix snapshots stay split over the devices, host inputs go in
-replicated, and the logits come out split over the vocabulary (sampling reduces over it).
+replicated, and the logits come out split over the vocabulary (sampling reduces over it). On a mesh with
+dp > 1, Engine(...) gives a DataParallelEngine (runtime/engine_dp.py): one Engine per replica.
 """
 
 from __future__ import annotations
@@ -577,9 +578,9 @@ _GENERATE_EXECUTABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def generate_engine(model, batch: int, max_len: int) -> Engine:
-    """An engine for one model.generate call: slots for `batch` prompts (per replica: their share) rounded up to a power of two (one batch
-    bucket, so that requests finishing early do not compile smaller decode batches), max_len tokens each, on the
-    model's executables registry. The engine itself is fresh (its cache and sampling state are the call's own,
+    """An engine for one model.generate call: slots for `batch` prompts (on a dp mesh, per replica: its share)
+    rounded up to a power of two (one batch bucket, so that requests finishing early do not compile smaller decode
+    batches), max_len tokens each, on the model's executables registry. The engine itself is fresh (its cache and sampling state are the call's own,
     and it sees the model's current weights)."""
     exe = _GENERATE_EXECUTABLES.get(model)
     if exe is None:

@@ -75,6 +75,22 @@ def test_dp2_tp2_matches_one_device(builtin, rng):
     _check_against_one_device(builtin, rng, 2, 2)
 
 
+def test_prefill_and_decode_on_a_callers_cache_run_on_every_replica(builtin, rng):
+    """prefill / decode on a cache the caller holds (model.new_cache: split over tp, one copy per replica) give the
+    one-device logits: every replica runs the whole batch."""
+    one, many = builtin(1, 1), builtin(1, 2)
+    ids = rng.integers(3, one.config.vocab_size, (2, 10)).astype(np.int32)
+    slots, lens = np.array([1, 0]), np.array([10, 6])
+    out = []
+    for m in (one, many):
+        logits, cache = m.prefill(m.new_cache(2, 16), slots, ids, lens)
+        step, cache = m.decode(cache, slots, ids[:, 3])
+        out.append((np.asarray(logits), np.asarray(step), np.asarray(cache.seq_lens)))
+    _close(out[1][0], out[0][0])
+    _close(out[1][1], out[0][1])
+    np.testing.assert_array_equal(out[1][2], out[0][2])
+
+
 def test_a_replica_is_its_row_of_the_mesh(builtin, rng):
     """replica(model, i) holds the model's own device buffers of row i (no copy), on a tp-only mesh of those
     devices, and scores as the whole model does; a dp=1 mesh and an unknown replica are refused or reported."""
