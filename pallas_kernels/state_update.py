@@ -4,6 +4,8 @@ The state pool is passed whole, flattened to rows: state [R, H, P, N] (R = layer
 batch row names its pool row. Rows are gathered, advanced one token (or K tokens, keeping the state
 after every token for verify and rollback), and scattered back; no other row is touched.
     S = exp(dt' A) S + dt' x B^T,   y = S C + D x      (state math in float32)
+Every entry point takes the decay rates A [H] or, with A=None, A_log [H] (A = -exp(A_log) computed in the kernel:
+a model's decode step then launches no separate kernel for it).
 """
 
 from __future__ import annotations
@@ -39,24 +41,40 @@ def _step(h, x, dt, A, B, C, D):
     return h, y
 
 
-def state_update_reference(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array,
+def _rates(A, A_log):
+    """(the operand the kernel reads as A, whether it holds A_log); exactly one of the two."""
+    if (A is None) == (A_log is None):
+        raise ShapeError(f"state_update: expected exactly one of A and A_log, got "
+                         f"{'both' if A is not None else 'neither'}")
+    return (A, False) if A_log is None else (A_log, True)
+
+
+def decay_rates(A: jax.Array | None, A_log: jax.Array | None) -> jax.Array:
+    """A [H] as given, or -exp(A_log) in float32; exactly one of the two."""
+    a, is_log = _rates(A, A_log)
+    return -jnp.exp(a.astype(jnp.float32)) if is_log else a
+
+
+def state_update_reference(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array | None,
                            B: jax.Array, C: jax.Array, *, D: jax.Array | None = None,
                            dt_bias: jax.Array | None = None, dt_softplus: bool = True,
-                           dt_limit: tuple[float, float] = (0.0, math.inf)) -> tuple[jax.Array, jax.Array]:
+                           dt_limit: tuple[float, float] = (0.0, math.inf),
+                           A_log: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """One token per batch row.  state [R, H, P, N], rows [Bt], x [Bt, H, P], dt [Bt, H], B/C [Bt, G, N].
     Returns (y [Bt, H, P] in x.dtype, new state)."""
     dtp = process_dt(dt, dt_bias, dt_softplus, dt_limit)
-    h, y = _step(state[rows].astype(jnp.float32), x, dtp, A, B, C, D)
+    h, y = _step(state[rows].astype(jnp.float32), x, dtp, decay_rates(A, A_log), B, C, D)
     return y.astype(x.dtype), state.at[rows].set(h.astype(state.dtype))
 
 
-def state_update_multi_reference(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array,
-                                 B: jax.Array, C: jax.Array, *, D: jax.Array | None = None,
+def state_update_multi_reference(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax.Array,
+                                 A: jax.Array | None, B: jax.Array, C: jax.Array, *, D: jax.Array | None = None,
                                  dt_bias: jax.Array | None = None, dt_softplus: bool = True,
-                                 dt_limit: tuple[float, float] = (0.0, math.inf)):
+                                 dt_limit: tuple[float, float] = (0.0, math.inf), A_log: jax.Array | None = None):
     """K tokens per batch row.  x [Bt, K, H, P], dt [Bt, K, H], B/C [Bt, K, G, N].
     Returns (y [Bt, K, H, P], step_states [Bt, K, H, P, N] (state after each token), new state)."""
     dtp = process_dt(dt, dt_bias, dt_softplus, dt_limit)
+    A = decay_rates(A, A_log)
 
     def body(h, inp):
         xk, dtk, Bk, Ck = inp
@@ -80,7 +98,8 @@ def unpack_xbc(xbc: jax.Array, dt: jax.Array, dt_col: int | None, H: int, P: int
     return x, columns(dt, dt_col, H), B, C
 
 
-def state_update_xbc_reference(state: jax.Array, rows: jax.Array, xbc: jax.Array, dt: jax.Array, A: jax.Array, *,
+def state_update_xbc_reference(state: jax.Array, rows: jax.Array, xbc: jax.Array, dt: jax.Array,
+                               A: jax.Array | None = None, *,
                                dt_col: int | None = None, **kw) -> tuple[jax.Array, jax.Array]:
     """`state_update_reference` on the packed operands (the conv output xbc [Bt, H*P + 2*G*N] and dt, or the
     in_proj output holding dt at dt_col), which the Pallas kernel reads in place."""
@@ -89,7 +108,7 @@ def state_update_xbc_reference(state: jax.Array, rows: jax.Array, xbc: jax.Array
 
 
 def state_update_multi_xbc_reference(state: jax.Array, rows: jax.Array, xbc: jax.Array, dt: jax.Array,
-                                     A: jax.Array, *, dt_col: int | None = None, **kw):
+                                     A: jax.Array | None = None, *, dt_col: int | None = None, **kw):
     """`state_update_multi_reference` on the packed operands: xbc [Bt, K, H*P + 2*G*N], dt [Bt, K, ...]."""
     x, dt, B, C = unpack_xbc(xbc, dt, dt_col, *state.shape[1:])
     return state_update_multi_reference(state, rows, x, dt, A, B, C, **kw)
@@ -119,7 +138,7 @@ def default_update_blocks(P: int, N: int) -> UpdateBlocks:
 
 def _update_kernel(rows_ref, A_ref, D_ref, dtb_ref, x_ref, dt_ref, B_ref, C_ref, state_in_ref, y_ref, state_ref,
                    *steps_ref, K, P, N, rep, BP, Np, cols, has_D, has_bias, softplus_dt, dt_lo, dt_hi, clamp_dt,
-                   multi):
+                   multi, a_is_log):
     del state_in_ref  # aliased to state_ref
     pb, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     f32 = jnp.float32
@@ -130,6 +149,8 @@ def _update_kernel(rows_ref, A_ref, D_ref, dtb_ref, x_ref, dt_ref, B_ref, C_ref,
     r, g = rows_ref[b], h // rep
     x_col, b_col, c_col, dt_col = cols
     a = A_ref[h].astype(f32)
+    if a_is_log:
+        a = -jnp.exp(a)
     state = plgpu.load(state_ref.at[r, h, pc[:, None], n[None, :]], mask=tile, other=0.0).astype(f32)
 
     def token(k, state):
@@ -160,7 +181,7 @@ def _update_kernel(rows_ref, A_ref, D_ref, dtb_ref, x_ref, dt_ref, B_ref, C_ref,
 
 
 def _check_update(state, rows, x, dt, A, B, C, D, dt_bias, lead):
-    """Shapes of the update's arguments; lead = (Bt,) or (Bt, K)."""
+    """Shapes of the update's arguments; lead = (Bt,) or (Bt, K); A is A or A_log."""
     name = "state_update"
     check_shape(name, "state", state, (None, None, None, None))
     _, H, P, N = state.shape
@@ -199,10 +220,11 @@ def _check_packed(state, rows, xbc, dt, A, D, dt_bias, dt_col, lead):
 
 
 @functools.partial(jax.jit, static_argnames=("G", "cols", "dt_softplus", "dt_limit", "interpret", "blocks",
-                                             "multi"))
+                                             "multi", "a_is_log"))
 def _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, *, G, cols, dt_softplus, dt_limit, interpret, blocks,
-                   multi):
-    """x, B, C, dt: [*lead, columns], read from the static column offsets cols = (x, B, C, dt)."""
+                   multi, a_is_log):
+    """x, B, C, dt: [*lead, columns], read from the static column offsets cols = (x, B, C, dt); A holds A_log
+    when a_is_log."""
     _, H, P, N = state.shape
     lead = x.shape[:-1]
     Bt = lead[0]
@@ -217,7 +239,7 @@ def _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, *, G, cols, dt_softp
     kernel = functools.partial(
         _update_kernel, K=K, P=P, N=N, rep=H // G, BP=BP, Np=Np, cols=cols, has_D=D is not None,
         has_bias=dt_bias is not None, softplus_dt=dt_softplus, dt_lo=lo, dt_hi=hi,
-        clamp_dt=lo > 0.0 or not math.isinf(hi), multi=multi)
+        clamp_dt=lo > 0.0 or not math.isinf(hi), multi=multi, a_is_log=a_is_log)
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=(pl.cdiv(P, BP), H, Bt), input_output_aliases={8: 1},
         compiler_params=compiler_params(blk.num_warps, 1), interpret=interpret, name="ssm_state_update",
@@ -242,56 +264,65 @@ def _limit(dt_limit):
     return tuple(float(v) for v in dt_limit)
 
 
-def state_update_pallas(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array,
-                        C: jax.Array, *, D: jax.Array | None = None, dt_bias: jax.Array | None = None,
+def state_update_pallas(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array | None,
+                        B: jax.Array, C: jax.Array, *, D: jax.Array | None = None, dt_bias: jax.Array | None = None,
                         dt_softplus: bool = True, dt_limit: tuple[float, float] = (0.0, math.inf),
-                        interpret: bool = False, blocks: UpdateBlocks | None = None) -> tuple[jax.Array, jax.Array]:
+                        A_log: jax.Array | None = None, interpret: bool = False,
+                        blocks: UpdateBlocks | None = None) -> tuple[jax.Array, jax.Array]:
     """The Pallas one-token update; same call and results as `state_update_reference`, the pool updated in
     place when the caller donates it."""
-    _check_update(state, rows, x, dt, A, B, C, D, dt_bias, (x.shape[0],))
+    a, is_log = _rates(A, A_log)
+    _check_update(state, rows, x, dt, a, B, C, D, dt_bias, (x.shape[0],))
     x, B, C, G, cols = _flat_operands(x, B, C, (x.shape[0],))
-    return _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, G=G, cols=cols, dt_softplus=dt_softplus,
-                          dt_limit=_limit(dt_limit), interpret=interpret, blocks=blocks, multi=False)
+    return _update_pallas(state, rows, x, dt, a, B, C, D, dt_bias, G=G, cols=cols, dt_softplus=dt_softplus,
+                          dt_limit=_limit(dt_limit), interpret=interpret, blocks=blocks, multi=False,
+                          a_is_log=is_log)
 
 
-def state_update_multi_pallas(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array,
+def state_update_multi_pallas(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array | None,
                               B: jax.Array, C: jax.Array, *, D: jax.Array | None = None,
                               dt_bias: jax.Array | None = None, dt_softplus: bool = True,
-                              dt_limit: tuple[float, float] = (0.0, math.inf), interpret: bool = False,
-                              blocks: UpdateBlocks | None = None):
+                              dt_limit: tuple[float, float] = (0.0, math.inf), A_log: jax.Array | None = None,
+                              interpret: bool = False, blocks: UpdateBlocks | None = None):
     """The Pallas K-token update; same call and results as `state_update_multi_reference`."""
-    _check_update(state, rows, x, dt, A, B, C, D, dt_bias, x.shape[:2])
+    a, is_log = _rates(A, A_log)
+    _check_update(state, rows, x, dt, a, B, C, D, dt_bias, x.shape[:2])
     x, B, C, G, cols = _flat_operands(x, B, C, x.shape[:2])
-    y, state, steps = _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, G=G, cols=cols,
+    y, state, steps = _update_pallas(state, rows, x, dt, a, B, C, D, dt_bias, G=G, cols=cols,
                                      dt_softplus=dt_softplus, dt_limit=_limit(dt_limit), interpret=interpret,
-                                     blocks=blocks, multi=True)
+                                     blocks=blocks, multi=True, a_is_log=is_log)
     return y, steps, state
 
 
-def state_update_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Array, dt: jax.Array, A: jax.Array, *,
-                            dt_col: int | None = None, D: jax.Array | None = None, dt_bias: jax.Array | None = None,
-                            dt_softplus: bool = True, dt_limit: tuple[float, float] = (0.0, math.inf),
+def state_update_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Array, dt: jax.Array,
+                            A: jax.Array | None = None, *, dt_col: int | None = None, D: jax.Array | None = None,
+                            dt_bias: jax.Array | None = None, dt_softplus: bool = True,
+                            dt_limit: tuple[float, float] = (0.0, math.inf), A_log: jax.Array | None = None,
                             interpret: bool = False, blocks: UpdateBlocks | None = None):
     """The one-token update reading x, B, C (and dt at dt_col) in place; same call and results as
     `state_update_xbc_reference`."""
-    _check_packed(state, rows, xbc, dt, A, D, dt_bias, dt_col, (xbc.shape[0],))
+    a, is_log = _rates(A, A_log)
+    _check_packed(state, rows, xbc, dt, a, D, dt_bias, dt_col, (xbc.shape[0],))
     x, B, C, G, cols = _packed_operands(state, xbc, dt_col)
-    return _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, G=G, cols=cols, dt_softplus=dt_softplus,
-                          dt_limit=_limit(dt_limit), interpret=interpret, blocks=blocks, multi=False)
+    return _update_pallas(state, rows, x, dt, a, B, C, D, dt_bias, G=G, cols=cols, dt_softplus=dt_softplus,
+                          dt_limit=_limit(dt_limit), interpret=interpret, blocks=blocks, multi=False,
+                          a_is_log=is_log)
 
 
-def state_update_multi_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Array, dt: jax.Array, A: jax.Array,
-                                  *, dt_col: int | None = None, D: jax.Array | None = None,
-                                  dt_bias: jax.Array | None = None, dt_softplus: bool = True,
-                                  dt_limit: tuple[float, float] = (0.0, math.inf), interpret: bool = False,
+def state_update_multi_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Array, dt: jax.Array,
+                                  A: jax.Array | None = None, *, dt_col: int | None = None,
+                                  D: jax.Array | None = None, dt_bias: jax.Array | None = None,
+                                  dt_softplus: bool = True, dt_limit: tuple[float, float] = (0.0, math.inf),
+                                  A_log: jax.Array | None = None, interpret: bool = False,
                                   blocks: UpdateBlocks | None = None):
     """The K-token update reading its operands in place; same call and results as
     `state_update_multi_xbc_reference`."""
-    _check_packed(state, rows, xbc, dt, A, D, dt_bias, dt_col, xbc.shape[:2])
+    a, is_log = _rates(A, A_log)
+    _check_packed(state, rows, xbc, dt, a, D, dt_bias, dt_col, xbc.shape[:2])
     x, B, C, G, cols = _packed_operands(state, xbc, dt_col)
-    y, state, steps = _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, G=G, cols=cols,
+    y, state, steps = _update_pallas(state, rows, x, dt, a, B, C, D, dt_bias, G=G, cols=cols,
                                      dt_softplus=dt_softplus, dt_limit=_limit(dt_limit), interpret=interpret,
-                                     blocks=blocks, multi=True)
+                                     blocks=blocks, multi=True, a_is_log=is_log)
     return y, steps, state
 
 

@@ -200,6 +200,11 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         return dict(A=-jnp.exp(self.A_log[...].astype(jnp.float32)), D=self.D[...], dt_bias=self.dt_bias[...],
                     dt_limit=tuple(self.config.time_step_limit))
 
+    def _decode_ssm_args(self) -> dict:
+        """The state update's arguments with A_log in place of A: the kernel computes A = -exp(A_log) itself."""
+        return dict(A=None, A_log=self.A_log[...], D=self.D[...], dt_bias=self.dt_bias[...],
+                    dt_limit=tuple(self.config.time_step_limit))
+
     def _project_out(self, y: jax.Array, z: jax.Array, hidden: jax.Array, phase: str,
                      z_col: int | None = None) -> jax.Array:
         """Gated group norm + out_proj + residual.  y [T, H, P], z [T, I] (or its columns from z_col on),
@@ -294,7 +299,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         rows = self.pool_layer * pool.num_slots + slots
         conv, ssm = _flat(pool.conv_state), _flat(pool.ssm_state)
         xbc, conv = self._kernel("causal_conv1d_update")(conv, rows, zxbcdt, w, b, x_col=I)
-        y, ssm = self._kernel("state_update_xbc")(ssm, rows, xbc, zxbcdt, dt_col=dt_col, **self._ssm_args())
+        y, ssm = self._kernel("state_update_xbc")(ssm, rows, xbc, zxbcdt, dt_col=dt_col, **self._decode_ssm_args())
         pool = SsmPool(conv.reshape(pool.conv_state.shape), ssm.reshape(pool.ssm_state.shape))
         return self._project_out(y, zxbcdt, hidden, "decode", z_col=0), pool
 
@@ -319,7 +324,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         packed = zxbcdt.reshape(n, k, -1)
         xbc, conv_steps, conv = self._kernel("causal_conv1d_update_multi")(conv, rows, packed, w, b, x_col=I)
         y, ssm_steps, ssm = self._kernel("state_update_multi_xbc")(ssm, rows, xbc, packed, dt_col=dt_col,
-                                                                   **self._ssm_args())
+                                                                   **self._decode_ssm_args())
         pool = SsmPool(conv.reshape(pool.conv_state.shape), ssm.reshape(pool.ssm_state.shape))
         out = self._project_out(y.reshape(n * k, *y.shape[2:]), zxbcdt, hidden, "decode", z_col=0)
         return out, pool, SlotState(conv=conv_steps, ssm=ssm_steps)

@@ -124,6 +124,31 @@ def test_packed_operands_read_in_place(rng, interpret, multi):
         np.testing.assert_array_equal(np.asarray(y), np.asarray(want[0]))
 
 
+@pytest.mark.parametrize("multi", [False, True])
+def test_decay_rates_from_a_log(rng, interpret, multi):
+    """A_log in place of A: the kernel computes A = -exp(A_log) itself, matching the reference given A and A_log."""
+    rows = jnp.asarray([4, 0, 6], jnp.int32)
+    lead = (3, 2) if multi else (3,)
+    state, a, kw = _args(rng, lead)
+    A_log = jnp.asarray(rng.uniform(-1.0, 2.5, H), jnp.float32)
+    xbc, wide = _packed(rng, a, lead, dt_col=5)
+    packed, ref_fn = ((state_update_multi_xbc_pallas, state_update_multi_xbc_reference) if multi
+                      else (state_update_xbc_pallas, state_update_xbc_reference))
+    got = packed(state, rows, xbc, wide, dt_col=5, A_log=A_log, **kw, interpret=interpret)
+    from_log = ref_fn(state, rows, xbc, wide, dt_col=5, A_log=A_log, **kw)
+    given = ref_fn(state, rows, xbc, wide, -jnp.exp(A_log), dt_col=5, **kw)
+    for g, r, w in zip(got, from_log, given):
+        assert np.all(np.isfinite(np.asarray(g)))
+        np.testing.assert_array_equal(np.asarray(r), np.asarray(w))
+        assert rel_err(g, r) <= 1e-4
+    _untouched(got[-1], state, rows)
+    for bad in (dict(A=a["A"], A_log=A_log), dict()):
+        with pytest.raises(ShapeError, match="A_log"):
+            packed(state, rows, xbc, wide, dt_col=5, **bad, interpret=interpret)
+        with pytest.raises(ShapeError, match="A_log"):
+            ref_fn(state, rows, xbc, wide, dt_col=5, **bad)
+
+
 def test_packed_bad_shapes_raise(rng, interpret):
     rows = jnp.asarray([1, 2], jnp.int32)
     state, a, kw = _args(rng, (2,))
