@@ -1,6 +1,6 @@
 """A real multi-process run on the CPU: two processes on localhost join one jax.distributed run (gloo collectives)
 through `metrale-jax score --coordinator ... --num-processes 2 --process-id i`, each holding one device (a replica
-of the built-in model, dp = 2), and process 0 writes exactly what one process alone writes."""
+of the built-in model, dp = 2), and process 0 writes exactly what one process alone writes (with or without --dp)."""
 
 import json
 import os
@@ -46,6 +46,8 @@ def test_two_processes_write_the_single_process_scores(rng, tmp_path, capsys):
     args = ["score", "--data", str(data), "--json", "--per-token", "--batch-size", "8"]
     assert cli.main(args) == 0                                          # one process, one device, no mesh
     want = _without_seconds(capsys.readouterr().out)
+    assert cli.main([*args, "--dp", "2"]) == 0                          # one process, 2 replicas
+    assert _without_seconds(capsys.readouterr().out) == want
 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
            "XLA_FLAGS": "--xla_backend_optimization_level=0"}           # one CPU device per process
