@@ -10,9 +10,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from metrale_jax import cli
+from metrale_jax.model import NemotronH
+from tests.numpy_refs import rel_err
+from tests.sharding.test_tensor_parallel import CFG, TOL
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,6 +40,26 @@ def _data(rng, path: Path, n: int = 7) -> None:
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
 
 
+def _two_processes(args: list[str], cwd: Path) -> list[tuple[str, str]]:
+    """(stdout, stderr) of `metrale-jax *args` run by 2 processes joined on a free localhost port, one CPU device
+    each; both must succeed."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
+           "XLA_FLAGS": "--xla_backend_optimization_level=0"}           # one CPU device per process
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-m", "metrale_jax.cli", *args, "--coordinator", f"localhost:{port}",
+                               "--num-processes", "2", "--process-id", str(i)], cwd=cwd, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    try:
+        outs = [p.communicate(timeout=110) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    return outs
+
+
 def _without_seconds(out: str) -> list[dict]:
     rows = [json.loads(line) for line in out.splitlines()]
     rows[-1]["total"].pop("seconds")                     # the wall time is the one field that may differ
@@ -49,23 +75,9 @@ def test_two_processes_write_the_single_process_scores(rng, tmp_path, capsys):
     assert cli.main([*args, "--dp", "2"]) == 0                          # one process, 2 replicas
     assert _without_seconds(capsys.readouterr().out) == want
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_backend_optimization_level=0"}           # one CPU device per process
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-m", "metrale_jax.cli", *args, "--coordinator", f"localhost:{port}",
-                               "--num-processes", "2", "--process-id", str(i)], cwd=tmp_path, env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
-    try:
-        outs = [p.communicate(timeout=110) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, (_, err) in zip(procs, outs):
-        assert p.returncode == 0, err[-3000:]
-    (out0, err0), (out1, _) = outs
+    (out0, err0), (out1, err1) = _two_processes(args, tmp_path)
     assert out1 == ""                                                   # only process 0 writes
-    assert "Gloo" not in out0 and "Gloo" in err0 + outs[1][1]          # the collectives' own lines go to stderr
+    assert "Gloo" not in out0 and "Gloo" in err0 + err1                # the collectives' own lines go to stderr
     got = _without_seconds(out0)
     assert got == want
     assert len(got) == 8 and got[-1]["total"]["examples"] == 7
@@ -82,3 +94,22 @@ def test_an_incomplete_run_description_is_a_usage_error(rng, tmp_path, capsys):
     assert cli.main(["score", "--data", str(data), "--coordinator", "localhost:1", "--num-processes", "2",
                      "--process-id", "2"]) == 2
     assert "process_id: expected an integer in [0, 2), got 2" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_tensor_parallel_across_two_processes(rng, tmp_path, capsys):
+    """--tp 2 over 2 processes (one device each: every block's all-reduce goes over gloo, each process reads half of
+    every split tensor) scores as one process does, within the tensor-parallel tolerance."""
+    model = NemotronH.from_config(CFG, jax.random.key(int(rng.integers(1 << 30))), dtype=jnp.float32)
+    model.save_pretrained(tmp_path / "ckpt")
+    data = tmp_path / "ids.jsonl"
+    data.write_text("".join(json.dumps({"ids": rng.integers(0, CFG.vocab_size, n).tolist()}) + "\n"
+                            for n in (5, 17, 9, 30)))
+    args = ["score", "--model", str(tmp_path / "ckpt"), "--data", str(data), "--json", "--per-token"]
+    assert cli.main(args) == 0
+    want = _without_seconds(capsys.readouterr().out)[:-1]
+    (out, _), _ = _two_processes([*args, "--tp", "2"], tmp_path)
+    got = _without_seconds(out)[:-1]
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
+    for g, w in zip(got, want):
+        assert rel_err(np.array(g["token_logprobs"]), np.array(w["token_logprobs"])) < TOL
