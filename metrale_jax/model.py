@@ -485,11 +485,15 @@ def _rmsnorm(model: NemotronH, x: jax.Array) -> jax.Array:
     return registry.get("rmsnorm", model.levers.kernels)(x, model.norm_f[...], eps=model.config.layer_norm_epsilon)
 
 
-def _logits(model: NemotronH, x: jax.Array, phase: str = "prefill") -> jax.Array:
-    """Final-normed rows x [N, D] -> logits [N, V] float32."""
+def _logits(model: NemotronH, x: jax.Array, phase: str = "prefill", slots=None) -> jax.Array:
+    """Final-normed rows x [N, D] -> logits [N, V] float32. slots [N]: each row's slot, for a LoRA overlay on
+    lm_head to find the row's adapter in the scoped table (layers/lora.py; None: no lm_head adapter)."""
     if model.lm_head is None:
         return registry.get("dense_matmul", model.levers.kernels)(x, model.embeddings[...], out_dtype=jnp.float32)
-    return model.lm_head(x, phase=phase, out_dtype=jnp.float32)
+    if slots is None or model.lm_head.lora is None:
+        return model.lm_head(x, phase=phase, out_dtype=jnp.float32)
+    with lora.head_rows(slots):
+        return model.lm_head(x, phase=phase, out_dtype=jnp.float32)
 
 
 def prefill_hidden(model: NemotronH, cache, rows: PrefillRows, ids):
@@ -503,13 +507,14 @@ def forward_step(model: NemotronH, ids, adapters=None):
     """ids [B, T] -> logits [B, T, V] float32 (full rows, no cache). adapters: row b's LoRA adapter index at
     [b] (layers/lora.py; None: none)."""
     if model.tp is not None:                  # rows split over the replicas (dp), logits left split by row
-        return sharding.run_sharded(forward_step, model, ids, out_specs=sharding.logits_spec(model, 3, batch=True),
-                                    batch=True)
+        with lora.slot_adapters(adapters):                # the table goes into the shard_map (adapter_mesh.py)
+            return sharding.run_sharded(forward_step, model, ids, batch=True,
+                                        out_specs=sharding.logits_spec(model, 3, batch=True))
     TRACE_COUNTS["forward"] += 1
     B, T = ids.shape
     with lora.slot_adapters(adapters):
         h = _hidden_no_cache(model, ids, jnp.full((B,), T, jnp.int32))
-    return _logits(model, h.reshape(B * T, -1)).reshape(B, T, -1)
+        return _logits(model, h.reshape(B * T, -1), slots=jnp.repeat(jnp.arange(B), T)).reshape(B, T, -1)
 
 
 def _hidden_no_cache(model: NemotronH, ids, lengths):
@@ -527,19 +532,20 @@ def prefill_step(model: NemotronH, cache: ModelCache, slots, ids, lengths, *, al
     slot's LoRA adapter index [num_slots] (None: none)."""
     if model.tp is not None:
         out_specs = (sharding.logits_spec(model, 3 if all_logits else 2), sharding.cache_specs(model.config, model.tp))
-        return sharding.run_sharded(prefill_step, model, cache, slots, ids, lengths, out_specs=out_specs,
-                                    all_logits=all_logits, continue_=continue_)
+        with lora.slot_adapters(adapters):
+            return sharding.run_sharded(prefill_step, model, cache, slots, ids, lengths, out_specs=out_specs,
+                                        all_logits=all_logits, continue_=continue_)
     TRACE_COUNTS["prefill"] += 1
     B, T = ids.shape
     starts = cache.seq_lens[slots] if continue_ else None
     rows = PrefillRows.make(slots, lengths, T, starts, padding_slot=cache.padding_slot)
     with lora.slot_adapters(adapters):
         h, new, _ = prefill_hidden(model, cache, rows, ids)
+        if all_logits:
+            logits = _logits(model, h.reshape(B * T, -1), slots=jnp.repeat(slots, T)).reshape(B, T, -1)
+        else:
+            logits = _logits(model, h[jnp.arange(B), jnp.clip(lengths - 1, 0, T - 1)], slots=slots)
     seq_lens = cache.seq_lens.at[slots].set((0 if starts is None else starts) + lengths)
-    if all_logits:
-        logits = _logits(model, h.reshape(B * T, -1)).reshape(B, T, -1)
-    else:
-        logits = _logits(model, h[jnp.arange(B), jnp.clip(lengths - 1, 0, T - 1)])
     return logits, dataclasses.replace(new, seq_lens=seq_lens)
 
 
@@ -547,7 +553,8 @@ def decode_step(model: NemotronH, cache: ModelCache, slots, tokens, adapters=Non
     """`NemotronH.decode` without the host-side checks: (logits [B, V], new cache). adapters: as prefill_step's."""
     if model.tp is not None:
         out_specs = (sharding.logits_spec(model, 2), sharding.cache_specs(model.config, model.tp))
-        return sharding.run_sharded(decode_step, model, cache, slots, tokens, out_specs=out_specs)
+        with lora.slot_adapters(adapters):
+            return sharding.run_sharded(decode_step, model, cache, slots, tokens, out_specs=out_specs)
     TRACE_COUNTS["decode"] += 1
     if tokens.shape[0] == 1:
         # XLA compiles a batch of one with its batch axis simplified away, which rounds differently; with a
@@ -560,7 +567,7 @@ def decode_step(model: NemotronH, cache: ModelCache, slots, tokens, adapters=Non
     h = model.embeddings[...][tokens]                                       # [B, D]
     with lora.slot_adapters(adapters):
         h, new, _ = run_blocks(model.layers, DecodeRows(slots, pos), cache, h)
-    logits = _logits(model, _rmsnorm(model, h), "decode")
+        logits = _logits(model, _rmsnorm(model, h), "decode", slots=slots)
     seq_lens = cache.seq_lens.at[slots].set(pos + 1).at[cache.padding_slot].set(0)   # padding never grows
     return logits, dataclasses.replace(new, seq_lens=seq_lens)
 
@@ -570,13 +577,15 @@ def score_step(model: NemotronH, ids, lengths, adapters=None, *, greedy: bool = 
     forward_step's; greedy: also whether each ids[t+1] is the argmax there ([B, T-1] bool, ties count, False past
     each length)."""
     if model.tp is not None:                  # rows split over the replicas (dp), gathered back in the step
-        return sharding.run_sharded(_score_gathered, model, ids, lengths, out_specs=(P(), P()) if greedy else P(),
-                                    batch=True, greedy=greedy, dp_axis=model.tp.batch_spec(1)[0])
+        with lora.slot_adapters(adapters):
+            return sharding.run_sharded(_score_gathered, model, ids, lengths, out_specs=(P(), P()) if greedy else P(),
+                                        batch=True, greedy=greedy, dp_axis=model.tp.batch_spec(1)[0])
     TRACE_COUNTS["score"] += 1
     B, T = ids.shape
     with lora.slot_adapters(adapters):
         h = _hidden_no_cache(model, ids, lengths)[:, :-1].reshape(B * (T - 1), -1)
-    lp, top = _token_logprobs(model, h, ids[:, 1:].reshape(-1), greedy=True)
+        lp, top = _token_logprobs(model, h, ids[:, 1:].reshape(-1), greedy=True,
+                                  slots=jnp.repeat(jnp.arange(B), T - 1))
     valid = jnp.arange(1, T)[None, :] < lengths[:, None]
     lp = jnp.where(valid, lp.reshape(B, T - 1), 0.0)
     return (lp, valid & top.reshape(B, T - 1)) if greedy else lp
@@ -591,24 +600,26 @@ def _score_gathered(view: NemotronH, ids, lengths, *, greedy: bool, dp_axis: str
     return jax.tree.map(lambda x: jax.lax.all_gather(x, dp_axis, axis=0, tiled=True), out)
 
 
-def _token_logprobs(model: NemotronH, x: jax.Array, targets: jax.Array, chunk: int = 1024, *, greedy: bool = False):
+def _token_logprobs(model: NemotronH, x: jax.Array, targets: jax.Array, chunk: int = 1024, *, greedy: bool = False,
+                    slots=None):
     """log_softmax(logits(x))[target] per row, a chunk of rows at a time so [N, V] never exists at once; greedy:
-    (that, whether the target's logit is the largest)."""
+    (that, whether the target's logit is the largest). slots [N]: each row's slot (_logits)."""
     N = x.shape[0]
     C = min(chunk, N)
     pad = -N % C
     xs = jnp.pad(x, ((0, pad), (0, 0))).reshape(-1, C, x.shape[1])
     ts = jnp.pad(targets, (0, pad)).reshape(-1, C)
+    ss = jnp.pad(jnp.zeros((N,), jnp.int32) if slots is None else slots, (0, pad)).reshape(-1, C)
 
     def one(args):
-        xc, tc = args
-        logits = _logits(model, xc)
+        xc, tc, sc = args
+        logits = _logits(model, xc, slots=None if slots is None else sc)
         if model.vocab_axis is not None:
             return _vocab_parallel_logprobs(logits, tc, model.vocab_axis)
         picked = jnp.take_along_axis(logits, tc[:, None], axis=1)[:, 0]
         return picked - jax.nn.logsumexp(logits, axis=-1), picked >= jnp.max(logits, axis=-1)
 
-    lp, top = jax.lax.map(one, (xs, ts))
+    lp, top = jax.lax.map(one, (xs, ts, ss))
     lp, top = lp.reshape(-1)[:N], top.reshape(-1)[:N]
     return (lp, top) if greedy else lp
 

@@ -37,6 +37,7 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from metrale_jax import adapter_mesh
 from metrale_jax.config import ModelConfig
 from metrale_jax.errors import CheckpointError, ConfigError
 from metrale_jax.state.cache import ModelCache
@@ -356,11 +357,12 @@ def device_view(model) -> DeviceView:
     """The device view of a sharded NemotronH (built once per model structure)."""
     leaves, treedef = jax.tree_util.tree_flatten_with_path(model)
     shapes = tuple((jax.tree_util.keystr(p), tuple(x.shape)) for p, x in leaves)
-    return _device_view(type(model), model.config, model.dtype, model.levers, model.tp, treedef, shapes)
+    return _device_view(type(model), model.config, model.dtype, model.levers, model.tp, treedef, shapes,
+                        adapter_mesh.overlay_layout(model))
 
 
 @functools.lru_cache(maxsize=16)
-def _device_view(cls, config, dtype, levers, tp: TensorParallel, treedef, shapes) -> DeviceView:
+def _device_view(cls, config, dtype, levers, tp: TensorParallel, treedef, shapes, overlays=()) -> DeviceView:
     lc = local_config(config, tp.size)
     local_shapes = {}
     for name, spec in expected_tensors(config).items():
@@ -375,7 +377,9 @@ def _device_view(cls, config, dtype, levers, tp: TensorParallel, treedef, shapes
     def build():
         tensors = {n: jnp.zeros(s, d) for n, (s, d) in local_shapes.items()}
         share = DeviceShare(tp.axis, tp.size, vocab_sharded(config, tp.size))
-        return cls(lc, tensors, dtype=dtype, levers=levers, shard_of=share)
+        view = cls(lc, tensors, dtype=dtype, levers=levers, shard_of=share)
+        adapter_mesh.install_view_overlays(view, overlays)          # LoRA overlays of local shapes
+        return view
 
     local, local_def = jax.tree_util.tree_flatten_with_path(nnx.eval_shape(build))
     local_paths = [jax.tree_util.keystr(p) for p, _ in local]
@@ -423,16 +427,18 @@ def run_sharded(step, model, *args, out_specs, batch: bool = False, **kwargs):
             return arg_specs[type(a)]
         return tp.batch_spec(np.ndim(a)) if batch else P()
 
-    in_specs = (list(view.leaf_specs), *(spec(args[i]) for i in live))
+    table = adapter_mesh.table_argument()    # the LoRA adapter table in scope: a row's entry, split like the rows
+    in_specs = (list(view.leaf_specs), tuple(spec(t) for t in table), *(spec(args[i]) for i in live))
 
-    def body(leaves, *live_args):
+    def body(leaves, table, *live_args):
         full = list(args)
         for i, a in zip(live, live_args):
             full[i] = a
-        return step(jax.tree.unflatten(view.treedef, leaves), *full, **kwargs)
+        with adapter_mesh.scoped(table):
+            return step(jax.tree.unflatten(view.treedef, leaves), *full, **kwargs)
 
     fn = jax.shard_map(body, mesh=tp.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False)
-    return fn(jax.tree.leaves(model), *(args[i] for i in live))
+    return fn(jax.tree.leaves(model), table, *(args[i] for i in live))
 
 
 def check_placement(model) -> None:

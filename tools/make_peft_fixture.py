@@ -1,4 +1,4 @@
-"""Build a PEFT LoRA adapter on a tiny random HF Nemotron-H and record HF+PEFT's logits for it.
+"""Build PEFT LoRA adapters on tiny random HF Nemotron-Hs and record HF+PEFT's logits for them.
 
 tests/fixtures/peft/<name>/ holds
   base/         config.json + model.safetensors: the base checkpoint (canonical names, as make_hf_fixtures.py writes)
@@ -6,11 +6,17 @@ tests/fixtures/peft/<name>/ holds
   expected.safetensors   input_ids [B, T] int32, logits_adapter [B, T, V] f32 (HF + PEFT, no cache),
                          logits_base (the base alone)
   meta.json     versions, seeds, the LoRA config, how far the adapter moves the logits, HF-vs-HF numbers
-The adapter targets the Mamba in_proj, attention q/k/v/o_proj and the MLP and shared-expert up/down_proj (PEFT
-0.21 refuses the Mamba out_proj and conv1d on Nemotron-H: its mamba kernels read those weights directly), with
-use_rslora, a rank_pattern and an alpha_pattern so that every scale rule is exercised. B is zero at PEFT's init,
-so A and B are redrawn at random. The logits are those of the adapter as PEFT loads it back from disk onto the
-base as HF loads it. tests/model/test_peft_adapter.py loads both in metrale-jax and compares.
+Two fixtures (FIXTURES):
+  m_attn_m_mlp_m_moe_lora  the Mamba in_proj, attention q/k/v/o_proj and the MLP and shared-expert up/down_proj
+      (PEFT 0.21 refuses the Mamba out_proj and conv1d on Nemotron-H: its mamba kernels read those weights
+      directly), with use_rslora, a rank_pattern and an alpha_pattern so that every scale rule is exercised;
+      tests/model/test_peft_adapter.py.
+  m_moe_head_lora  the routed experts through target_parameters (PEFT's ParamWrapper on NemotronHExperts' 3-D
+      up_proj / down_proj, both nested on one module), the shared experts and MLP up/down_proj and lm_head (PEFT
+      then also saves lm_head.base_layer.weight, which the loader checks against the base) on a pattern with two
+      MoE layers; tests/test_lora_experts.py.
+B is zero at PEFT's init, so A and B are redrawn at random. The logits are those of the adapter as PEFT loads it
+back from disk onto the base as HF loads it.
 
 Needs torch, transformers and peft (a separate venv; see tools/README.md); runs on the CPU in seconds.
 """
@@ -40,12 +46,17 @@ import make_hf_fixtures as hf_fixtures  # noqa: E402  (its sizes, weight draws, 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = REPO / "tests" / "fixtures" / "peft"
 
-NAME = "m_attn_m_mlp_m_moe_lora"
-PATTERN = "M*M-ME"
-SEED = 707
+FIXTURES = {
+    "m_attn_m_mlp_m_moe_lora": dict(
+        pattern="M*M-ME", seed=707,
+        lora=dict(r=4, lora_alpha=6.0, use_rslora=True, rank_pattern={"o_proj": 2}, alpha_pattern={"up_proj": 3.0},
+                  target_modules=["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"])),
+    "m_moe_head_lora": dict(
+        pattern="ME*-E", seed=708,
+        lora=dict(r=3, lora_alpha=5.0, target_modules=["lm_head", "up_proj", "down_proj"],
+                  target_parameters=["experts.up_proj", "experts.down_proj"])),
+}
 BATCH, SEQ_LEN = 2, 29
-LORA = dict(r=4, lora_alpha=6.0, use_rslora=True, rank_pattern={"o_proj": 2}, alpha_pattern={"up_proj": 3.0},
-            target_modules=["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"])
 # the adapter must move the logits clearly (relative Frobenius norm vs the base), or the test proves little
 MIN_EFFECT = 0.05
 
@@ -62,16 +73,18 @@ def randomize_lora(model, gen: torch.Generator) -> int:
     return n
 
 
-def build(out_root: Path) -> dict:
-    torch.manual_seed(SEED)
-    gen = torch.Generator().manual_seed(SEED)
-    cfg = NemotronHConfig(hybrid_override_pattern=PATTERN, **hf_fixtures.BASE)
+def build(out_root: Path, name: str) -> dict:
+    fix = FIXTURES[name]
+    pattern, seed, lora_kw = fix["pattern"], fix["seed"], fix["lora"]
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    cfg = NemotronHConfig(hybrid_override_pattern=pattern, **hf_fixtures.BASE)
     cfg._attn_implementation = "eager"
     cfg._experts_implementation = "eager"
     model = NemotronHForCausalLM(cfg).eval()
     hf_fixtures.randomize(model, gen)
 
-    directory = out_root / NAME
+    directory = out_root / name
     if directory.exists():
         shutil.rmtree(directory)
     (directory / "base").mkdir(parents=True)
@@ -80,7 +93,7 @@ def build(out_root: Path) -> dict:
     cfg.dtype = torch.float32
     cfg.save_pretrained(directory / "base")
 
-    lora = LoraConfig(**LORA)
+    lora = LoraConfig(**lora_kw)
     tuned = get_peft_model(model, lora).eval()
     drawn = randomize_lora(tuned, gen)
     tuned.save_pretrained(directory / "adapter")
@@ -89,29 +102,30 @@ def build(out_root: Path) -> dict:
     # everything below runs on the files as HF and PEFT load them
     base = hf_fixtures.load_hf(directory / "base", torch.float32)
     loaded = PeftModel.from_pretrained(base, directory / "adapter").eval()
-    ids, draws = hf_fixtures.draw_inputs(loaded, _spec(), cfg.vocab_size, gen)   # margins with the adapter on
+    spec = _spec(name, pattern, seed)
+    ids, draws = hf_fixtures.draw_inputs(loaded, spec, cfg.vocab_size, gen)   # margins with the adapter on
     with loaded.disable_adapter():
         logits_base = hf_fixtures.hf_forward(loaded, ids)
     probe = hf_fixtures.Probe(loaded)
     logits = hf_fixtures.hf_forward(loaded, ids)
     probe.close()
-    why = probe.check(_spec())
+    why = probe.check(spec)
     if why is not None:
-        raise RuntimeError(f"{NAME}: {why} with the adapter; change the seed")
+        raise RuntimeError(f"{name}: {why} with the adapter; change the seed")
     in_memory = hf_fixtures.hf_forward(tuned, ids)
     effect = hf_fixtures.rel(logits, logits_base)
     numbers = {"loaded_vs_in_memory_rel": hf_fixtures.rel(logits, in_memory), "adapter_vs_base_rel": effect}
     if not numbers["loaded_vs_in_memory_rel"] < 1e-6:
-        raise RuntimeError(f"{NAME}: the adapter PEFT loads back differs from the one it saved: {numbers}")
+        raise RuntimeError(f"{name}: the adapter PEFT loads back differs from the one it saved: {numbers}")
     if not effect > MIN_EFFECT:
-        raise RuntimeError(f"{NAME}: the adapter moves the logits by only {effect:.3g} (relative); redraw larger")
+        raise RuntimeError(f"{name}: the adapter moves the logits by only {effect:.3g} (relative); redraw larger")
 
     safetensors.torch.save_file({"input_ids": ids.to(torch.int32).contiguous(), "logits_adapter": logits,
                                  "logits_base": logits_base}, directory / "expected.safetensors",
                                 metadata={"format": "pt"})
     meta = {
-        "name": NAME, "pattern": PATTERN, "dtype": "float32", "seed": SEED, "batch": BATCH, "seq_len": SEQ_LEN,
-        "lora": LORA, "lora_factors_drawn": drawn, "input_draws": draws,
+        "name": name, "pattern": pattern, "dtype": "float32", "seed": seed, "batch": BATCH, "seq_len": SEQ_LEN,
+        "lora": lora_kw, "lora_factors_drawn": drawn, "input_draws": draws, "moe_layers": pattern.count("E"),
         "versions": {"transformers": transformers.__version__, "peft": peft.__version__,
                      "torch": torch.__version__, "safetensors": safetensors.__version__,
                      "numpy": np.__version__, "python": platform.python_version()},
@@ -125,24 +139,27 @@ def build(out_root: Path) -> dict:
     return meta
 
 
-def _spec() -> hf_fixtures.Spec:
+def _spec(name: str, pattern: str, seed: int) -> hf_fixtures.Spec:
     """The input-draw settings make_hf_fixtures.py uses (float32 margins) for this fixture's shape."""
-    return hf_fixtures.Spec(NAME, PATTERN, "float32", SEED, SEQ_LEN, (SEQ_LEN // 2, SEQ_LEN - 1), {}, "", BATCH)
+    return hf_fixtures.Spec(name, pattern, "float32", seed, SEQ_LEN, (SEQ_LEN // 2, SEQ_LEN - 1), {}, "", BATCH)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="fixture root (default: tests/fixtures/peft)")
+    ap.add_argument("--only", action="append", choices=sorted(FIXTURES), help="build only this fixture")
     args = ap.parse_args(argv)
     for pkg in ("mamba_ssm", "causal_conv1d", "kernels"):
         if importlib.util.find_spec(pkg) is not None:
             print(f"error: {pkg} is installed; HF would take its kernels instead of the torch path", file=sys.stderr)
             return 2
     torch.set_grad_enabled(False)
-    meta = build(args.out)
-    size = sum(f.stat().st_size for f in (args.out / NAME).rglob("*") if f.is_file())
-    print(f"{NAME}: {size / 1024:.1f} KiB, adapter moves the logits by {meta['numbers']['adapter_vs_base_rel']:.3f} "
-          f"(relative), PEFT reload vs in memory {meta['numbers']['loaded_vs_in_memory_rel']:.2g}")
+    for name in args.only or FIXTURES:
+        meta = build(args.out, name)
+        size = sum(f.stat().st_size for f in (args.out / name).rglob("*") if f.is_file())
+        print(f"{name}: {size / 1024:.1f} KiB, adapter moves the logits by "
+              f"{meta['numbers']['adapter_vs_base_rel']:.3f} (relative), PEFT reload vs in memory "
+              f"{meta['numbers']['loaded_vs_in_memory_rel']:.2g}")
     return 0
 
 

@@ -70,6 +70,53 @@ class LoraOverlay(nnx.Module):
         return low_rank(x, rows, self.a[...], self.b[...], scale)
 
 
+class ExpertLoraOverlay(nnx.Module):
+    """The adapters of one stack of routed experts [E, N, K] (a MoE layer's up or down projections): a
+    [S, E, R, K], b [S, E, N, R] (LoraParam), scale [S]; beside the grouped GEMM, never in its weights.
+    `merged` / `unmerged` as LoraOverlay's (the stack before the merge)."""
+
+    def __init__(self, a: jax.Array, b: jax.Array, scale: jax.Array):
+        self.a = LoraParam(jnp.asarray(a, jnp.float32))
+        self.b = LoraParam(jnp.asarray(b, jnp.float32))
+        self.scale = LoraScale(jnp.asarray(scale, jnp.float32))
+        self.merged = 0
+        self.unmerged = nnx.data(None)
+
+    @property
+    def num_adapters(self) -> int:
+        return self.a.shape[0]
+
+    def delta(self, x: jax.Array, group_sizes: jax.Array, rows: jax.Array) -> jax.Array:
+        """Rows of x [M, K] sorted by expert (group_sizes [E]; rows past their sum join no group and get 0),
+        rows [M] each row's adapter index -> [M, N] float32."""
+        scale = self.scale[...]
+        if self.merged:
+            scale = scale.at[self.merged - 1].set(0.0)
+        return expert_low_rank(x, group_sizes, rows, self.a[...], self.b[...], scale)
+
+
+def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
+    """Rows of x [M, K] sorted by group times that group's w [E, N, K] -> [M, N] float32."""
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(((1,), (2,)), ((), ())), lhs_ragged_dimensions=(0,), rhs_group_dimensions=(0,))
+    return jax.lax.ragged_dot_general(x, w, group_sizes, dims, precision=HIGHEST,
+                                      preferred_element_type=jnp.float32)
+
+
+def expert_low_rank(x: jax.Array, group_sizes: jax.Array, rows: jax.Array, a: jax.Array, b: jax.Array,
+                    scale: jax.Array) -> jax.Array:
+    """The masked low-rank product of grouped rows: every adapter's columns side by side (S*R per expert), each
+    row's other adapters' columns zeroed between the two grouped matmuls. x [M, K], group_sizes [E], rows [M],
+    a [S, E, R, K], b [S, E, N, R], scale [S] -> [M, N] float32."""
+    S, E, R, K = a.shape
+    N = b.shape[2]
+    at = a.transpose(1, 0, 2, 3).reshape(E, S * R, K)                                         # [E, S*R, K]
+    bt = b.transpose(1, 2, 0, 3).reshape(E, N, S * R)                                         # [E, N, S*R]
+    xa = _ragged(x.astype(jnp.float32), at, group_sizes)                                      # [M, S*R]
+    pick = jnp.where(rows[:, None] == jnp.arange(1, S + 1, dtype=rows.dtype)[None, :], scale[None, :], 0.0)
+    return _ragged(xa * jnp.repeat(pick, R, axis=1), bt, group_sizes)                         # [M, N]
+
+
 def low_rank(x: jax.Array, rows: jax.Array, a: jax.Array, b: jax.Array, scale: jax.Array) -> jax.Array:
     """The masked low-rank product: two matmuls over all adapters' columns, each row's other adapters' columns
     zeroed between them (x [M, K], rows [M] with 0 = none, a [S, R, K], b [S, N, R], scale [S]) -> [M, N] f32."""
@@ -110,6 +157,26 @@ def block_rows(rows, *, packed: bool) -> Iterator[None]:
     else:                                                              # DecodeRows
         idx = jnp.repeat(per_sequence, rows.k)
     token = _ROWS.set(idx)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+def scoped_table() -> jax.Array | None:
+    """The per-slot adapter table in scope (None outside any): what a mesh step passes into its shard_map."""
+    return _SLOT_TABLE.get()
+
+
+@contextlib.contextmanager
+def head_rows(slots: jax.Array) -> Iterator[None]:
+    """Scope the adapter index of each row given to the logits projection (lm_head) from the slot of each row
+    (slots [M]); nothing when no table is scoped."""
+    table = _SLOT_TABLE.get()
+    if table is None:
+        yield
+        return
+    token = _ROWS.set(table[slots])
     try:
         yield
     finally:

@@ -9,7 +9,9 @@ their weighted sum back; the shared experts see x itself. Exact: no capacity lim
 the experts run as two grouped GEMMs (jax.lax.ragged_dot_general) over the token-expert pairs
 sorted by expert, so a token's result does not depend on the other tokens in the batch. Experts kept
 quantized (StackedExperts: block FP8 or NVFP4) run on the grouped kernels w8a16_grouped / w4a16_grouped,
-which must resolve when the experts are installed.
+which must resolve when the experts are installed. LoRA adapters on the routed experts (experts_up_lora /
+experts_down_lora, layers/lora.py ExpertLoraOverlay) run beside the grouped GEMMs on the same sorted rows, each
+pair on its token's adapter; the expert weights are never touched.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from metrale_jax.errors import ConfigError, WeightFormatError
 from metrale_jax.layers.blocks import StatelessRows, linear, optional_param, param, plus_bias, value_of
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import check_array, check_layer_index
+from metrale_jax.layers.lora import row_adapters
 from metrale_jax.layers.mlp import NemotronMlpWeights, Relu2MLP, relu2
 from metrale_jax.layers.projection import Projection, QuantWeight
 from metrale_jax.weights.containers import Fp8Weight, StackedExperts
@@ -90,19 +93,25 @@ def _grouped_matmul(x: jax.Array, w, group_sizes: jax.Array, kernels: str | None
 
 
 def routed_experts(x: jax.Array, experts: jax.Array, weights: jax.Array, up, down,
-                   kernels: str | None = None) -> jax.Array:
+                   kernels: str | None = None, lora=None) -> jax.Array:
     """sum_j weights[t, j] * down_e(relu(up_e(x_t))^2) over the chosen e = experts[t, j].
     x [T, Din], experts / weights [T, k], up [E, I, Din], down [E, Din, I] (dense or StackedExperts)
     -> [T, Din] float32. A pair whose expert id is E (one held by another device) joins no group: its rows
-    come out 0."""
+    come out 0. lora: (up overlay or None, down overlay or None, rows [T] each token's adapter index): each
+    expert's low-rank terms added to its grouped GEMMs' float32 outputs (layers/lora.py)."""
     T, k = experts.shape
     E = up.shape[0]
     flat = experts.reshape(-1)                                    # [T*k] pair p = t*k + j
     order = jnp.argsort(flat, stable=True)                        # pairs sorted by expert
     sizes = jnp.bincount(flat, length=E).astype(jnp.int32)
     xs = x[order // k]                                            # [T*k, Din]
-    h = relu2(_grouped_matmul(xs, up, sizes, kernels)).astype(x.dtype)     # [T*k, I]
+    u = _grouped_matmul(xs, up, sizes, kernels)                   # [T*k, I] f32
+    if lora is not None and lora[0] is not None:
+        u = u + lora[0].delta(xs, sizes, lora[2][order // k])
+    h = relu2(u).astype(x.dtype)                                  # [T*k, I]
     o = _grouped_matmul(h, down, sizes, kernels)                  # [T*k, Din] f32
+    if lora is not None and lora[1] is not None:
+        o = o + lora[1].delta(h, sizes, lora[2][order // k])
     back = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
     o = o[back].reshape(T, k, -1)                                 # back to (token, choice) order
     return jnp.einsum("tk,tkd->td", weights.astype(jnp.float32), o, precision=HIGHEST)
@@ -155,6 +164,8 @@ class NemotronMoELayer(StatelessRows, LayerCapabilities, nnx.Module):
                                    self.kernels)
         self.experts_down = _experts(f"{name}.mixer.experts.*.down_proj.weight", moe.experts_down, (El, Din, I),
                                      self.kernels)
+        self.experts_up_lora = nnx.data(None)       # ExpertLoraOverlay once an adapter targets the routed experts
+        self.experts_down_lora = nnx.data(None)
         if c.n_shared_experts:
             if moe.shared is None:
                 raise WeightFormatError(f"{name}.mixer.shared_experts: missing, but n_shared_experts is "
@@ -207,6 +218,14 @@ class NemotronMoELayer(StatelessRows, LayerCapabilities, nnx.Module):
                      top_k=c.num_experts_per_tok, norm_topk_prob=c.norm_topk_prob,
                      routed_scaling_factor=c.routed_scaling_factor)
 
+    def _expert_lora(self, tokens: int):
+        """(up overlay, down overlay, each token's adapter index [T]) for routed_experts, or None when no adapter
+        targets the routed experts or no adapter table is in scope."""
+        if self.experts_up_lora is None and self.experts_down_lora is None:
+            return None
+        rows = row_adapters(f"backbone.layers.{self.layer_idx}.mixer.experts", tokens)
+        return None if rows is None else (self.experts_up_lora, self.experts_down_lora, rows)
+
     def mixer(self, x: jax.Array, *, phase: str = "prefill") -> jax.Array:
         """The MoE on normalised rows.  x [T, D] -> [T, D] in x.dtype."""
         if self.tp_axis is not None:
@@ -214,7 +233,7 @@ class NemotronMoELayer(StatelessRows, LayerCapabilities, nnx.Module):
         experts, weights = self.route(x)
         xl = x if self.fc1_latent_proj is None else linear(self.fc1_latent_proj, self.fc1_latent_bias, x, phase)
         y = routed_experts(xl, experts, weights, _read(self.experts_up), _read(self.experts_down),
-                           self.kernels).astype(x.dtype)
+                           self.kernels, self._expert_lora(x.shape[0])).astype(x.dtype)
         if self.fc2_latent_proj is not None:
             y = linear(self.fc2_latent_proj, self.fc2_latent_bias, y, phase)
         if self.shared_experts is not None:
@@ -231,7 +250,7 @@ class NemotronMoELayer(StatelessRows, LayerCapabilities, nnx.Module):
         local = experts - jax.lax.axis_index(self.tp_axis) * El
         mine = (local >= 0) & (local < El)
         y = routed_experts(xl, jnp.where(mine, local, El), jnp.where(mine, weights, 0.0), _read(self.experts_up),
-                           _read(self.experts_down), self.kernels)                   # [T, Din] f32, partial
+                           _read(self.experts_down), self.kernels, self._expert_lora(x.shape[0]))   # [T, Din] f32
         if self.fc2_latent_proj is not None:
             y = self.fc2_latent_proj(y.astype(x.dtype), phase=phase, out_dtype=jnp.float32)
         if self.shared_experts is not None:

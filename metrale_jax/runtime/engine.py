@@ -143,9 +143,9 @@ class Engine(PrefixSnapshots, Speculation, BatchJobs):
                  capture_rows: int = 1, speculative: SpeculativeConfig | None = None, drafter=None, eos_ids=None,
                  executables: Executables | None = None, decode_executables: Executables | None = None,
                  compiler_options=None, mesh=None, ssm_state_dtype: str | None = None):
-        if mesh is not None and model.adapters:
-            raise ConfigError("mesh", "a model with LoRA adapters cannot be split over a mesh (the overlays are not "
-                                      "sharded)")
+        if mesh is not None and model.adapters and getattr(model, "tp", None) is None:
+            raise ConfigError("mesh", "an unsharded model with LoRA adapters is not split over a mesh here (its copy "
+                                      "would lose them); build the model on the mesh, then load the adapters")
         self.model = model = _on_mesh(model, mesh)
         self.caps = model.capabilities                 # the layers' flags; the engine acts on them where noted
         self.tp = getattr(model, "tp", None)

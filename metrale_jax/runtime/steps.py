@@ -100,12 +100,13 @@ def prefill_step(model, cache: ModelCache, slots, ids, lengths, cuts=None, captu
     rows = PrefillRows.make(slots, lengths, T, starts, padding_slot=pad, cuts=cuts)
     h, new, captured = prefill_hidden(model, cache, rows, ids)
     seq_lens = cache.seq_lens.at[slots].set(starts + lengths).at[pad].set(0)
-    logits = _logits(model, h[jnp.arange(B), jnp.clip(lengths - 1, 0, T - 1)])
+    logits = _logits(model, h[jnp.arange(B), jnp.clip(lengths - 1, 0, T - 1)], slots=slots)
     states = None if cuts is None else _captured_states(cache, [c for c in captured if c is not None],
                                                          capture_rows)
     lp = None
     if targets is not None:
-        lp = _token_logprobs(model, h.reshape(B * T, -1), targets.reshape(-1)).reshape(B, T)
+        lp = _token_logprobs(model, h.reshape(B * T, -1), targets.reshape(-1),
+                             slots=jnp.repeat(slots, T)).reshape(B, T)
         lp = jnp.where(jnp.arange(T)[None, :] < lengths[:, None], lp, 0.0)
     cut_hidden = None
     if mtp is not None:
@@ -148,7 +149,7 @@ def mtp_draft_step(model, cache: ModelCache, mtp: MtpCache, slots, pending, *, n
     h, tok, kv, drafts = mtp.hidden[slots], pending, mtp.kv, []
     for j in range(num_draft):
         h, kv = model.mtp.rows(kv, slots, model.embeddings[...][tok], h, pos + j, 1)
-        tok = jnp.argmax(_logits(model, h, "decode"), axis=-1).astype(jnp.int32)
+        tok = jnp.argmax(_logits(model, h, "decode", slots=slots), axis=-1).astype(jnp.int32)
         drafts.append(tok)
     return jnp.stack(drafts, axis=1), MtpCache(kv, mtp.hidden)
 
@@ -183,7 +184,7 @@ def verify_step(model, cache: ModelCache, slots, tokens, num_draft, temperature,
     h, new, captured = run_blocks(model.layers, DecodeRows(slots, pos, k, verify=True), cache, h)
     steps = [(layer.pool_layer, st) for layer, st in zip(model.layers, captured) if st is not None]
     hn = _rmsnorm(model, h)                                                 # [n*k, D]
-    logits = _logits(model, hn, "decode")                                   # [n*k, V]
+    logits = _logits(model, hn, "decode", slots=jnp.repeat(slots, k))     # [n*k, V]
     if model.vocab_axis is not None:                 # a device view holds V / tp vocabulary columns
         logits = jax.lax.all_gather(logits, model.vocab_axis, axis=1, tiled=True)
     logits = logits.reshape(n, k, -1)

@@ -240,9 +240,13 @@ def test_adapters_that_do_not_fit_name_the_tensor(saved):
         "target": (tensors, {**config, "target_modules": ["q_proj", "gate_proj"]},
                    "target_modules: 'gate_proj' names no projection"),
         "dora": (tensors, {**config, "use_dora": True}, f"{CONFIG_FILE}: use_dora: True is not supported"),
-        "modules_to_save": (tensors, {**config, "modules_to_save": ["lm_head"]}, "modules_to_save: .* not supported"),
-        "prefix": ({**tensors, "base_model.model.lm_head.lora_A.weight": np.zeros((4, 32))}, config,
-                   "lm_head.lora_A.weight: not a LoRA factor of a block's projection"),
+        "modules_to_save": (tensors, {**config, "modules_to_save": ["gate"]}, "modules_to_save: 'gate' is not supported"),
+        "no copy": (tensors, {**config, "modules_to_save": ["lm_head"]}, "modules_to_save names lm_head, but the "
+                                                                         "adapter holds no full copy"),
+        "head pair": ({**tensors, "base_model.model.lm_head.lora_A.weight": np.zeros((4, 32))}, config,
+                      "lm_head.lora_B.weight: missing"),
+        "prefix": ({**tensors, "base_model.model.norm_f.lora_A.weight": np.zeros((4, 32))}, config,
+                   "norm_f.lora_A.weight: not a LoRA factor of a block's projection or lm_head"),
     }
     for case, (t, c, match) in cases.items():
         with pytest.raises(CheckpointError, match=match):
