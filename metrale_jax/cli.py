@@ -2,7 +2,8 @@
 
   metrale-jax demo                                    the built-in model continues a prompt
   metrale-jax generate --model DIR --prompt TEXT      continue a prompt with any checkpoint
-  metrale-jax score --model DIR --data FILE.jsonl     per-example log-prob / perplexity
+  metrale-jax score --model DIR --data FILE.jsonl     per-example log-prob / perplexity (--tp / --dp: several
+                                                      devices; --coordinator ...: several processes)
   metrale-jax info --model DIR                        layers, sizes and weight formats (headers only)
   metrale-jax quantize --model DIR --format F --out DIR   write an fp8-block / fp8 / nvfp4 checkpoint
 
@@ -12,6 +13,7 @@ Bad paths or arguments end with one line on stderr and exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import math
@@ -94,8 +96,8 @@ def _model_dir(arg: str | None) -> Path:
     return path
 
 
-def _load(args):
-    """(model, its folder) for --model / --dtype."""
+def _load(args, mesh=None):
+    """(model, its folder) for --model / --dtype (mesh: split over it, sharding.make_mesh)."""
     import jax.numpy as jnp
 
     from metrale_jax.builtin import checkpoint_dtype
@@ -105,7 +107,7 @@ def _load(args):
     path = _model_dir(args.model)
     dtype = checkpoint_dtype(path) if args.dtype == "auto" else jnp.dtype(args.dtype)
     try:
-        return NemotronH.from_pretrained(path, dtype=dtype), path
+        return NemotronH.from_pretrained(path, dtype=dtype, mesh=mesh), path
     except (MetraleError, OSError) as e:
         raise UsageError(f"--model {args.model or path}: {_one_line(e)}") from None
 
@@ -418,14 +420,68 @@ def report_scores(examples: list, scored: list, per_token: bool) -> list[dict]:
     return out
 
 
-def cmd_score(args) -> int:
-    from metrale_jax.scoring import score_targets
+def _join_run(args) -> bool:
+    """Join a multi-process run when --coordinator / --num-processes / --process-id (or JAX_COORDINATOR_ADDRESS,
+    JAX_NUM_PROCESSES, JAX_PROCESS_ID) say so (data_parallel.initialize); whether this is one."""
+    from metrale_jax import data_parallel
 
+    return data_parallel.initialize(args.coordinator, args.num_processes, args.process_id)
+
+
+def _score_mesh(args, joined: bool):
+    """The mesh --tp / --dp ask for (sharding.make_mesh over every process's devices): None for one device; in a
+    multi-process run --dp defaults to every device / tp, so that each process's devices hold replicas."""
+    import jax
+
+    from metrale_jax import sharding
+
+    tp = args.tp or 1
+    dp = args.dp or (max(1, jax.device_count() // tp) if joined else 1)
+    if tp * dp == 1 and not joined:
+        return None
+    return sharding.make_mesh(tp, dp=dp)
+
+
+@contextlib.contextmanager
+def _output(joined: bool):
+    """Where results go: sys.stdout, or in a multi-process run, process 0's stdout alone, with file descriptor 1
+    pointed at stderr meanwhile (the collectives library prints its own lines to stdout)."""
+    if not joined:
+        yield sys.stdout
+        return
+    import jax
+
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        with (open(saved, "w", closefd=False) if jax.process_index() == 0 else open(os.devnull, "w")) as out:
+            yield out
+            out.flush()
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
+
+
+def cmd_score(args) -> int:
     if not Path(args.data).is_file():
         raise UsageError(f"--data {args.data}: no such file")
     if args.per_token and not args.json:
         raise UsageError("--per-token: per-token log-probs are written in the --json output; add --json")
-    model, path = _load(args)
+    joined = _join_run(args)
+    with _output(joined) as out:
+        return _score(args, joined, out)
+
+
+def _score(args, joined: bool, out) -> int:
+    """cmd_score's work: every process of a run makes the same calls (each replica scores its rows of a batch,
+    model.score gathers them), and writes the results to `out`."""
+    import jax
+
+    from metrale_jax.scoring import score_targets
+
+    model, path = _load(args, _score_mesh(args, joined))
     limit = model.config.max_position_embeddings
     max_length = limit if args.max_length is None else args.max_length
     if not 2 <= max_length <= limit:
@@ -436,7 +492,8 @@ def cmd_score(args) -> int:
         raise UsageError(f"--stride {stride}: must be below --max-length {max_length} (each window keeps "
                          f"max-length - stride tokens of context)")
     examples = read_examples(args.data, model.tokenizer, model.config.vocab_size)
-    print(_describe(model, path), file=sys.stderr, flush=True)
+    if jax.process_index() == 0:
+        print(_describe(model, path), file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     scored = score_targets(model, examples, max_length=max_length, stride=stride, batch_size=args.batch_size,
                            progress=None, progress_every=args.progress_every)
@@ -449,16 +506,16 @@ def cmd_score(args) -> int:
                "greedy": sum(r["greedy"] for r in rows), "seconds": seconds}
     if args.json:
         for r in rows:
-            print(json.dumps(r))
-        print(json.dumps({"total": summary}))
+            print(json.dumps(r), file=out)
+        print(json.dumps({"total": summary}), file=out)
         return 0
-    print(f"{'example':>7}  {'tokens':>7}  {'mean log-prob':>13}  {'perplexity':>10}  {'greedy':>6}")
+    print(f"{'example':>7}  {'tokens':>7}  {'mean log-prob':>13}  {'perplexity':>10}  {'greedy':>6}", file=out)
     for r in rows:
         print(f"{r['example']:>7}  {r['tokens']:>7}  {r['mean_logprob']:>13.4f}  {r['perplexity']:>10.3f}  "
-              f"{'yes' if r['greedy'] else 'no':>6}")
+              f"{'yes' if r['greedy'] else 'no':>6}", file=out)
     print(f"{'total':>7}  {n:>7}  {summary['mean_logprob']:>13.4f}  {summary['perplexity']:>10.3f}   "
           f"({summary['bits_per_token']:.3f} bits/token; {summary['greedy']} of {len(rows)} greedy; {seconds:.1f} s "
-          f"with compile)")
+          f"with compile)", file=out)
     return 0
 
 
@@ -561,6 +618,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="with --json: each example's scored token ids and their log-probs")
     score.add_argument("--progress-every", type=_non_negative_float, default=5.0, metavar="SECONDS",
                        help="when stderr is not a terminal, a progress line this often (default 5)")
+    par = score.add_argument_group("more than one device / process (README: More than one GPU / host)")
+    par.add_argument("--tp", type=_positive_int, metavar="N", help="split the model over N devices (tensor parallel)")
+    par.add_argument("--dp", type=_positive_int, metavar="N",
+                     help="N replicas, each scoring its share of a batch (data parallel; default 1, in a multi-process "
+                          "run every device / tp)")
+    par.add_argument("--coordinator", metavar="HOST:PORT",
+                     help="process 0's address, to join a multi-process run (default: $JAX_COORDINATOR_ADDRESS)")
+    par.add_argument("--num-processes", type=_positive_int, metavar="N",
+                     help="processes in the run (default: $JAX_NUM_PROCESSES)")
+    par.add_argument("--process-id", type=_non_negative_int, metavar="I",
+                     help="this process's index, 0 .. N-1; process 0 writes the output (default: $JAX_PROCESS_ID)")
     score.set_defaults(func=cmd_score)
 
     info = sub.add_parser("info", help="layers, sizes and weight formats, from the headers only")

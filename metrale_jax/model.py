@@ -11,8 +11,10 @@ The model is an nnx.Module and so a pytree: the compiled steps take it as an arg
 to a compiled step is donated (updated in place); use the cache that comes back.
 With a mesh (from_pretrained / from_config / NemotronH(..., mesh=...)) the weights and the cache are split
 over the mesh's devices (tensor and expert parallelism, sharding.py) and every step runs through shard_map;
-the entry points and step functions keep their signatures. Such a model's Mamba in_proj / conv rows are
-stored in a device-major order: run it through its entry points or step functions, not its layers.
+the entry points and step functions keep their signatures. On a mesh with a data-parallel axis (make_mesh(tp=,
+dp=)) forward and score split their rows over the dp replicas, prefill / decode on a caller's cache run on every
+replica alike, and generate serves each replica its share (runtime/engine_dp.py). Such a model's Mamba in_proj /
+conv rows are stored in a device-major order: run it through its entry points or step functions, not its layers.
 A checkpoint with MTP weights (num_nextn_predict_layers > 0, mtp.* tensors) gives `model.mtp`, a
 layers.mtp.NemotronMTP (else None), and `new_mtp_cache` its state: the engine drafts with it
 (SpeculativeConfig(method="mtp")); a model split over a mesh keeps no MTP head.
@@ -144,7 +146,7 @@ class NemotronH(nnx.Module):
                 layer = mamba_layer(norm, weights, stored, i, self.levers, self.dtype)
             else:
                 layer = LAYER_CLASSES[kind](norm, weights, stored, i, levers=self.levers, **kw)
-            if shard_of is not None:
+            if shard_of is not None and shard_of.size > 1:    # one device's share of one: the unsplit layer
                 layer.tp_axis = shard_of.axis
                 if kind == "M" and shard_of.norm_group is not None:
                     layer.norm_group = shard_of.norm_group
@@ -344,7 +346,12 @@ class NemotronH(nnx.Module):
     def forward(self, input_ids) -> jax.Array:
         """Logits [B, T, V] float32 for full rows, no cache (the active adapter, if any, on every row)."""
         ids = self._check_ids(input_ids)
-        return self._step("forward")(self, jnp.asarray(ids), **self._adapter_table(ids.shape[0]))
+        B = ids.shape[0]
+        rows = _replica_rows(self, B)                 # a multiple of the replicas (dp): each runs rows / dp
+        if rows != B:
+            ids = np.concatenate([ids, np.full((rows - B, ids.shape[1]), self.config.pad_token_id or 0, np.int32)])
+        out = self._step("forward")(self, jnp.asarray(ids), **self._adapter_table(rows))
+        return out if rows == B else out[:B]
 
     def _adapter_table(self, num_slots: int) -> dict:
         """The `adapters` keyword of a step: every slot on the active adapter; nothing when none is active (so a
@@ -431,7 +438,7 @@ class NemotronH(nnx.Module):
         lengths = _vector("lengths", np.full((B,), T) if lengths is None else lengths, B)
         if lengths.min() < 0 or lengths.max() > T:
             raise ShapeError(f"lengths: each must lie in [0, {T}], got {lengths.tolist()}")
-        Bb, Tb = bucket(B), bucket(T, 8)
+        Bb, Tb = _replica_rows(self, bucket(B)), bucket(T, 8)
         padded = np.full((Bb, Tb), self.config.pad_token_id or 0, np.int32)
         padded[:B, :T] = ids
         lens = np.zeros(Bb, np.int32)
@@ -514,9 +521,10 @@ def prefill_hidden(model: NemotronH, cache, rows: PrefillRows, ids):
 def forward_step(model: NemotronH, ids, adapters=None):
     """ids [B, T] -> logits [B, T, V] float32 (full rows, no cache). adapters: row b's LoRA adapter index at
     [b] (layers/lora.py; None: none)."""
-    if model.tp is not None:
+    if model.tp is not None:                  # rows split over the replicas (dp), logits left split by row
         with lora.slot_adapters(adapters):                # the table goes into the shard_map (adapter_mesh.py)
-            return sharding.run_sharded(forward_step, model, ids, out_specs=sharding.logits_spec(model, 3))
+            return sharding.run_sharded(forward_step, model, ids, batch=True,
+                                        out_specs=sharding.logits_spec(model, 3, batch=True))
     TRACE_COUNTS["forward"] += 1
     B, T = ids.shape
     with lora.slot_adapters(adapters):
@@ -583,10 +591,10 @@ def score_step(model: NemotronH, ids, lengths, adapters=None, *, greedy: bool = 
     """ids [B, T], lengths [B] -> log p(ids[t+1] | ids[:t+1]) [B, T-1], zero past each length; adapters as
     forward_step's; greedy: also whether each ids[t+1] is the argmax there ([B, T-1] bool, ties count, False past
     each length)."""
-    if model.tp is not None:
+    if model.tp is not None:                  # rows split over the replicas (dp), gathered back in the step
         with lora.slot_adapters(adapters):
-            return sharding.run_sharded(score_step, model, ids, lengths, out_specs=(P(), P()) if greedy else P(),
-                                        greedy=greedy)
+            return sharding.run_sharded(_score_gathered, model, ids, lengths, out_specs=(P(), P()) if greedy else P(),
+                                        batch=True, greedy=greedy, dp_axis=model.tp.batch_spec(1)[0])
     TRACE_COUNTS["score"] += 1
     B, T = ids.shape
     with lora.slot_adapters(adapters):
@@ -596,6 +604,15 @@ def score_step(model: NemotronH, ids, lengths, adapters=None, *, greedy: bool = 
     valid = jnp.arange(1, T)[None, :] < lengths[:, None]
     lp = jnp.where(valid, lp.reshape(B, T - 1), 0.0)
     return (lp, valid & top.reshape(B, T - 1)) if greedy else lp
+
+
+def _score_gathered(view: NemotronH, ids, lengths, *, greedy: bool, dp_axis: str | None):
+    """score_step on one replica's rows, its results gathered from every replica along dp_axis (None: one
+    replica): every device then holds the whole batch's, so every process can read them."""
+    out = score_step(view, ids, lengths, greedy=greedy)
+    if dp_axis is None:
+        return out
+    return jax.tree.map(lambda x: jax.lax.all_gather(x, dp_axis, axis=0, tiled=True), out)
 
 
 def _token_logprobs(model: NemotronH, x: jax.Array, targets: jax.Array, chunk: int = 1024, *, greedy: bool = False,
@@ -657,6 +674,12 @@ def _check_prefill_rows(slots: np.ndarray, lengths: np.ndarray, padding_slot: in
         empty = slots[~pad & (lengths == 0)].tolist()
         raise ShapeError(f"lengths: live slots {empty} are given 0 tokens; a live row needs at least 1 (rows with "
                          f"nothing to prefill go to the padding slot)")
+
+
+def _replica_rows(model: NemotronH, rows: int) -> int:
+    """rows rounded up to a multiple of the model's replicas (its mesh's dp size; 1 without a mesh)."""
+    dp = 1 if model.tp is None else model.tp.dp
+    return -(-rows // dp) * dp
 
 
 def _vector(name: str, value, n: int) -> np.ndarray:

@@ -18,6 +18,10 @@ Layout over the mesh axis (tp devices), one all-reduce (psum) per block and noth
   lm_head    split by vocabulary row when vocab_size % tp == 0 and it is not tied: its GEMV is the largest
              single read of a decode step; logits come out sharded over the vocabulary, with no collective
              in the step (whoever samples reduces them). Tied or indivisible: replicated.
+Data parallelism over a second mesh axis ("dp", make_mesh(tp=..., dp=...)): the weights are replicated over it (each
+dp row of devices holds one tensor-parallel replica); batch jobs without a cache (forward, score) split their rows
+over it (`batch_spec`), a step on a caller's cache runs replicated over it, and the serving engine keeps one slot
+pool per replica (`replica` gives replica i as a model of its own, runtime/engine_dp.py).
 A step on a sharded model (NemotronH(mesh=...)) runs inside shard_map on a *device view*: the same NemotronH
 class built with `local_config` sizes, whose layers reduce over the axis (their `tp_axis`). The global arrays hold
 every device's share side by side (`storage_config`: repeated groups / kv heads counted once per device); the conv
@@ -48,6 +52,7 @@ from metrale_jax.state.cache import ModelCache
 from metrale_jax.weights.checkpoint import expected_tensors
 
 TP_AXIS = "tp"
+DP_AXIS = "dp"
 _BLOCK_NORM = re.compile(r"^backbone\.layers\.\d+\.norm\.weight$")
 _LAYER = re.compile(r"^backbone\.layers\.(?P<i>\d+)\.mixer\.(?P<suffix>.+)$")
 _EXPERT = re.compile(r"^experts\.(\d+\.)?(up|down)_proj(\.weight)?$")
@@ -57,14 +62,25 @@ _ONE_EXPERT = re.compile(
 
 @dataclasses.dataclass(frozen=True)
 class TensorParallel:
-    """A mesh and the axis the model is split over (hashable: it is static data of a sharded model)."""
+    """A mesh, the axis the model is split over, and the axis its replicas lie along (None: a mesh without one);
+    hashable: it is static data of a sharded model."""
 
     mesh: Mesh
     axis: str = TP_AXIS
+    dp_axis: str | None = None
 
     @property
     def size(self) -> int:
         return self.mesh.shape[self.axis]
+
+    @property
+    def dp(self) -> int:
+        """The number of replicas (data-parallel size)."""
+        return 1 if self.dp_axis is None else self.mesh.shape[self.dp_axis]
+
+    def batch_spec(self, ndim: int) -> P:
+        """A batch-major array [B, ...] with its rows split over the replicas (replicated when dp is 1)."""
+        return P(self.dp_axis if self.dp > 1 else None, *(None,) * (ndim - 1))
 
     def sharding(self, spec: P) -> NamedSharding:
         return NamedSharding(self.mesh, spec)
@@ -82,31 +98,40 @@ class DeviceShare:
     norm_group: int | None = None
 
 
-def make_mesh(tp: int | None = None, devices: Sequence | None = None, axis: str = TP_AXIS) -> Mesh:
-    """A 1-D mesh of `tp` devices (default: all of `devices`, default jax.devices()) named `axis`."""
+def make_mesh(tp: int | None = None, devices: Sequence | None = None, axis: str = TP_AXIS, *, dp: int = 1) -> Mesh:
+    """A (dp, tp) mesh with axes (DP_AXIS, `axis`): dp replicas of the model, each split over tp devices. devices:
+    default jax.devices() (every process's, after jax.distributed.initialize); tp defaults to all of them / dp.
+    Replica i takes devices [i*tp, (i+1)*tp), so that with tp dividing each host's device count a replica's
+    devices share a host."""
     devices = list(jax.devices() if devices is None else devices)
-    tp = len(devices) if tp is None else tp
-    if not 1 <= tp <= len(devices):
-        raise ConfigError("tp", f"expected 1 <= tp <= {len(devices)} (devices available), got {tp}")
-    return Mesh(np.array(devices[:tp]), (axis,), axis_types=(AxisType.Auto,))
+    if not isinstance(dp, int) or dp < 1:
+        raise ConfigError("dp", f"expected an integer >= 1, got {dp!r}")
+    tp = len(devices) // dp if tp is None else tp
+    if not isinstance(tp, int) or tp < 1 or tp * dp > len(devices):
+        raise ConfigError("tp", f"expected tp >= 1 with tp * dp <= {len(devices)} (devices available), got tp "
+                                f"{tp}, dp {dp}")
+    grid = np.array(devices[:tp * dp], dtype=object).reshape(dp, tp)
+    return Mesh(grid, (DP_AXIS, axis), axis_types=(AxisType.Auto,) * 2)
 
 
 def tensor_parallel(mesh: Mesh, axis: str | None = None) -> TensorParallel:
-    """Check a mesh for model splitting: the tensor-parallel axis (`axis`, else the only axis, else 'tp');
-    every other axis must have size 1 (data parallelism over a second axis is not supported yet)."""
+    """Check a mesh for model splitting: the tensor-parallel axis (`axis`, else the only axis, else 'tp') and the
+    data-parallel axis DP_AXIS when the mesh has it; every other axis must have size 1."""
     if not isinstance(mesh, Mesh):
         raise ConfigError("mesh", f"expected a jax.sharding.Mesh, got {type(mesh).__name__}")
     names = tuple(mesh.axis_names)
-    axis = axis or (names[0] if len(names) == 1 else TP_AXIS)
+    rest = [n for n in names if n != DP_AXIS]
+    axis = axis or (names[0] if len(names) == 1 else rest[0] if len(rest) == 1 else TP_AXIS)
     if axis not in names:
         raise ConfigError("mesh", f"has axes {names}; the tensor-parallel axis {axis!r} is not one of them")
-    others = {n: mesh.shape[n] for n in names if n != axis and mesh.shape[n] != 1}
+    dp_axis = DP_AXIS if DP_AXIS in names and axis != DP_AXIS else None
+    others = {n: mesh.shape[n] for n in names if n not in (axis, dp_axis) and mesh.shape[n] != 1}
     if others:
-        raise ConfigError("mesh", f"axes {others} have size > 1; only the tensor-parallel axis {axis!r} may "
-                                  "(data parallelism is not supported yet)")
+        raise ConfigError("mesh", f"axes {others} have size > 1; a model splits over the tensor-parallel axis "
+                                  f"{axis!r} and replicates over {DP_AXIS!r} (data parallelism) only")
     if any(t != AxisType.Auto for t in mesh.axis_types):
         mesh = Mesh(mesh.devices, names, axis_types=(AxisType.Auto,) * len(names))   # shard_map + GSPMD
-    return TensorParallel(mesh, axis)
+    return TensorParallel(mesh, axis, dp_axis)
 
 
 # ---- sizes -------------------------------------------------------------------------------------
@@ -326,7 +351,8 @@ def _fit(spec: P, ndim: int) -> P:
 def place(name: str, value, config: ModelConfig, tp: TensorParallel, dtype) -> jax.Array:
     """One HF-named tensor (numpy / memory-mapped view, or jax array) on its shards, rows permuted by its
     layout and cast to dtype. From numpy, a split tensor's shares are read and converted one device at a
-    time (never the whole tensor on the host); a replicated one is converted once."""
+    time (never the whole tensor on the host), each share once per process, and only those of this process's
+    devices (so in a multi-process run each process reads its own shares of the files)."""
     layout = tensor_layout(name, config, tp)
     spec = _fit(layout.spec, np.ndim(value))
     sharding = tp.sharding(spec)
@@ -335,8 +361,6 @@ def place(name: str, value, config: ModelConfig, tp: TensorParallel, dtype) -> j
         v = value if layout.rows is None else jnp.take(value, jnp.asarray(layout.rows), axis=0)
         return jax.device_put(v.astype(dtype), sharding)
     rows = layout.rows
-    if all(p is None for p in spec):
-        return jax.device_put(np.asarray(value, dtype=dtype), sharding)
 
     def part(index):
         if rows is None:
@@ -344,7 +368,20 @@ def place(name: str, value, config: ModelConfig, tp: TensorParallel, dtype) -> j
         return np.asarray(value[rows[index[0]]][(slice(None), *index[1:])], dtype=dtype)
 
     shape = tuple(np.shape(value)) if rows is None else (len(rows), *np.shape(value)[1:])
-    return jax.make_array_from_callback(shape, sharding, part)
+    return jax.make_array_from_callback(shape, sharding, _read_once(part))
+
+
+def _read_once(part):
+    """`part` (index -> host array) remembering each index it read: the replicas along the dp axis take the same
+    share, which is read from the file once."""
+    seen: dict = {}
+
+    def once(index):
+        key = tuple((s.start, s.stop, s.step) if isinstance(s, slice) else s for s in index)
+        if key not in seen:
+            seen[key] = part(index)
+        return seen[key]
+    return once
 
 
 def place_experts(name: str, members: Sequence, config: ModelConfig, tp: TensorParallel, dtype) -> jax.Array:
@@ -357,7 +394,7 @@ def place_experts(name: str, members: Sequence, config: ModelConfig, tp: TensorP
     def part(index):
         return np.stack([np.asarray(members[e][index[1:]], dtype=dtype) for e in range(shape[0])[index[0]]])
 
-    return jax.make_array_from_callback(shape, tp.sharding(spec), part)
+    return jax.make_array_from_callback(shape, tp.sharding(spec), _read_once(part))
 
 
 class ShardedTensors(dict):
@@ -470,22 +507,30 @@ def new_cache(config: ModelConfig, tp: TensorParallel, max_slots: int, max_len: 
     return jax.jit(lambda: ModelCache.for_config(stored, max_slots, max_len, dtype), out_shardings=shardings)()
 
 
-def logits_spec(model, ndim: int) -> P:
-    """Logits [..., V]: split over the vocabulary when lm_head is."""
+def logits_spec(model, ndim: int, *, batch: bool = False) -> P:
+    """Logits [B, ..., V]: split over the vocabulary when lm_head is; batch: rows split over the replicas (a
+    step run with run_sharded(batch=True))."""
     v = model.tp.axis if vocab_sharded(model.config, model.tp.size) else None
-    return P(*(None,) * (ndim - 1), v)
+    rows = model.tp.batch_spec(1)[0] if batch else None
+    return P(rows, *(None,) * (ndim - 2), v)
 
 
-def run_sharded(step, model, *args, out_specs, **kwargs):
+def run_sharded(step, model, *args, out_specs, batch: bool = False, **kwargs):
     """step(device view, *args, **kwargs) on every device through shard_map. Arguments: the model (each
-    weight by its spec), ModelCache / SsmPool / KvPool (by their specs), arrays (replicated), None."""
+    weight by its spec), ModelCache / SsmPool / KvPool (by their specs), arrays (replicated; batch=True: split
+    by row over the replicas, `TensorParallel.batch_spec`, so each replica runs its rows), None."""
     tp = model.tp
     view = device_view(model)
     specs = cache_specs(model.config, tp)
     arg_specs = {ModelCache: specs, type(specs.ssm): specs.ssm, type(specs.kv): specs.kv}
     live = [i for i, a in enumerate(args) if a is not None]
-    table = adapter_mesh.table_argument()                  # the LoRA adapter table in scope, replicated
-    in_specs = (list(view.leaf_specs), (P(),) * len(table), *(arg_specs.get(type(args[i]), P()) for i in live))
+    def spec(a):
+        if type(a) in arg_specs:
+            return arg_specs[type(a)]
+        return tp.batch_spec(np.ndim(a)) if batch else P()
+
+    table = adapter_mesh.table_argument()    # the LoRA adapter table in scope: a row's entry, split like the rows
+    in_specs = (list(view.leaf_specs), tuple(spec(t) for t in table), *(spec(args[i]) for i in live))
 
     def body(leaves, table, *live_args):
         full = list(args)

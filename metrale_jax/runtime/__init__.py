@@ -8,6 +8,7 @@ from metrale_jax.runtime.executables import Executables, bucket, pick_bucket  # 
 
 _LAZY = {
     "Engine": "metrale_jax.runtime.engine",
+    "DataParallelEngine": "metrale_jax.runtime.engine_dp",
     "Request": "metrale_jax.runtime.request",
     "PrefixCache": "metrale_jax.runtime.prefix_cache",
     "PrefixHit": "metrale_jax.runtime.prefix_cache",

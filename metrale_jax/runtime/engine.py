@@ -18,7 +18,8 @@ layer whose graphs go stale on a new sequence drops that slot's executables at a
 without the in-pass replay-tail capture takes prefix snapshots by ending a prefill chunk at the cut.
 A model split over a mesh (tensor / expert parallel, sharding.py) is served the same way: its steps run
 through shard_map, the cache and prefix snapshots stay split over the devices, host inputs go in
-replicated, and the logits come out split over the vocabulary (sampling reduces over it).
+replicated, and the logits come out split over the vocabulary (sampling reduces over it). On a mesh with
+dp > 1, Engine(...) gives a DataParallelEngine (runtime/engine_dp.py): one Engine per replica.
 """
 
 from __future__ import annotations
@@ -35,19 +36,18 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from metrale_jax import adapters, sharding
-from metrale_jax.arguments import prompts_ids
 from metrale_jax.errors import ConfigError, ShapeError
 from metrale_jax.layers import lora
-from metrale_jax.model import Generation
 from metrale_jax.runtime import steps
+from metrale_jax.runtime.batch_jobs import BatchJobs
 from metrale_jax.runtime.executables import Executables, bucket, check_buckets, pick_bucket, powers_of_two
 from metrale_jax.runtime.engine_prefix import PrefixSnapshots
 from metrale_jax.runtime.engine_speculation import Speculation, _groups
 from metrale_jax.runtime.prefill_plan import Chunk, chunk_arrays, plan_chunk
-from metrale_jax.runtime.request import (Request, check_prompt, generation, keep_logprobs, logprobs_bucket,
+from metrale_jax.runtime.request import (Request, check_prompt, keep_logprobs, logprobs_bucket,
                                          lp_arrays, stop_string_ends, stops_for)
 from metrale_jax.runtime.sampling import SlotSampling, draw_slots, start_request
-from metrale_jax.runtime.sampling_params import MAX_LOGPROBS, SamplingParams, per_request, resolve
+from metrale_jax.runtime.sampling_params import MAX_LOGPROBS, SamplingParams, resolve
 from metrale_jax.runtime.speculative import MtpDrafter, SpeculativeConfig
 from metrale_jax.state.slots import SlotAllocator
 
@@ -94,7 +94,15 @@ def _on_mesh(model, mesh):
     return model
 
 
-class Engine(PrefixSnapshots, Speculation):
+def _replicas(model, mesh) -> int:
+    """The data-parallel size an engine on (model, mesh) serves: the mesh's, else the model's own."""
+    if mesh is not None:
+        return sharding.tensor_parallel(mesh).dp
+    tp = getattr(model, "tp", None)
+    return tp.dp if isinstance(tp, sharding.TensorParallel) else 1
+
+
+class Engine(PrefixSnapshots, Speculation, BatchJobs):
     """Continuous-batching server over one model and one slot pool.
 
     max_slots sequences at once (more queue), each up to max_len tokens (prompt + new tokens).
@@ -112,12 +120,22 @@ class Engine(PrefixSnapshots, Speculation):
     eos_ids: stop tokens (default: the model's). executables / decode_executables: registries to share
     between engines on the same model and cache shapes (the decode one becomes an eager one when a layer
     vetoes graphs).
-    mesh: serve the model tensor / expert parallel over this mesh (sharding.make_mesh). Default: the model's
+    mesh: serve the model tensor / expert parallel over this mesh (sharding.make_mesh); a mesh (or a model's
+    mesh) with dp > 1 gives a DataParallelEngine, one such engine per replica (max_slots each). Default: the model's
     own mesh when it was built with one (from_pretrained / from_config(..., mesh=...)), else one device. An
     unsharded model given a mesh is split over it through the host (engine.model is the split copy).
     ssm_state_dtype: the Mamba state's dtype in the slot pool (default the config's mamba_ssm_cache_dtype,
     float32); see NemotronH.new_cache.
     """
+
+    def __new__(cls, model=None, *args, mesh=None, **kwargs):
+        """An Engine, or for a model (or mesh) with several data-parallel replicas a DataParallelEngine: one
+        Engine per replica, each with its own slot pool (runtime/engine_dp.py)."""
+        if cls is Engine and _replicas(model, mesh) > 1:
+            from metrale_jax.runtime.engine_dp import DataParallelEngine
+
+            return DataParallelEngine(model, *args, mesh=mesh, **kwargs)
+        return super().__new__(cls)
 
     def __init__(self, model, *, max_slots: int = 8, max_len: int = 2048, prefill_token_budget: int | None = None,
                  batch_buckets: Sequence[int] | None = None, token_buckets: Sequence[int] | None = None,
@@ -540,61 +558,6 @@ class Engine(PrefixSnapshots, Speculation):
                                             self._dev(0), self._mtp_block(pad, 0), donate_argnums=(0,))
         return self.compiles - before
 
-    # ---- batch jobs ----------------------------------------------------------------------------
-    def generate(self, prompts, params: SamplingParams | Sequence[SamplingParams] | int | None = None, *,
-                 stream: Callable[[int, int], None] | None = None, progress: bool | None = False,
-                 adapter: str | None = None, **overrides) -> list[Generation]:
-        """Continue each prompt (token ids, or strings when the model has a tokenizer) through the engine.
-        params: one SamplingParams for all (request i then samples with its own stream (seed, i)), a list of one
-        per prompt (each with its own seed as given), or max_new_tokens as before; keyword overrides (temperature=,
-        stop=, logprobs=, ...) apply to each. stream(i, token) gets tokens as they come. adapter: a loaded LoRA
-        adapter for every prompt (`submit` takes one per request)."""
-        seqs, as_text = prompts_ids(prompts, self.model.tokenizer)
-        return self.generate_ids(seqs, per_request(params, len(seqs), **overrides), as_text=as_text, stream=stream,
-                                 progress=progress, adapter=adapter)
-
-    def generate_ids(self, seqs: list[list[int]], params: list[SamplingParams], *, as_text: bool = False,
-                     stream: Callable[[int, int], None] | None = None, progress: bool | None = False,
-                     adapter: str | None = None) -> list[Generation]:
-        """`generate` for prompts already as token ids, one SamplingParams each; as_text: give each Generation its
-        text (the model's tokenizer)."""
-        rids = []
-        for i, (p, sp) in enumerate(zip(seqs, params)):
-            cb = None if stream is None else (lambda _rid, t, i=i: stream(i, t))
-            rids.append(self.submit(p, sp, on_token=cb, adapter=adapter))
-        self._run_until(rids, progress)
-        return [generation(self.pop(rid), self.model.tokenizer if as_text else None) for rid in rids]
-
-    def score(self, ids, lengths=None, *, progress: bool | None = False) -> np.ndarray:
-        """log p(ids[b, t+1] | ids[b, :t+1]) [B, T-1] float32, zero past each row's length."""
-        ids = np.asarray(ids)
-        if ids.ndim != 2 or ids.shape[1] < 2:
-            raise ShapeError(f"ids: expected [B, T] token ids with T >= 2, got {list(ids.shape)}")
-        B, T = ids.shape
-        lengths = np.full(B, T) if lengths is None else np.asarray(lengths)
-        if lengths.shape != (B,) or lengths.min() < 1 or lengths.max() > T:
-            raise ShapeError(f"lengths: expected [{B}] integers in [1, {T}], got {lengths.tolist()}")
-        rids = [self.submit_score(ids[b, :lengths[b]]) for b in range(B)]
-        self._run_until(rids, progress)
-        out = np.zeros((B, T - 1), np.float32)
-        for b, rid in enumerate(rids):
-            lp = self.pop(rid).logprobs
-            out[b, :len(lp)] = lp
-        return out
-
-    def _run_until(self, rids: list[int], progress) -> None:
-        from tqdm.auto import tqdm
-
-        pending = set(rids)
-        with tqdm(total=len(rids), disable=not progress if progress is not None else None, unit="req",
-                  desc="engine") as bar:
-            while pending:
-                if not self.has_work:
-                    raise RuntimeError(f"requests {sorted(pending)} are neither queued nor running")
-                done = pending.intersection(self.step())
-                pending -= done
-                bar.update(len(done))
-
     # ---- counters ------------------------------------------------------------------------------
     @property
     def compiles(self) -> int:
@@ -616,13 +579,13 @@ _GENERATE_EXECUTABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def generate_engine(model, batch: int, max_len: int) -> Engine:
-    """An engine for one model.generate call: slots for `batch` prompts rounded up to a power of two (one batch
-    bucket, so that requests finishing early do not compile smaller decode batches), max_len tokens each, on the
-    model's executables registry. The engine itself is fresh (its cache and sampling state are the call's own,
+    """An engine for one model.generate call: slots for `batch` prompts (on a dp mesh, per replica: its share)
+    rounded up to a power of two (one batch bucket, so that requests finishing early do not compile smaller decode
+    batches), max_len tokens each, on the model's executables registry. The engine itself is fresh (its cache and sampling state are the call's own,
     and it sees the model's current weights)."""
     exe = _GENERATE_EXECUTABLES.get(model)
     if exe is None:
         exe = _GENERATE_EXECUTABLES[model] = Executables(graphs=model.levers.graphs)
-    B = bucket(batch)
+    B = bucket(-(-batch // _replicas(model, None)))               # each replica's share
     return Engine(model, max_slots=B, max_len=max_len, batch_buckets=(B,), prefill_batch_buckets=(B,),
                   executables=exe)

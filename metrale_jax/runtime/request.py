@@ -33,6 +33,7 @@ class Request:
     score: bool = False
     adapter: str | None = None          # the LoRA adapter its rows use (model.adapters), None for the base
     slot: int = -1
+    replica: int = 0                    # the data-parallel replica serving it (DataParallelEngine; else 0)
     done: int = 0                       # prompt tokens in the cache
     drawn: int = 0                      # tokens sampled on the device (read back or not)
     tokens: list[int] = dataclasses.field(default_factory=list)

@@ -560,12 +560,22 @@ def nonfinite_tensors(tensors: Mapping[str, object]) -> list[str]:
         if bad:
             flags[name] = functools.reduce(jnp.logical_or, bad)
     problems = []
-    for name, bad in jax.device_get(flags).items():
+    for name, bad in jax.device_get({n: _readable(f) for n, f in flags.items()}).items():
         m = _STACKED.match(name)
         names = [f"{m['mixer']}experts.{e}.{m['proj']}_proj.weight" for e in np.flatnonzero(bad)] if m else \
             [name] if bad else []
         problems.extend(f"{n}: holds NaN or infinite values" for n in names)
     return problems
+
+
+def _readable(x: jax.Array) -> jax.Array:
+    """x as this process can read it: an array split over devices of several processes (a multi-process mesh)
+    gathered onto all of them; any other as it is."""
+    if x.is_fully_addressable or x.is_fully_replicated:
+        return x
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return jax.jit(lambda a: a, out_shardings=NamedSharding(x.sharding.mesh, PartitionSpec()))(x)
 
 
 def _format_name(w) -> str:
