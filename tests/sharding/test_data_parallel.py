@@ -69,8 +69,6 @@ def test_dp2_tp1_matches_one_device(builtin, rng):
     _check_against_one_device(builtin, rng, 1, 2)
 
 
-@pytest.mark.xfail(strict=False, reason="tp=2 on the built-in model needs repeated groups (n_groups = 1, "
-                                        "3 kv heads)")
 def test_dp2_tp2_matches_one_device(builtin, rng):
     _check_against_one_device(builtin, rng, 2, 2)
 
