@@ -46,10 +46,9 @@ class UnmergedWeight(nnx.Variable):
     """A projection's dense weights as they were before an adapter was merged into them (restored on unload)."""
 
 
-class LoraOverlay(nnx.Module):
-    """The adapters of one projection [N, K]: a [S, R, K], b [S, N, R] (LoraParam), scale [S]. `merged`: the
-    index of the adapter folded into the base weights (its term is skipped here), 0 for none; `unmerged`: the
-    base weights from before that merge."""
+class _Overlay(nnx.Module):
+    """S adapters' a, b (LoraParam) and scale [S]. `merged`: the index of the adapter folded into the base weights
+    (its term is skipped here), 0 for none; `unmerged`: the base weights from before that merge."""
 
     def __init__(self, a: jax.Array, b: jax.Array, scale: jax.Array):
         self.a = LoraParam(jnp.asarray(a, jnp.float32))
@@ -61,38 +60,31 @@ class LoraOverlay(nnx.Module):
     @property
     def num_adapters(self) -> int:
         return self.a.shape[0]
+
+    def _live_scales(self) -> jax.Array:
+        """scale [S] with the merged adapter's entry 0 (its term is in the base weights)."""
+        scale = self.scale[...]
+        return scale.at[self.merged - 1].set(0.0) if self.merged else scale
+
+
+class LoraOverlay(_Overlay):
+    """The adapters of one projection [N, K]: a [S, R, K], b [S, N, R], scale [S]; `merged` / `unmerged` as
+    `_Overlay`'s (the base weights before the merge)."""
 
     def delta(self, x: jax.Array, rows: jax.Array) -> jax.Array:
         """sum_s [rows == s + 1] scale_s B_s A_s x per row: x [M, K], rows [M] int -> [M, N] float32."""
-        scale = self.scale[...]
-        if self.merged:
-            scale = scale.at[self.merged - 1].set(0.0)
-        return low_rank(x, rows, self.a[...], self.b[...], scale)
+        return low_rank(x, rows, self.a[...], self.b[...], self._live_scales())
 
 
-class ExpertLoraOverlay(nnx.Module):
+class ExpertLoraOverlay(_Overlay):
     """The adapters of one stack of routed experts [E, N, K] (a MoE layer's up or down projections): a
     [S, E, R, K], b [S, E, N, R] (LoraParam), scale [S]; beside the grouped GEMM, never in its weights.
-    `merged` / `unmerged` as LoraOverlay's (the stack before the merge)."""
-
-    def __init__(self, a: jax.Array, b: jax.Array, scale: jax.Array):
-        self.a = LoraParam(jnp.asarray(a, jnp.float32))
-        self.b = LoraParam(jnp.asarray(b, jnp.float32))
-        self.scale = LoraScale(jnp.asarray(scale, jnp.float32))
-        self.merged = 0
-        self.unmerged = nnx.data(None)
-
-    @property
-    def num_adapters(self) -> int:
-        return self.a.shape[0]
+    `merged` / `unmerged` as `_Overlay`'s (the stack before the merge)."""
 
     def delta(self, x: jax.Array, group_sizes: jax.Array, rows: jax.Array) -> jax.Array:
         """Rows of x [M, K] sorted by expert (group_sizes [E]; rows past their sum join no group and get 0),
         rows [M] each row's adapter index -> [M, N] float32."""
-        scale = self.scale[...]
-        if self.merged:
-            scale = scale.at[self.merged - 1].set(0.0)
-        return expert_low_rank(x, group_sizes, rows, self.a[...], self.b[...], scale)
+        return expert_low_rank(x, group_sizes, rows, self.a[...], self.b[...], self._live_scales())
 
 
 def _ragged(x: jax.Array, w: jax.Array, group_sizes: jax.Array) -> jax.Array:
