@@ -128,8 +128,9 @@ class NemotronH(nnx.Module):
         if missing:
             raise CheckpointError(missing)
         self.shard_formats = ()                    # a sharded model's quantized containers (sharding_quant)
-        if self.tp is not None and any(is_quantized(v) for v in tensors.values()) and \
-                not isinstance(tensors, sharding.ShardedTensors):
+        if self.tp is not None and isinstance(tensors, sharding.ShardedTensors):
+            self.shard_formats = sharding_quant.container_formats(tensors)
+        elif self.tp is not None and any(is_quantized(v) for v in tensors.values()):
             tensors, self.shard_formats = sharding_quant.shard_quantized(config, tensors, self.tp, self.dtype,
                                                                          self.levers)
         elif self.tp is not None:
@@ -179,8 +180,8 @@ class NemotronH(nnx.Module):
         HF cache first, then a download unless HF_HUB_OFFLINE; ModelNotFoundError when neither).
         A quantized checkpoint (ModelOpt FP8 / NVFP4, block FP8) keeps its linear weights quantized in the
         arms `_mamba_layer` and Projection.set_weight choose (levers.native_fp8_ssm for the Mamba ones).
-        mesh: split the model over its devices, each dense tensor read from the memory map straight to its shards
-        (a quantized checkpoint is read whole, then its containers placed by sharding_quant).
+        mesh: split the model over its devices, each tensor read from the memory map straight to its shards (each
+        device's rows / columns / experts only; quantized containers placed by sharding_quant).
         check_finite: a weight holding a NaN or an infinity (as loaded, after the cast to `dtype`) is a
         CheckpointError naming it, instead of a model whose every logit is NaN. It reads each weight once more,
         where it lives (an elementwise test per tensor, one host sync): on the built-in model (57 tensors, 5 MB,
@@ -189,8 +190,9 @@ class NemotronH(nnx.Module):
         directory = resolve_checkpoint(directory)
         config = ModelConfig.from_hf(directory)
         qcfg = checkpoint_quantization(directory)
+        levers = ModelLevers.from_env() if levers is None else levers
         tensors, notes = read_checkpoint(directory, config, dtype, progress=progress, mesh=mesh, qcfg=qcfg,
-                                         check_finite=check_finite)
+                                         check_finite=check_finite, levers=levers)
         return cls(config, tensors, dtype=dtype, levers=levers, tokenizer=load_tokenizer(directory, config),
                    notes=notes, mesh=mesh, quant_config=qcfg)
 

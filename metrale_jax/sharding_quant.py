@@ -30,8 +30,8 @@ from jax.sharding import PartitionSpec as P
 from metrale_jax import sharding
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import CheckpointError, ConfigError
-from metrale_jax.weights.containers import (Fp8Share, Fp8Weight, Nvfp4Weight, StackedExperts, W4a4Weight,
-                                            WeightQuantFormat, fp8_to_block_scaled, stack_experts)
+from metrale_jax.weights.containers import (DenseWeight, Fp8Share, Fp8Weight, Nvfp4Weight, StackedExperts,
+                                            W4a4Weight, WeightQuantFormat, check_expert_members, fp8_to_block_scaled)
 from metrale_jax.weights.quant_formats import FP8_BLOCK, NVFP4_GROUP, block_grid
 
 
@@ -68,6 +68,44 @@ def padded_layout(share: np.ndarray, block: int = FP8_BLOCK) -> tuple[np.ndarray
     return np.asarray(pos, np.int32), np.asarray(blocks, np.int64)
 
 
+# ---- reading shares ----------------------------------------------------------------------------
+def source(a):
+    """What shares are read from: a host array or memory-mapped view as it is (indexing it reads the indexed rows /
+    columns only), a jax array fetched to the host once."""
+    return np.asarray(a) if isinstance(a, jax.Array) else a
+
+
+def take(a, idx: np.ndarray, axis: int = 0) -> np.ndarray:
+    """Entries `idx` of a host source along axis 0 or 1 (a contiguous run read as one slice)."""
+    idx = np.asarray(idx)
+    run = len(idx) > 0 and np.array_equal(idx, np.arange(idx[0], idx[0] + len(idx)))
+    sel = slice(int(idx[0]), int(idx[0]) + len(idx)) if run else idx
+    return np.asarray(a[sel] if axis == 0 else a[:, sel])
+
+
+def place_host(a, spec: P, tp: sharding.TensorParallel, rows: np.ndarray | None = None) -> jax.Array:
+    """A host source [N, ...] on its shards (`spec`; rows: the stored row order as checkpoint indices, a row split),
+    through a callback that reads each device's share by its index only, once per process (the replicas along dp
+    take the same share), and nothing of other processes' devices."""
+    a = source(a)
+    shape = tuple(np.shape(a)) if rows is None else (len(rows), *np.shape(a)[1:])
+
+    def part(index):
+        if rows is None:
+            return np.asarray(a[index])
+        return take(a, rows[index[0]])[(slice(None), *index[1:])]
+    return jax.make_array_from_callback(shape, tp.sharding(sharding._fit(spec, len(shape))), sharding._read_once(part))
+
+
+def place_parts(shape: tuple[int, ...], spec: P, tp: sharding.TensorParallel, part_of) -> jax.Array:
+    """An array of `shape` split once along `spec`'s tp axis, device d's block built by part_of(d) (read once per
+    process)."""
+    axis = _split_axis(spec, tp.axis)
+    n_local = shape[axis] // tp.size
+    return jax.make_array_from_callback(shape, tp.sharding(spec), sharding._read_once(
+        lambda index: part_of((index[axis].start or 0) // n_local)))
+
+
 # ---- FP8 ---------------------------------------------------------------------------------------
 def _split_axis(spec: P, axis: str) -> int | None:
     return next((i for i, p in enumerate(spec) if p == axis), None)
@@ -75,36 +113,37 @@ def _split_axis(spec: P, axis: str) -> int | None:
 
 def place_fp8(name: str, w: Fp8Weight, config: ModelConfig, tp: sharding.TensorParallel,
               levers: ModelLevers) -> Fp8Weight | Fp8Share:
-    """A block-scaled (or per-tensor) FP8 linear weight [N, K] on its shards (see the module docstring)."""
+    """A block-scaled (or per-tensor) FP8 linear weight [N, K] on its shards (see the module docstring): each device's
+    codes read from `w.weight` by its rows (columns) only; the scale grid read whole (which layout the split takes
+    depends on its values)."""
     if w.format is WeightQuantFormat.FP8_PER_ROW:
         raise ConfigError("mesh", f"{name}: FP8 weights with a per-row scale are not split over a mesh (block-scaled "
                                   "and per-tensor FP8 are)")
     w = fp8_to_block_scaled(w)
     layout = sharding.tensor_layout(name, config, tp)
     split = _split_axis(layout.spec, tp.axis)
-    inp = None if w.input_scale is None else jax.device_put(w.input_scale, tp.sharding(P()))
-    q, s = np.asarray(w.weight), np.asarray(w.scale, np.float32)
+    inp = None if w.input_scale is None else place_host(w.input_scale, P(), tp)
+    q, s = source(w.weight), np.asarray(w.scale, np.float32)
     if split is None:
-        return Fp8Weight(jax.device_put(q, tp.sharding(P())), jax.device_put(s, tp.sharding(P())), inp, w.format)
+        return Fp8Weight(place_host(q, P(), tp), place_host(s, P(), tp), inp, w.format)
     if split == 1:                                   # work on [K, N]: columns become rows
-        q, s = q.T, s.T
-    n, k = q.shape
+        s = s.T
+    n, k = q.shape[split], q.shape[1 - split]
     shares = row_shards(n, layout.rows if split == 0 else None, tp.size)
     grids = [fp8_grid(s, sh) for sh in shares]
     spec = P(tp.axis, None) if split == 0 else P(None, tp.axis)
-    put = lambda a, t: jax.device_put(a.T if t else a, tp.sharding(spec))
+    flip = lambda a: a.T if split else a
     aligned = len(shares[0]) % FP8_BLOCK == 0       # else the global grid would not be the [N, K] grid of its shape
     if aligned and all(g is not None for g in grids):
-        return Fp8Weight(put(q[np.concatenate(shares)], split), put(np.concatenate(grids), split), inp, w.format)
+        codes = place_host(q, spec, tp, layout.rows if split == 0 else None)
+        return Fp8Weight(codes, place_host(flip(np.concatenate(grids)), spec, tp), inp, w.format)
     if split == 1 and levers.fp8_activations == "e4m3":
         raise _e4m3_refusal(name, len(shares[0]))
     layouts = [padded_layout(sh) for sh in shares]
     n_pad = max(-(-(int(pos[-1]) + 1) // FP8_BLOCK) * FP8_BLOCK for pos, _ in layouts)
-    codes = np.zeros((tp.size * n_pad, k), q.dtype)
     grid = np.ones((tp.size * n_pad // FP8_BLOCK, s.shape[1]), np.float32)
     index = []
     for d, (sh, (pos, blocks)) in enumerate(zip(shares, layouts)):
-        codes[d * n_pad + pos] = q[sh]
         grid[d * n_pad // FP8_BLOCK + np.arange(len(blocks))] = s[blocks]
         if split == 0:
             index.append(pos)
@@ -112,8 +151,15 @@ def place_fp8(name: str, w: Fp8Weight, config: ModelConfig, tp: sharding.TensorP
             src = np.full(n_pad, len(sh), np.int32)
             src[pos] = np.arange(len(sh))
             index.append(src)
-    inner = Fp8Weight(put(codes, split), put(grid, split), inp, WeightQuantFormat.FP8_BLOCK_SCALED)
-    idx = jax.device_put(np.concatenate(index).astype(np.int32), tp.sharding(P(tp.axis)))
+
+    def padded(d: int) -> np.ndarray:                # device d's codes [n_pad, k] (split 1: transposed)
+        out = np.zeros((n_pad, k), q.dtype)
+        out[layouts[d][0]] = flip(take(q, shares[d], split))
+        return flip(out)
+
+    codes = place_parts((tp.size * n_pad, k) if split == 0 else (k, tp.size * n_pad), spec, tp, padded)
+    inner = Fp8Weight(codes, place_host(flip(grid), spec, tp), inp, WeightQuantFormat.FP8_BLOCK_SCALED)
+    idx = place_host(np.concatenate(index).astype(np.int32), P(tp.axis), tp)
     if split == 0 and all(np.array_equal(pos, np.arange(len(pos))) for pos, _ in layouts):
         idx = None                                   # padding after the share's rows only: its output is a slice
     logical = (tp.size * len(shares[0]), k)          # the global model's shape: every device's share
@@ -131,21 +177,20 @@ def _e4m3_refusal(name: str, k_local: int) -> ConfigError:
 
 # ---- NVFP4 -------------------------------------------------------------------------------------
 def place_nvfp4(name: str, w: Nvfp4Weight, config: ModelConfig, tp: sharding.TensorParallel) -> Nvfp4Weight:
-    """An NVFP4 linear weight on its shards: packed codes and group scales with their rows (columns)."""
+    """An NVFP4 linear weight on its shards: packed codes and group scales with their rows (columns), each device's
+    read by its rows (columns) only."""
     layout = sharding.tensor_layout(name, config, tp)
     split = _split_axis(layout.spec, tp.axis)
-    rep = lambda a: None if a is None else jax.device_put(a, tp.sharding(P()))
-    packed, scale = np.asarray(w.packed), np.asarray(w.scale)
-    if split == 0 and layout.rows is not None:
-        packed, scale = packed[layout.rows], scale[layout.rows]
+    rep = lambda a: None if a is None else place_host(a, P(), tp)
     if split == 1:
         k_local = w.shape[1] // tp.size
         if w.shape[1] % tp.size or k_local % NVFP4_GROUP:
             raise ConfigError("mesh", f"{name}: K = {w.shape[1]} split over {tp.size} devices is not a multiple of "
                                       f"{NVFP4_GROUP} per device, so NVFP4 group scales cannot follow their elements")
     spec = P() if split is None else P(tp.axis, None) if split == 0 else P(None, tp.axis)
-    put = lambda a: jax.device_put(a, tp.sharding(spec))
-    return Nvfp4Weight(put(packed), put(scale), rep(w.global_scale), rep(w.input_scale))
+    rows = layout.rows if split == 0 else None
+    return Nvfp4Weight(place_host(w.packed, spec, tp, rows), place_host(w.scale, spec, tp, rows),
+                       rep(w.global_scale), rep(w.input_scale))
 
 
 # ---- the model's tensors --------------------------------------------------------------------------
@@ -156,8 +201,9 @@ def place_container(name: str, w, config: ModelConfig, tp: sharding.TensorParall
                                                "activations with a scale of the whole row, which a split model does "
                                                "not have on one device; it is not supported on a mesh")
     if isinstance(w, StackedExperts):
-        spec = lambda a: P(tp.axis, *(None,) * (a.ndim - 1))
-        return StackedExperts(jax.tree.map(lambda a: jax.device_put(a, tp.sharding(spec(a))), w.member))
+        return StackedExperts(jax.tree.map(lambda a: place_host(a, P(tp.axis), tp), w.member))
+    if isinstance(w, ExpertMembers):
+        return place_members(w, tp)
     if isinstance(w, Fp8Weight):
         return place_fp8(name, w, config, tp, levers)
     if isinstance(w, Nvfp4Weight):
@@ -165,10 +211,35 @@ def place_container(name: str, w, config: ModelConfig, tp: sharding.TensorParall
     raise ConfigError("mesh", f"{name}: a {type(w).__name__} cannot be split over a mesh")
 
 
+class ExpertMembers(tuple):
+    """A layer's routed experts as per-expert containers (unread host sources), stacked [E, ...] as they are placed."""
+
+
+def place_members(members: ExpertMembers, tp: sharding.TensorParallel) -> StackedExperts:
+    """Routed experts (checked as stack_experts checks them) stacked and split by expert: every array of the stack
+    [E, ...] read by each device for its own experts only."""
+    flat = [jax.tree.flatten(m) for m in members]
+    out = []
+    for j in range(len(flat[0][0])):
+        srcs = [source(leaves[j]) for leaves, _ in flat]
+        shape = (len(srcs), *np.shape(srcs[0]))
+
+        def part(index, srcs=srcs):
+            return np.stack([np.asarray(srcs[e][index[1:]]) for e in range(len(srcs))[index[0]]])
+        out.append(jax.make_array_from_callback(shape, tp.sharding(sharding._fit(P(tp.axis), len(shape))),
+                                                sharding._read_once(part)))
+    return StackedExperts(jax.tree.unflatten(flat[0][1], out))
+
+
 def check_levers(config: ModelConfig, tensors: Mapping[str, object], levers: ModelLevers, tp: int) -> None:
     """Levers a quantized model cannot use on a mesh (ConfigError): the native FP8 SSM modes that build per-device
     copies ('decode': an E4M3 prefill copy; 'off': requantized to NVFP4), and E4M3 activations quantized by the
     gated norm ('group' / 'arm') where a norm group is split over devices (no device sees the group's scale)."""
+    nvfp4 = next((n for n, v in tensors.items() if isinstance(v, Nvfp4Weight)), None)
+    if nvfp4 is not None and levers.nvfp4_activations == "nvfp4":
+        raise ConfigError("nvfp4_activations", f"{nvfp4}: the W4A4 arm (nvfp4_activations='nvfp4') quantizes "
+                                               "activations with a scale of the whole row, which a split model does "
+                                               "not have on one device; it is not supported on a mesh")
     fp8_mamba = [n for n, v in tensors.items() if isinstance(v, Fp8Weight) and n.endswith(("in_proj.weight",
                                                                                            "out_proj.weight"))]
     if fp8_mamba and levers.native_fp8_ssm != "full":
@@ -194,13 +265,80 @@ def shard_quantized(config: ModelConfig, tensors: Mapping[str, object], tp: shar
     dense = {n: v for n, v in tensors.items() if not is_quantized(v)}
     quantized = _stack_experts(config, {n: v for n, v in tensors.items() if n not in dense})
     out = sharding.shard_tensors(config, dense, tp, dtype)
-    formats = []
     for name, w in quantized.items():
-        out[name] = placed = place_container(name, w, config, tp, levers)
-        leaves, treedef = jax.tree.flatten(placed)
-        formats.append((name, treedef, tuple((tuple(a.sharding.shard_shape(a.shape)), jnp.dtype(a.dtype).name)
-                                             for a in leaves)))
-    return out, tuple(formats)
+        out[name] = place_container(name, w, config, tp, levers)
+    return out, container_formats(out)
+
+
+def container_formats(placed: Mapping[str, object]) -> tuple:
+    """The formats a sharded model's device view is built with: (name, container structure, each leaf's (local
+    shape, dtype)) per placed quantized container."""
+    from metrale_jax.weights.checkpoint import is_quantized
+
+    formats = []
+    for name, w in placed.items():
+        if is_quantized(w):
+            leaves, treedef = jax.tree.flatten(w)
+            formats.append((name, treedef, tuple((tuple(a.sharding.shard_shape(a.shape)), jnp.dtype(a.dtype).name)
+                                                 for a in leaves)))
+    return tuple(formats)
+
+
+def read_on_mesh(reader, config: ModelConfig, expected, qcfg, dtype, tp: sharding.TensorParallel,
+                 levers: ModelLevers, problems: list[str], dequantized) -> sharding.ShardedTensors:
+    """A quantized checkpoint's tensors (`expected`: (name, TensorSpec) pairs) placed on the mesh, each device's
+    share read from the memory-mapped files by its rows (columns, experts) only, once per process: dense tensors by
+    sharding.place, quantized containers by place_container (the FP8 block scale grids, 1/16384 of the codes, are
+    read whole). A layer's routed experts that mix formats are stacked dense and read whole (as on one device,
+    counted in `dequantized`). Problems (a module's format, dtype, shape) are appended to `problems`; with any,
+    nothing is placed (an empty result)."""
+    from metrale_jax.weights.checkpoint import linear_module, stack_layer_experts
+    from metrale_jax.weights.quant_config import load_linear
+
+    host: dict[str, object] = {}
+    members: dict[str, dict[str, object]] = {}          # a layer's experts by HF name, until all E are read
+    for name, spec in expected:
+        module = linear_module(name)
+        if module is None:
+            host[name] = reader.get(name)               # a memory-mapped view: read by its shares
+            continue
+        try:
+            w = load_linear(reader, module, spec.shape, qcfg, fp8_to_block=True, host=True)
+        except CheckpointError as e:
+            problems.extend(e.problems)
+            continue
+        expert = sharding.one_expert(name)
+        if expert is None and isinstance(w, Fp8Weight) and w.format is not WeightQuantFormat.FP8_BLOCK_SCALED:
+            problems.append(f"{module}.weight_scale: a per-row FP8 scale [N]; the FP8 arms take one scale per "
+                            f"tensor or per 128x128 block")
+            continue
+        w = w.weight if isinstance(w, DenseWeight) else w
+        if expert is None:
+            host[name] = w
+            continue
+        group = members.setdefault(expert[0], {})
+        group[name] = w
+        if len(group) == config.n_routed_experts:
+            host |= _expert_group(expert[0], members.pop(expert[0]), dtype, dequantized, stack_layer_experts)
+    if problems:
+        return sharding.ShardedTensors()
+    placed, _ = shard_quantized(config, host, tp, dtype, levers)
+    return placed
+
+
+def _expert_group(key: str, group: dict[str, object], dtype, dequantized, stack_dense) -> dict[str, object]:
+    """One layer's routed experts as read: kept one by one (placed by expert) when all are dense or all one stackable
+    quantized format; else stacked dense under `key`, read whole (quantized ones dequantized)."""
+    from metrale_jax.weights.checkpoint import is_quantized
+
+    kinds = {(type(v), getattr(v, "format", None)) for v in group.values()}
+    if len(kinds) == 1 and next(iter(kinds)) in ((Nvfp4Weight, WeightQuantFormat.NVFP4),
+                                                  (Fp8Weight, WeightQuantFormat.FP8_BLOCK_SCALED)):
+        return group
+    if not any(is_quantized(v) for v in group.values()):
+        return group
+    order = sorted(group, key=lambda n: sharding.one_expert(n)[1])
+    return {key: stack_dense(key, [group[n] for n in order], dtype, dequantized)}
 
 
 def _stack_experts(config: ModelConfig, quantized: dict[str, object]) -> dict[str, object]:
@@ -217,7 +355,7 @@ def _stack_experts(config: ModelConfig, quantized: dict[str, object]) -> dict[st
     for key, members in groups.items():
         if len(members) != config.n_routed_experts:
             raise CheckpointError(f"{key}: {len(members)} of {config.n_routed_experts} routed experts given")
-        out[key] = stack_experts(key, [members[e] for e in range(config.n_routed_experts)])
+        out[key] = ExpertMembers(check_expert_members(key, [members[e] for e in range(config.n_routed_experts)]))
     return out
 
 

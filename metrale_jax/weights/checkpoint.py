@@ -37,7 +37,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from metrale_jax import files
-from metrale_jax.config import ModelConfig
+from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import CheckpointError, WeightFormatError
 from metrale_jax.layers.attention import NemotronAttentionWeights
 from metrale_jax.layers.mamba2 import NemotronSsmWeights
@@ -469,16 +469,15 @@ def open_checkpoint(directory: str | os.PathLike):
 
 def read_checkpoint(directory: str | os.PathLike, config: ModelConfig, dtype=jnp.bfloat16, *,
                     progress: bool | None = None, mesh=None, qcfg: QuantConfig | None = None,
-                    check_finite: bool = True) -> tuple[dict[str, object], list[str]]:
+                    check_finite: bool = True, levers=None) -> tuple[dict[str, object], list[str]]:
     """All tensors of an HF checkpoint, validated, cast and in HF names: (tensors, notes). A quantized
     checkpoint (qcfg, default: read from the directory) gives a container per quantized linear module.
-    mesh: each tensor goes from the memory map straight to its shards (a sharding.ShardedTensors); a quantized
-    checkpoint is read whole (NemotronH(mesh=...) places its containers).
+    mesh: each tensor goes from the memory map straight to its shards (a sharding.ShardedTensors), each device's
+    share read by its rows / columns / experts only: quantized containers too (sharding_quant.read_on_mesh, placed
+    for `levers`, default ModelLevers.from_env(): the model's levers decide an FP8 split's refusals).
     check_finite: a tensor holding a NaN or an infinity once loaded is a CheckpointError (see nonfinite_tensors)."""
     qcfg = checkpoint_quantization(directory) if qcfg is None else qcfg
     quantized_ckpt = qcfg.method != "none"
-    if quantized_ckpt:
-        mesh = None          # read whole: NemotronH places the containers on the mesh (sharding_quant)
     reader = open_checkpoint(directory)
     try:
         problems, notes = check_checkpoint(reader, config, qcfg)
@@ -496,9 +495,11 @@ def read_checkpoint(directory: str | os.PathLike, config: ModelConfig, dtype=jnp
         bar = tqdm(expected.items(), total=len(expected), desc="loading weights", unit="tensor",
                    disable=None if progress is None else not progress, leave=False)
         if mesh is not None:                          # each view read by its devices' shares only
-            from metrale_jax import sharding         # here: sharding imports this module
-            tensors = sharding.shard_tensors(config, ((name, reader.get(name)) for name, _ in bar),
-                                             sharding.tensor_parallel(mesh), dtype)
+            from metrale_jax import sharding, sharding_quant     # here: sharding imports this module
+            tp, levers = sharding.tensor_parallel(mesh), ModelLevers.from_env() if levers is None else levers
+            tensors = sharding_quant.read_on_mesh(reader, config, bar, qcfg, dtype, tp, levers, problems,
+                                                  dequantized_experts) if quantized_ckpt else \
+                sharding.shard_tensors(config, ((name, reader.get(name)) for name, _ in bar), tp, dtype)
         for name, spec in (bar if mesh is None else ()):
             target = jnp.float32 if spec.keep_f32 else dtype
             m = _EXPERT.match(name)

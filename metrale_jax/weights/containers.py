@@ -257,6 +257,12 @@ class StackedExperts:
 
 def stack_experts(name: str, members) -> StackedExperts:
     """Stack per-expert containers (all block-scaled FP8 or all NVFP4, one shape) after checking each."""
+    return StackedExperts(jax.tree.map(lambda *a: jnp.stack(a), *check_expert_members(name, members)))
+
+
+def check_expert_members(name: str, members) -> list:
+    """Per-expert containers checked for stacking (one format, block-scaled FP8 or NVFP4, one shape; an input
+    scale kept only when every expert has one): the members as they will be stacked, nothing read."""
     members = list(members)
     kinds = {(type(m), getattr(m, "format", None)) for m in members}
     if len(kinds) != 1:
@@ -273,7 +279,7 @@ def stack_experts(name: str, members) -> StackedExperts:
                                     f"got {type(m).__name__}")
     if any(m.input_scale is None for m in members):          # kept only when every expert has one
         members = [dataclasses.replace(m, input_scale=None) for m in members]
-    return StackedExperts(jax.tree.map(lambda *a: jnp.stack(a), *members))
+    return members
 
 
 def as_dense(name: str, value, shape: tuple[int, ...] | None = None) -> DenseWeight:

@@ -45,29 +45,35 @@ def weight_shape(reader, prefix: str, shape: tuple[int, int] | None, dtype: str)
     return tuple(got)
 
 
-def read_fp8_block(reader, prefix: str, shape: tuple[int, int] | None = None) -> Fp8Weight:
-    """Block FP8: F8_E4M3 weight [N, K] + F32 weight_scale_inv [ceil(N/128), ceil(K/128)]."""
+def read_fp8_block(reader, prefix: str, shape: tuple[int, int] | None = None, *, host: bool = False) -> Fp8Weight:
+    """Block FP8: F8_E4M3 weight [N, K] + F32 weight_scale_inv [ceil(N/128), ceil(K/128)]. host: the weight stays
+    the reader's (memory-mapped) array, unread; the scale grid a host array."""
     n, k = weight_shape(reader, prefix, shape, "F8_E4M3")
     q = reader.get(f"{prefix}.weight")
     s = expect(reader, f"{prefix}.weight_scale_inv", ("F32",), (qf.block_grid(n, k),))
+    if host:
+        return Fp8Weight(q, np.asarray(s, np.float32), None, WeightQuantFormat.FP8_BLOCK_SCALED)
     return Fp8Weight(jnp.asarray(q), jnp.asarray(s, jnp.float32), None, WeightQuantFormat.FP8_BLOCK_SCALED)
 
 
 def read_fp8_tensor(reader, prefix: str, shape: tuple[int, int] | None = None, *,
-                    to_block: bool = False) -> Fp8Weight:
+                    to_block: bool = False, host: bool = False) -> Fp8Weight:
     """ModelOpt FP8: F8_E4M3 weight [N, K] + F32 weight_scale (scalar, [] or [1]; a per-row [N] / [N, 1]
     scale is read as FP8_PER_ROW) + optional F32 input_scale. to_block=True expands a per-tensor scale
-    to the 128x128 grid (exact), as the FP8-block arm needs."""
+    to the 128x128 grid (exact), as the FP8-block arm needs. host: the weight stays the reader's (memory-mapped)
+    array, unread; the scales host arrays."""
     n, k = weight_shape(reader, prefix, shape, "F8_E4M3")
+    xp = np if host else jnp
     q = reader.get(f"{prefix}.weight")
+    q = q if host else jnp.asarray(q)
     s = expect(reader, f"{prefix}.weight_scale", ("F32",), ((), (1,), (n,), (n, 1)))
     per_row = s.size == n and n > 1
     inp = None
     if _has(reader, f"{prefix}.input_scale"):
-        inp = jnp.asarray(expect(reader, f"{prefix}.input_scale", ("F32",), ((), (1,))), jnp.float32).reshape(())
+        inp = xp.asarray(expect(reader, f"{prefix}.input_scale", ("F32",), ((), (1,))), xp.float32).reshape(())
     if per_row:
-        return Fp8Weight(jnp.asarray(q), jnp.asarray(s, jnp.float32).reshape(n), inp, WeightQuantFormat.FP8_PER_ROW)
-    w = Fp8Weight(jnp.asarray(q), jnp.asarray(s, jnp.float32).reshape(()), inp, WeightQuantFormat.FP8_PER_TENSOR)
+        return Fp8Weight(q, xp.asarray(s, xp.float32).reshape(n), inp, WeightQuantFormat.FP8_PER_ROW)
+    w = Fp8Weight(q, xp.asarray(s, xp.float32).reshape(()), inp, WeightQuantFormat.FP8_PER_TENSOR)
     return fp8_to_block_scaled(w) if to_block else w
 
 

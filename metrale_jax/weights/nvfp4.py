@@ -16,8 +16,9 @@ from metrale_jax.weights.containers import Nvfp4Weight
 from metrale_jax.weights.fp8 import _has, expect, weight_shape
 
 
-def read_nvfp4(reader, prefix: str, shape: tuple[int, int] | None = None) -> Nvfp4Weight:
-    """`shape` is the dense (N, K); the packed weight must be [N, K/2]."""
+def read_nvfp4(reader, prefix: str, shape: tuple[int, int] | None = None, *, host: bool = False) -> Nvfp4Weight:
+    """`shape` is the dense (N, K); the packed weight must be [N, K/2]. host: the packed codes and group scales
+    stay the reader's (memory-mapped) arrays, unread; the global scales host arrays."""
     packed_shape = None if shape is None else (shape[0], shape[1] // 2)
     n, half = weight_shape(reader, prefix, packed_shape, "U8")
     k = 2 * half
@@ -30,11 +31,14 @@ def read_nvfp4(reader, prefix: str, shape: tuple[int, int] | None = None) -> Nvf
                               f"per 16 along K, linear layout; swizzled or padded scale layouts are not read)")
     s = expect(reader, name, ("F8_E4M3",), ((n, groups),))
     g = expect(reader, f"{prefix}.weight_scale_2", ("F32",), ((), (1,)))
+    xp = np if host else jnp
     inp = None
     if _has(reader, f"{prefix}.input_scale"):
-        inp = jnp.asarray(expect(reader, f"{prefix}.input_scale", ("F32",), ((), (1,))), jnp.float32).reshape(())
-    return Nvfp4Weight(jnp.asarray(reader.get(f"{prefix}.weight")), jnp.asarray(s),
-                       jnp.asarray(g, jnp.float32).reshape(()), inp)
+        inp = xp.asarray(expect(reader, f"{prefix}.input_scale", ("F32",), ((), (1,))), xp.float32).reshape(())
+    packed = reader.get(f"{prefix}.weight")
+    if host:
+        return Nvfp4Weight(packed, s, np.asarray(g, np.float32).reshape(()), inp)
+    return Nvfp4Weight(jnp.asarray(packed), jnp.asarray(s), jnp.asarray(g, jnp.float32).reshape(()), inp)
 
 
 def write_nvfp4(prefix: str, w: np.ndarray, input_amax: float | None = None) -> dict[str, np.ndarray]:

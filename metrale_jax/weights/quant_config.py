@@ -155,12 +155,14 @@ def stored_format(reader, prefix: str) -> str:
 
 
 def load_linear(reader, prefix: str, shape: tuple[int, int] | None = None, qcfg: QuantConfig | None = None, *,
-                fp8_to_block: bool = False, dtype=None):
+                fp8_to_block: bool = False, dtype=None, host: bool = False):
     """The container of linear module `prefix` ([N, K] = `shape` when given). With `qcfg`, an excluded
     module must be stored dense and a quantized one in the config's format (a dense weight where the config
     expects a quantized one is accepted: some exports leave small layers unquantized unlisted).
     fp8_to_block expands a ModelOpt per-tensor FP8 scale to the 128x128 grid (what the FP8 arm takes);
-    dtype casts a dense weight."""
+    dtype casts a dense weight. host: the container holds the reader's arrays as they come (memory-mapped views:
+    nothing of the weight or of an NVFP4 group scale is read yet, a mesh's placement reads each device's share;
+    a dense weight stays uncast), only the small FP8 / global scales are read."""
     fmt = stored_format(reader, prefix)
     if qcfg is not None:
         want = qcfg.expected(prefix)
@@ -172,10 +174,12 @@ def load_linear(reader, prefix: str, shape: tuple[int, int] | None = None, qcfg:
         got = tuple(reader.info(name)[1])
         if len(got) != 2 or (shape is not None and got != tuple(shape)):
             raise CheckpointError(f"{name}: shape {list(got)}, expected {list(shape) if shape else '[N, K]'}")
+        if host:
+            return DenseWeight(reader.get(name))
         w = jnp.asarray(reader.get(name))
         return DenseWeight(w if dtype is None else w.astype(dtype))
     if fmt == "fp8_block":
-        return read_fp8_block(reader, prefix, shape)
+        return read_fp8_block(reader, prefix, shape, host=host)
     if fmt == "fp8":
-        return read_fp8_tensor(reader, prefix, shape, to_block=fp8_to_block)
-    return read_nvfp4(reader, prefix, shape)
+        return read_fp8_tensor(reader, prefix, shape, to_block=fp8_to_block, host=host)
+    return read_nvfp4(reader, prefix, shape, host=host)
