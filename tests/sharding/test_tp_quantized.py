@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from metrale_jax import sharding, sharding_quant
@@ -255,3 +256,71 @@ def test_what_a_mesh_cannot_serve_raises_config_errors(mesh, rng):
     per_row = Fp8Weight(w.weight, jnp.ones(cfg.hidden_size), format=WeightQuantFormat.FP8_PER_ROW)
     with pytest.raises(ConfigError, match="per-row scale"):
         sharding_quant.place_fp8(out_proj, per_row, cfg, tp, BF16_ACT)
+
+
+class _Recorded:
+    """A memory-mapped tensor that records the bytes of every read from it: an index (a share) or the whole."""
+
+    def __init__(self, arr, name, log):
+        self.arr, self.name, self.log = arr, name, log
+
+    shape = property(lambda self: self.arr.shape)
+    dtype = property(lambda self: self.arr.dtype)
+    ndim = property(lambda self: self.arr.ndim)
+    size = property(lambda self: self.arr.size)
+
+    def __getitem__(self, index):
+        out = np.asarray(self.arr[index])
+        self.log.setdefault(self.name, []).append(out.nbytes)
+        return out
+
+    def __array__(self, dtype=None, copy=None):
+        self.log.setdefault(self.name, []).append(("whole", self.arr.nbytes))
+        return np.asarray(self.arr, dtype)
+
+
+@pytest.mark.parametrize("fmt", ["fp8-block", "nvfp4"])
+def test_quantized_checkpoint_is_read_by_device_share(quantized, loaded, monkeypatch, fmt):
+    """Loading a quantized checkpoint on a (dp=2, tp=2) mesh reads every FP8 code / NVFP4 code and group-scale tensor
+    by device share: a split tensor in tp reads of one share each (once per process, not once per replica), together
+    exactly the rows the devices store (Mamba B/C rows, kv heads repeated per device), so that none is the whole
+    tensor but k_proj / v_proj (3 kv heads over 2 devices: each device's query heads read all of them); a
+    routed expert once, by the device holding it; nothing through a whole-array read. The placed weights are
+    bitwise those of the (dp=1) mesh load."""
+    import metrale_jax.weights.safetensors_io as io
+
+    log: dict = {}
+    get = io.SafetensorsFile.get
+
+    def recorded(self, name):
+        arr = get(self, name)
+        return _Recorded(arr, name, log) if self.info(name)[0] in ("F8_E4M3", "U8") else arr
+
+    monkeypatch.setattr(io.SafetensorsFile, "get", recorded)
+    tp_size = 2
+    mesh = sharding.make_mesh(tp_size, dp=2 if len(jax.devices()) >= 4 else 1)
+    model = NemotronH.from_pretrained(quantized(fmt), dtype=jnp.float32, levers=BF16_ACT, progress=False, mesh=mesh)
+    monkeypatch.undo()
+    cfg, tp = model.config, sharding.tensor_parallel(mesh)
+    reader = CheckpointReader(quantized(fmt))
+    codes = [n for n in reader.keys() if reader.info(n)[0] in ("F8_E4M3", "U8") and not n.startswith("mtp.")]
+    assert set(log) == set(codes) and any(n.endswith("weight_scale") for n in codes) == (fmt == "nvfp4")
+    whole = set()                      # the projections a device holds whole: k / v (kv heads repeated)
+    for name in codes:
+        reads, full = log[name], reader.get(name).nbytes
+        assert all(isinstance(r, int) for r in reads), (name, reads)               # no whole-array read
+        if sharding.one_expert(name.rsplit(".", 1)[0] + ".weight") is not None:
+            assert reads == [full], (name, reads)
+            continue
+        layout = sharding.tensor_layout(name.rsplit(".", 1)[0] + ".weight", cfg, tp)
+        rows = reader.info(name)[1][0]
+        stored = full if layout.rows is None else full // rows * len(layout.rows)
+        assert reads == [stored // tp_size] * tp_size, (name, reads, full)                 # one share a device
+        if stored // tp_size == full:
+            whole.add(name.split(".mixer.")[1].split(".")[0])
+    assert whole == {"k_proj", "v_proj"} and cfg.num_key_value_heads % tp_size, whole
+    reader.close()
+    _, want = loaded(fmt)
+    bits = lambda a: np.asarray(a).reshape(-1).view(np.uint8)
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(want)), strict=True):
+        np.testing.assert_array_equal(bits(a), bits(b))
