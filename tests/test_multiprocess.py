@@ -113,3 +113,27 @@ def test_tensor_parallel_across_two_processes(rng, tmp_path, capsys):
     assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
     for g, w in zip(got, want):
         assert rel_err(np.array(g["token_logprobs"]), np.array(w["token_logprobs"])) < TOL
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["fp8-block", "nvfp4"])
+def test_quantized_checkpoint_across_two_processes(rng, tmp_path, capsys, monkeypatch, fmt):
+    """The built-in model's FP8-block / NVFP4 checkpoint with --tp 2 over 2 processes (each reads its device's share
+    of every code and scale tensor: sharding_quant.read_on_mesh) scores as one process does, within the
+    tensor-parallel tolerance (FP8 prefill weight-only: E4M3 activations are refused on the built-in model's split)."""
+    from metrale_jax.builtin import builtin_model_dir
+    from metrale_jax.weights.quantize import quantize_checkpoint
+
+    monkeypatch.setenv("METRALE_FP8_ACTIVATIONS", "bf16")
+    quantize_checkpoint(builtin_model_dir(), tmp_path / "ckpt", fmt)
+    data = tmp_path / "ids.jsonl"
+    data.write_text("".join(json.dumps({"ids": rng.integers(3, 259, n).tolist()}) + "\n" for n in (5, 17, 30)))
+    args = ["score", "--model", str(tmp_path / "ckpt"), "--data", str(data), "--json", "--per-token", "--dtype",
+            "float32"]
+    assert cli.main(args) == 0
+    want = _without_seconds(capsys.readouterr().out)[:-1]
+    (out, _), _ = _two_processes([*args, "--tp", "2"], tmp_path)
+    got = _without_seconds(out)[:-1]
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
+    for g, w in zip(got, want):
+        assert rel_err(np.array(g["token_logprobs"]), np.array(w["token_logprobs"])) < TOL
