@@ -16,6 +16,15 @@ taken back to the checkpoint's layout for save_pretrained.
       (ConfigError naming the tensor); the global scale (and input_scale) is replicated.
   routed experts (StackedExperts): split by expert, every array of the stack.
 A device's view (sharding.device_view) is built with containers of each leaf's local shape (`local_container`).
+
+Reading: every placed array is made by jax.make_array_from_callback, whose callback reads the device's share from
+the container's host source by its index (`place_host`, `place_parts`, `place_members`): from a checkpoint on a mesh
+(`read_on_mesh`) the containers hold the reader's memory-mapped views, so each device's codes / NVFP4 group scales /
+routed experts are read from the file by its rows (columns, experts) only, each share once per process (replicas
+along dp take the same share), and a process reads nothing of other processes' devices. The FP8 block-scale grid
+(1/16384 of the codes) is read whole by each process: which layout a split takes (plain grid or padded share)
+depends on its values, and every process must choose the same. A jax array given (an unsharded model's container)
+is fetched to the host once and cut the same way.
 """
 
 from __future__ import annotations

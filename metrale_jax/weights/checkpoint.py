@@ -16,8 +16,8 @@ Nvfp4Weight, or the array itself where the module is stored dense (excluded). Th
 formats, dtypes and scale shapes are checked as they are read (every problem collected, one
 CheckpointError before any model exists). A layer's routed experts are stacked [E, ...]: kept quantized
 (StackedExperts, served by the grouped kernels) when all are block FP8 or all NVFP4, else a dense array
-(quantized members dequantized to the model dtype, with a note).
-"""
+(quantized members dequantized to the model dtype, with a note). On a mesh each device's shares come from the map
+(sharding.place; quantized: sharding_quant.read_on_mesh)."""
 
 from __future__ import annotations
 
