@@ -19,6 +19,8 @@ if os.environ.get("METRALE_TEST_CACHE"):
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
     os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
+import gc  # noqa: E402
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -29,6 +31,17 @@ def rng(request):
     seed = int(os.environ.get("METRALE_TEST_SEED", np.random.SeedSequence().entropy % (2**31)))
     print(f"seed={seed} ({request.node.name})")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """After each test module, drop JAX's compiled programs and the models they keep alive: a worker that keeps
+    every module's executables grew until XLA aborted a later compile in the full suite on 2 cores / 24 GiB."""
+    yield
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
 
 
 def pytest_addoption(parser):
