@@ -1,23 +1,21 @@
 """HF-layout checkpoints: the tensor-name table of each block kind, the loader and the saver.
 
-Loading checks every tensor's name, shape and dtype from the safetensors headers first and raises
-one CheckpointError listing every problem (with the expected shape) before any data is read; then
-it reads tensor by tensor from the memory-mapped files (a progress bar on a terminal) and casts
-to the model dtype, except the tensors kept in float32 (A_log, D, dt_bias, router weight and
-e_score_correction_bias). A config with num_nextn_predict_layers > 0 may come with the MTP head's tensors
-(mtp.layers.{j}.*, see layers/mtp.py): all of them are then checked and read like the main blocks'; a
-checkpoint without any loads without MTP (with a note), and mtp.* tensors of a config with no MTP layers
-are skipped with a note.
+Loading checks every tensor's name, shape and dtype from the safetensors headers first and raises one
+CheckpointError listing every problem (with the expected shape) before any data is read; then it reads tensor by
+tensor from the memory-mapped files (a progress bar on a terminal) and casts to the model dtype, except the tensors
+kept in float32 (A_log, D, dt_bias, router weight and e_score_correction_bias). A config with
+num_nextn_predict_layers > 0 may come with the MTP head's tensors (mtp.layers.{j}.*, see layers/mtp.py): all of
+them are then checked and read like the main blocks'; a checkpoint without any loads without MTP (with a note), and
+mtp.* tensors of a config with no MTP layers are skipped with a note.
 
-Quantized checkpoints (hf_quant_config.json or config.json "quantization_config": ModelOpt FP8 /
-NVFP4, block FP8; see weights/quant_config.py) come out with a container per linear module instead
-of an array: Fp8Weight (a ModelOpt per-tensor scale expanded exactly to the 128x128 block grid),
-Nvfp4Weight, or the array itself where the module is stored dense (excluded). The linear tensors'
-formats, dtypes and scale shapes are checked as they are read (every problem collected, one
-CheckpointError before any model exists). A layer's routed experts are stacked [E, ...]: kept quantized
-(StackedExperts, served by the grouped kernels) when all are block FP8 or all NVFP4, else a dense array
-(quantized members dequantized to the model dtype, with a note). On a mesh each device's shares come from the map
-(sharding.place; quantized: sharding_quant.read_on_mesh)."""
+Quantized checkpoints (hf_quant_config.json or config.json "quantization_config": ModelOpt FP8 / NVFP4, block FP8;
+see weights/quant_config.py) come out with a container per linear module instead of an array: Fp8Weight (a ModelOpt
+per-tensor scale expanded exactly to the 128x128 block grid), Nvfp4Weight, or the array itself where the module is
+stored dense (excluded). The linear tensors' formats, dtypes and scale shapes are checked as they are read (every
+problem collected, one CheckpointError before any model exists). A layer's routed experts are stacked [E, ...]:
+kept quantized (StackedExperts, served by the grouped kernels) when all are block FP8 or all NVFP4, else a dense
+array (quantized members dequantized to the model dtype, with a note). On a mesh each device's shares come from the
+map (sharding.place; quantized: sharding_quant.read_on_mesh)."""
 
 from __future__ import annotations
 
