@@ -96,6 +96,19 @@ def test_an_incomplete_run_description_is_a_usage_error(rng, tmp_path, capsys):
     assert "process_id: expected an integer in [0, 2), got 2" in capsys.readouterr().err
 
 
+def _tp2_over_two_processes_scores_as_one(capsys, tmp_path, data, *extra):
+    """score of tmp_path/ckpt over `data` with --tp 2 over 2 processes against one process: the same tokens, log-probs
+    within the tensor-parallel tolerance."""
+    args = ["score", "--model", str(tmp_path / "ckpt"), "--data", str(data), "--json", "--per-token", *extra]
+    assert cli.main(args) == 0
+    want = _without_seconds(capsys.readouterr().out)[:-1]
+    (out, _), _ = _two_processes([*args, "--tp", "2"], tmp_path)
+    got = _without_seconds(out)[:-1]
+    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want] and len(got) == len(want) > 0
+    for g, w in zip(got, want):
+        assert rel_err(np.array(g["token_logprobs"]), np.array(w["token_logprobs"])) < TOL
+
+
 @pytest.mark.slow
 def test_tensor_parallel_across_two_processes(rng, tmp_path, capsys):
     """--tp 2 over 2 processes (one device each: every block's all-reduce goes over gloo, each process reads half of
@@ -105,14 +118,7 @@ def test_tensor_parallel_across_two_processes(rng, tmp_path, capsys):
     data = tmp_path / "ids.jsonl"
     data.write_text("".join(json.dumps({"ids": rng.integers(0, CFG.vocab_size, n).tolist()}) + "\n"
                             for n in (5, 17, 9, 30)))
-    args = ["score", "--model", str(tmp_path / "ckpt"), "--data", str(data), "--json", "--per-token"]
-    assert cli.main(args) == 0
-    want = _without_seconds(capsys.readouterr().out)[:-1]
-    (out, _), _ = _two_processes([*args, "--tp", "2"], tmp_path)
-    got = _without_seconds(out)[:-1]
-    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
-    for g, w in zip(got, want):
-        assert rel_err(np.array(g["token_logprobs"]), np.array(w["token_logprobs"])) < TOL
+    _tp2_over_two_processes_scores_as_one(capsys, tmp_path, data)
 
 
 @pytest.mark.slow
@@ -128,12 +134,4 @@ def test_quantized_checkpoint_across_two_processes(rng, tmp_path, capsys, monkey
     quantize_checkpoint(builtin_model_dir(), tmp_path / "ckpt", fmt)
     data = tmp_path / "ids.jsonl"
     data.write_text("".join(json.dumps({"ids": rng.integers(3, 259, n).tolist()}) + "\n" for n in (5, 17, 30)))
-    args = ["score", "--model", str(tmp_path / "ckpt"), "--data", str(data), "--json", "--per-token", "--dtype",
-            "float32"]
-    assert cli.main(args) == 0
-    want = _without_seconds(capsys.readouterr().out)[:-1]
-    (out, _), _ = _two_processes([*args, "--tp", "2"], tmp_path)
-    got = _without_seconds(out)[:-1]
-    assert [r["token_ids"] for r in got] == [r["token_ids"] for r in want]
-    for g, w in zip(got, want):
-        assert rel_err(np.array(g["token_logprobs"]), np.array(w["token_logprobs"])) < TOL
+    _tp2_over_two_processes_scores_as_one(capsys, tmp_path, data, "--dtype", "float32")

@@ -581,8 +581,8 @@ _GENERATE_EXECUTABLES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def generate_engine(model, batch: int, max_len: int) -> Engine:
     """An engine for one model.generate call: slots for `batch` prompts (on a dp mesh, per replica: its share)
     rounded up to a power of two (one batch bucket, so that requests finishing early do not compile smaller decode
-    batches), max_len tokens each, on the model's executables registry. The engine itself is fresh (its cache and sampling state are the call's own,
-    and it sees the model's current weights)."""
+    batches), max_len tokens each, on the model's executables registry. The engine itself is fresh (its cache and
+    sampling state are the call's own, and it sees the model's current weights)."""
     exe = _GENERATE_EXECUTABLES.get(model)
     if exe is None:
         exe = _GENERATE_EXECUTABLES[model] = Executables(graphs=model.levers.graphs)

@@ -23,6 +23,7 @@ from metrale_jax.weights.checkpoint import QUANTIZED_SUFFIXES
 from metrale_jax.weights.safetensors_io import CheckpointReader
 from tests.numpy_refs import rel_err
 from tests.sharding.test_tensor_parallel import TOL
+from tests.sharding.test_tp_repeated_groups import greedy_run
 
 SLOTS, MAXLEN, T, STEPS = 2, 24, 8, 3
 BF16_ACT = ModelLevers(fp8_activations="bf16")      # FP8 prefill weight-only: no per-device activation blocks
@@ -63,18 +64,7 @@ def loaded(mesh, quantized):
 
 
 def _run(model, prompts, lens):
-    """Prefill (every position's logits) then STEPS greedy decode steps."""
-    cache = model.new_cache(SLOTS, MAXLEN)
-    slots = np.arange(SLOTS)
-    pre, cache = model.prefill(cache, slots, prompts, lens, all_logits=True)
-    tok = np.asarray(pre)[slots, lens - 1].argmax(-1)
-    dec, toks = [], [tok]
-    for _ in range(STEPS):
-        logits, cache = model.decode(cache, slots, tok.astype(np.int32))
-        dec.append(np.asarray(logits))
-        tok = dec[-1].argmax(-1)
-        toks.append(tok)
-    return np.asarray(pre), np.stack(dec), np.stack(toks, 1), cache
+    return greedy_run(model, prompts, lens, steps=STEPS, max_len=MAXLEN)
 
 
 @pytest.mark.parametrize("fmt,kinds", [("fp8-block", (Fp8Share, Fp8Weight)), ("nvfp4", (Nvfp4Weight,))])

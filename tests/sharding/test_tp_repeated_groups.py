@@ -38,14 +38,15 @@ def _close(got, want, tol=TOL):
     assert err <= tol, f"rel err {err:.3g} > {tol}"
 
 
-def _greedy(model, prompts, lens):
-    """Prefill right-padded prompts, then STEPS greedy decode steps: (prefill logits, decode logits, tokens, cache)."""
-    cache = model.new_cache(SLOTS, MAXLEN)
-    slots = np.arange(SLOTS)
+def greedy_run(model, prompts, lens, steps=STEPS, max_len=MAXLEN):
+    """Prefill right-padded prompts [B, T] (every position's logits), then `steps` greedy decode steps:
+    (prefill logits, decode logits, tokens, cache)."""
+    slots = np.arange(prompts.shape[0])
+    cache = model.new_cache(len(slots), max_len)
     pre, cache = model.prefill(cache, slots, prompts, lens, all_logits=True)
-    tok = np.asarray(pre)[np.arange(SLOTS), lens - 1].argmax(-1)
+    tok = np.asarray(pre)[slots, lens - 1].argmax(-1)
     dec, toks = [], [tok]
-    for _ in range(STEPS):
+    for _ in range(steps):
         logits, cache = model.decode(cache, slots, tok.astype(np.int32))
         dec.append(np.asarray(logits))
         tok = dec[-1].argmax(-1)
@@ -96,7 +97,7 @@ def test_builtin_on_two_devices_gives_the_single_device_logits_and_tokens(pair, 
     one, two = pair
     lens = np.array([T, 5])
     prompts = np.where(np.arange(T)[None] < lens[:, None], rng.integers(3, 259, (SLOTS, T)), 0).astype(np.int32)
-    want, got = _greedy(one, prompts, lens), _greedy(two, prompts, lens)
+    want, got = greedy_run(one, prompts, lens), greedy_run(two, prompts, lens)
     for b in range(SLOTS):
         _close(got[0][b, :lens[b]], want[0][b, :lens[b]])
     _close(got[1], want[1])
