@@ -35,7 +35,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from metrale_jax import adapters as lora_adapters
-from metrale_jax import sharding, sharding_quant
+from metrale_jax import data_parallel, sharding, sharding_quant
 from metrale_jax.arguments import integer, prompts_ids
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import CheckpointError, ConfigError, ShapeError, SlotError
@@ -596,7 +596,8 @@ def score_step(model: NemotronH, ids, lengths, adapters=None, *, greedy: bool = 
     if model.tp is not None:                  # rows split over the replicas (dp), gathered back in the step
         with lora.slot_adapters(adapters):
             return sharding.run_sharded(_score_gathered, model, ids, lengths, out_specs=(P(), P()) if greedy else P(),
-                                        batch=True, greedy=greedy, dp_axis=model.tp.batch_spec(1)[0])
+                                        batch=True, greedy=greedy,
+                                        dp_axis=model.tp.dp_axis if model.tp.dp > 1 else None)
     TRACE_COUNTS["score"] += 1
     B, T = ids.shape
     with lora.slot_adapters(adapters):
@@ -680,7 +681,7 @@ def _check_prefill_rows(slots: np.ndarray, lengths: np.ndarray, padding_slot: in
 
 def _replica_rows(model: NemotronH, rows: int) -> int:
     """rows rounded up to a multiple of the model's replicas (its mesh's dp size; 1 without a mesh)."""
-    dp = 1 if model.tp is None else model.tp.dp
+    dp = data_parallel.num_replicas(model)
     return -(-rows // dp) * dp
 
 

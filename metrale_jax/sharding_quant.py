@@ -203,12 +203,16 @@ def place_nvfp4(name: str, w: Nvfp4Weight, config: ModelConfig, tp: sharding.Ten
 
 
 # ---- the model's tensors --------------------------------------------------------------------------
+def _w4a4_refusal(name: str) -> ConfigError:
+    return ConfigError("nvfp4_activations", f"{name}: the W4A4 arm (nvfp4_activations='nvfp4') quantizes activations "
+                                            "with a scale of the whole row, which a split model does not have on "
+                                            "one device; it is not supported on a mesh")
+
+
 def place_container(name: str, w, config: ModelConfig, tp: sharding.TensorParallel, levers: ModelLevers):
     """A quantized container (HF name of its weight, or a layer's stacked experts) on its shards."""
     if isinstance(w, W4a4Weight):
-        raise ConfigError("nvfp4_activations", f"{name}: the W4A4 arm (nvfp4_activations='nvfp4') quantizes "
-                                               "activations with a scale of the whole row, which a split model does "
-                                               "not have on one device; it is not supported on a mesh")
+        raise _w4a4_refusal(name)
     if isinstance(w, StackedExperts):
         return StackedExperts(jax.tree.map(lambda a: place_host(a, P(tp.axis), tp), w.member))
     if isinstance(w, ExpertMembers):
@@ -246,9 +250,7 @@ def check_levers(config: ModelConfig, tensors: Mapping[str, object], levers: Mod
     gated norm ('group' / 'arm') where a norm group is split over devices (no device sees the group's scale)."""
     nvfp4 = next((n for n, v in tensors.items() if isinstance(v, Nvfp4Weight)), None)
     if nvfp4 is not None and levers.nvfp4_activations == "nvfp4":
-        raise ConfigError("nvfp4_activations", f"{nvfp4}: the W4A4 arm (nvfp4_activations='nvfp4') quantizes "
-                                               "activations with a scale of the whole row, which a split model does "
-                                               "not have on one device; it is not supported on a mesh")
+        raise _w4a4_refusal(nvfp4)
     fp8_mamba = [n for n, v in tensors.items() if isinstance(v, Fp8Weight) and n.endswith(("in_proj.weight",
                                                                                            "out_proj.weight"))]
     if fp8_mamba and levers.native_fp8_ssm != "full":

@@ -35,8 +35,9 @@ def rng(request):
 
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
-    """After each test module, drop JAX's compiled programs and the models they keep alive: a worker that keeps
-    every module's executables grew until XLA aborted a later compile in the full suite on 2 cores / 24 GiB."""
+    """After each test module, drop JAX's compiled programs and the models they keep alive, so that a worker holds
+    one module's executables at a time (a worker aborted inside an XLA compile late in the full suite, twice,
+    while holding every earlier module's; the cause was not pinned down)."""
     yield
     import jax
 

@@ -9,6 +9,7 @@ from flax import nnx
 from metrale_jax.errors import ShapeError
 from metrale_jax.layers.projection import Projection
 from metrale_jax.weights.containers import DenseWeight, as_dense
+from pallas_kernels.triton_util import columns
 
 
 def linear(proj: Projection, bias, x: jax.Array, phase: str) -> jax.Array:
@@ -32,7 +33,7 @@ def gated_rmsnorm_across_devices(y: jax.Array, z: jax.Array, weight: jax.Array, 
     devices: each group's sum of squares is summed over `axis` (one all-reduce of [..., groups] floats).
     y [..., W], z [..., W] (or its columns [z_col, z_col + W)), weight [W] (this device's channels)."""
     W = y.shape[-1]
-    z = z if z_col is None else z[..., z_col:z_col + W]
+    z = columns(z, z_col, W)
     h = y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))                # [..., W]
     groups = -(-W * jax.lax.axis_size(axis) // group_size)
     gid = (jax.lax.axis_index(axis) * W + jnp.arange(W)) // group_size              # [W] global group per channel

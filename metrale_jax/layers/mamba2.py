@@ -167,10 +167,10 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         kind = proj.input_quant(phase, tokens)
         if kind is None or not registry.resolved(norm, self.kernels):
             return None
-        if norm == "gated_rmsnorm_fp8" and self.norm_group is not None:
-            return None              # a norm group split over devices: the bf16 norm across them, the arm quantizes
         if norm == "gated_rmsnorm_fp8":
-            if self.gated_norm_quant == "off" or (self.gated_norm_quant == "group" and group % FP8_BLOCK):
+            # a norm group split over devices (norm_group): the bf16 norm across them, the arm quantizes
+            if (self.norm_group is not None or self.gated_norm_quant == "off"
+                    or (self.gated_norm_quant == "group" and group % FP8_BLOCK)):
                 return None
             kind = "group" if self.gated_norm_quant == "group" else kind
         kw = dict(per_block=kind == "blocks") | (dict(per_group=True) if kind == "group" else {})
@@ -200,14 +200,12 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         C = xbc[..., I + GN:].reshape(*lead, c.n_groups, c.ssm_state_size)
         return x, B, C
 
-    def _ssm_args(self) -> dict:
-        return dict(A=-jnp.exp(self.A_log[...].astype(jnp.float32)), D=self.D[...], dt_bias=self.dt_bias[...],
-                    dt_limit=tuple(self.config.time_step_limit))
-
-    def _decode_ssm_args(self) -> dict:
-        """The state update's arguments with A_log in place of A: the kernel computes A = -exp(A_log) itself."""
-        return dict(A=None, A_log=self.A_log[...], D=self.D[...], dt_bias=self.dt_bias[...],
-                    dt_limit=tuple(self.config.time_step_limit))
+    def _ssm_args(self, *, a_log: bool = False) -> dict:
+        """The scan's / state update's per-head arguments; a_log: A_log in place of A (the state-update kernels
+        compute A = -exp(A_log) themselves, so a decode step launches nothing for it)."""
+        rates = (dict(A=None, A_log=self.A_log[...]) if a_log else
+                 dict(A=-jnp.exp(self.A_log[...].astype(jnp.float32))))
+        return rates | dict(D=self.D[...], dt_bias=self.dt_bias[...], dt_limit=tuple(self.config.time_step_limit))
 
     def _project_out(self, y: jax.Array, z: jax.Array, hidden: jax.Array, phase: str,
                      z_col: int | None = None) -> jax.Array:
@@ -306,7 +304,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         rows = self.pool_layer * pool.num_slots + slots
         conv, ssm = _flat(pool.conv_state), _flat(pool.ssm_state)
         xbc, conv = self._kernel("causal_conv1d_update")(conv, rows, zxbcdt, w, b, x_col=I)
-        y, ssm = self._kernel("state_update_xbc")(ssm, rows, xbc, zxbcdt, dt_col=dt_col, **self._decode_ssm_args())
+        y, ssm = self._kernel("state_update_xbc")(ssm, rows, xbc, zxbcdt, dt_col=dt_col, **self._ssm_args(a_log=True))
         pool = SsmPool(conv.reshape(pool.conv_state.shape), ssm.reshape(pool.ssm_state.shape))
         return self._project_out(y, zxbcdt, hidden, "decode", z_col=0), pool
 
@@ -331,7 +329,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         packed = zxbcdt.reshape(n, k, -1)
         xbc, conv_steps, conv = self._kernel("causal_conv1d_update_multi")(conv, rows, packed, w, b, x_col=I)
         y, ssm_steps, ssm = self._kernel("state_update_multi_xbc")(ssm, rows, xbc, packed, dt_col=dt_col,
-                                                                   **self._decode_ssm_args())
+                                                                   **self._ssm_args(a_log=True))
         pool = SsmPool(conv.reshape(pool.conv_state.shape), ssm.reshape(pool.ssm_state.shape))
         out = self._project_out(y.reshape(n * k, *y.shape[2:]), zxbcdt, hidden, "decode", z_col=0)
         return out, pool, SlotState(conv=conv_steps, ssm=ssm_steps)

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from metrale_jax import adapters, sharding
+from metrale_jax import adapters, data_parallel, sharding
 from metrale_jax.errors import ConfigError, ShapeError
 from metrale_jax.layers import lora
 from metrale_jax.runtime import steps
@@ -83,6 +83,9 @@ def _on_mesh(model, mesh):
         return model
     want = sharding.tensor_parallel(mesh)
     if tp is None:                        # through the host: load big checkpoints with from_pretrained(mesh=)
+        if model.adapters:
+            raise ConfigError("mesh", "an unsharded model with LoRA adapters is not split over a mesh here (its copy "
+                                      "would lose them); build the model on the mesh, then load the adapters")
         return type(model)(model.config, model.checkpoint_containers(), dtype=model.dtype, levers=model.levers,
                            tokenizer=model.tokenizer, notes=model.load_notes, mesh=mesh,
                            quant_config=model.quant_config)
@@ -96,10 +99,7 @@ def _on_mesh(model, mesh):
 
 def _replicas(model, mesh) -> int:
     """The data-parallel size an engine on (model, mesh) serves: the mesh's, else the model's own."""
-    if mesh is not None:
-        return sharding.tensor_parallel(mesh).dp
-    tp = getattr(model, "tp", None)
-    return tp.dp if isinstance(tp, sharding.TensorParallel) else 1
+    return sharding.tensor_parallel(mesh).dp if mesh is not None else data_parallel.num_replicas(model)
 
 
 class Engine(PrefixSnapshots, Speculation, BatchJobs):
@@ -144,9 +144,6 @@ class Engine(PrefixSnapshots, Speculation, BatchJobs):
                  capture_rows: int = 1, speculative: SpeculativeConfig | None = None, drafter=None, eos_ids=None,
                  executables: Executables | None = None, decode_executables: Executables | None = None,
                  compiler_options=None, mesh=None, ssm_state_dtype: str | None = None):
-        if mesh is not None and model.adapters and getattr(model, "tp", None) is None:
-            raise ConfigError("mesh", "an unsharded model with LoRA adapters is not split over a mesh here (its copy "
-                                      "would lose them); build the model on the mesh, then load the adapters")
         self.model = model = _on_mesh(model, mesh)
         self.caps = model.capabilities                 # the layers' flags; the engine acts on them where noted
         self.tp = getattr(model, "tp", None)

@@ -29,9 +29,6 @@ class DataParallelEngine(BatchJobs):
     def __init__(self, model, *, mesh=None, **kwargs):
         from metrale_jax.runtime.engine import Engine, _on_mesh
 
-        if mesh is not None and model.adapters and getattr(model, "tp", None) is None:
-            raise ConfigError("mesh", "an unsharded model with LoRA adapters is not split over a mesh here (its copy "
-                                      "would lose them); build the model on the mesh, then load the adapters")
         self.model = _on_mesh(model, mesh)
         self.replica_ids = data_parallel.local_replicas(self.model)
         if not self.replica_ids:
