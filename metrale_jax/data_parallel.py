@@ -67,9 +67,10 @@ def _env_int(value: int | None, name: str) -> int | None:
 
 
 def num_replicas(model) -> int:
-    """The model's data-parallel size (1 without a mesh or without a dp axis)."""
+    """The model's data-parallel size (1 without a mesh or without a dp axis; also 1 for a `.tp` that is no
+    sharding.TensorParallel, which the Engine then refuses with a ConfigError naming it)."""
     tp = getattr(model, "tp", None)
-    return 1 if tp is None else tp.dp
+    return tp.dp if isinstance(tp, sharding.TensorParallel) else 1
 
 
 def replica_devices(model, index: int) -> np.ndarray:
