@@ -42,6 +42,7 @@ from metrale_jax.layers.mamba2 import NemotronSsmWeights
 from metrale_jax.layers.mlp import NemotronMlpWeights
 from metrale_jax.layers.moe import NemotronMoeWeights
 from metrale_jax.layers.mtp import MtpStepWeights, mtp_view
+from metrale_jax.weights.finite import nonfinite_tensors
 from metrale_jax.weights.containers import (DenseWeight, Fp8Share, Fp8Weight, Nvfp4Weight, StackedExperts, W4a4Weight,
                                             WeightQuantFormat, stack_experts)
 from metrale_jax.weights.quant_config import QuantConfig, load_linear, quant_config_from_dicts, read_quant_config
@@ -544,37 +545,6 @@ def read_checkpoint(directory: str | os.PathLike, config: ModelConfig, dtype=jnp
         return tensors, notes
     finally:
         reader.close()
-
-
-def nonfinite_tensors(tensors: Mapping[str, object]) -> list[str]:
-    """A problem for each tensor holding a NaN or an infinity: every floating array of it (a quantized container's
-    weights and scales too), as loaded, so that a value the cast to the model dtype overflowed counts as well; a
-    layer's stacked routed experts are named one by one. Tested where the tensors live (on the device: an
-    elementwise read), fetched to the host once for all."""
-    flags = {}
-    for name, value in tensors.items():
-        leaves = [x for x in jax.tree.leaves(value) if jnp.issubdtype(x.dtype, jnp.floating)]
-        per_expert = _STACKED.match(name) is not None          # flag each expert [E]: leaves lead with E
-        bad = [jnp.any(~jnp.isfinite(x), axis=tuple(range(1 if per_expert else 0, x.ndim))) for x in leaves]
-        if bad:
-            flags[name] = functools.reduce(jnp.logical_or, bad)
-    problems = []
-    for name, bad in jax.device_get({n: _readable(f) for n, f in flags.items()}).items():
-        m = _STACKED.match(name)
-        names = [f"{m['mixer']}experts.{e}.{m['proj']}_proj.weight" for e in np.flatnonzero(bad)] if m else \
-            [name] if bad else []
-        problems.extend(f"{n}: holds NaN or infinite values" for n in names)
-    return problems
-
-
-def _readable(x: jax.Array) -> jax.Array:
-    """x as this process can read it: an array split over devices of several processes (a multi-process mesh)
-    gathered onto all of them; any other as it is."""
-    if x.is_fully_addressable or x.is_fully_replicated:
-        return x
-    from jax.sharding import NamedSharding, PartitionSpec
-
-    return jax.jit(lambda a: a, out_shardings=NamedSharding(x.sharding.mesh, PartitionSpec()))(x)
 
 
 def _format_name(w) -> str:
