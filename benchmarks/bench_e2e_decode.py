@@ -144,6 +144,7 @@ def main():
     log(f"copy {bw / 1e9:,.0f} GB/s")
     out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": str(jax.devices()[0]),
            "jax": jax.__version__, "python": platform.python_version(), "copy_bytes_per_s": bw,
+           "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "config": "tiny" if args.tiny else "nemotron_h_8b", "sizes": sz, "rows": [], "errors": {}}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 

@@ -14,7 +14,8 @@ from tests import numpy_refs_model as ref
 
 def kept_reference(logits, temperature, top_p, top_k, min_p):
     """The tokens HF transformers' warpers keep, one after the other on the temperature-scaled distribution:
-    top-k, then min-p (relative to the most likely), then top-p over what is left, renormalized."""
+    top-k, then min-p (relative to the most likely), then top-p over what is left, renormalized; top_p 1 is no
+    filter (the running float64 mass can reach 1 before the last tokens of negligible probability)."""
     z = np.asarray(logits, np.float64) / temperature
     p = np.exp(z - z.max())
     p /= p.sum()
@@ -27,7 +28,7 @@ def kept_reference(logits, temperature, top_p, top_k, min_p):
     mass = 0.0
     final = np.zeros(len(p), bool)
     for i in order:
-        if not keep[i] or mass >= top_p:
+        if not keep[i] or (top_p < 1 and mass >= top_p):
             break
         final[i] = True
         mass += q[i]
