@@ -330,6 +330,25 @@ def test_check_finite_names_the_weight(ckpt, rng, value):
     assert not np.isfinite(np.asarray(model.state_dict()[hit[0]], np.float32)).all()
 
 
+def test_check_finite_names_the_weight_on_a_mesh(ckpt, rng):
+    """On a (dp=2, tp=2) mesh (the weights split and replicated, the check one program per device set) the same
+    tensors are named as on one device (of those a mesh loads: the MTP head is not kept on a mesh)."""
+    import jax
+
+    from metrale_jax import sharding
+
+    if len(jax.devices()) < 4:
+        pytest.skip("needs 4 devices")
+    names = [n for n in SafetensorsFile(ckpt / "model.safetensors").keys() if not n.startswith("mtp.")]
+    experts = [n for n in names if ".experts." in n]
+    hit = [names[int(rng.integers(len(names)))], experts[int(rng.integers(len(experts)))]]
+    for name in hit:
+        _poison(ckpt / "model.safetensors", name, np.nan, rng)
+    with pytest.raises(CheckpointError) as e:
+        NemotronH.from_pretrained(ckpt, progress=False, mesh=sharding.make_mesh(2, dp=2))
+    assert sorted(e.value.problems) == sorted({f"{n}: holds NaN or infinite values" for n in hit})
+
+
 def test_check_finite_counts_an_overflow_of_the_cast(ckpt, rng):
     """A float32 checkpoint value past float16's range is infinite once loaded as float16."""
     r = SafetensorsFile(ckpt / "model.safetensors")
