@@ -1,8 +1,6 @@
 """A bfloat16 Mamba state (new_cache(ssm_state_dtype=)) on the built-in model: the decoded predictions stay those of
 the float32 state (tools/state_dtype_effect.py prints the full comparison), and the pool holds bfloat16."""
 
-from pathlib import Path
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,16 +8,14 @@ import pytest
 
 from metrale_jax.builtin import load_builtin
 from metrale_jax.errors import ConfigError
-from tools.state_dtype_effect import decode_logits
+from tools.state_dtype_effect import decode_logits, heldout_windows
 
 
 def test_bf16_state_keeps_the_builtin_models_predictions(rng):
     model = load_builtin(dtype=jnp.float32)
     # four random 96-byte windows of the held-out KJV text, the text tools/state_dtype_effect.py (and the README's
     # figure) measures on: random bytes are far from anything the model saw, and there its KL spreads past 1e-4
-    text = (Path(__file__).parents[1] / "data" / "kjv" / "heldout.txt").read_bytes()
-    ids = np.array([[b + model.tokenizer.offset for b in text[s:s + 96]]
-                    for s in rng.integers(0, len(text) - 96, 4)], np.int32)
+    ids = heldout_windows(model, rng, 4, 96)
     ref = decode_logits(model, ids, 32, "float32")
     got = decode_logits(model, ids, 32, "bfloat16")
     assert model.new_cache(1, 8, ssm_state_dtype="bfloat16").ssm.ssm_state.dtype == jnp.bfloat16

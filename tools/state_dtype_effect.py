@@ -34,15 +34,19 @@ def decode_logits(model, ids: np.ndarray, prefill: int, state_dtype: str) -> np.
     return np.concatenate(out, axis=1)
 
 
+def heldout_windows(model, rng, n: int, length: int) -> np.ndarray:
+    """ids [n, length]: n random windows of the held-out KJV text, as the built-in model's byte tokens."""
+    text = open(os.path.join(ROOT, "data", "kjv", "heldout.txt"), "rb").read()
+    return np.array([[b + model.tokenizer.offset for b in text[s:s + length]]
+                     for s in rng.integers(0, len(text) - length, n)], np.int32)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", default="bfloat16")
     args = ap.parse_args()
     model = load_builtin(dtype=jnp.float32)
-    text = open(os.path.join(ROOT, "data", "kjv", "heldout.txt"), "rb").read()
-    rng = np.random.default_rng(0)
-    starts = rng.integers(0, len(text) - 300, 8)
-    ids = np.array([[b + model.tokenizer.offset for b in text[s:s + 300]] for s in starts], np.int32)
+    ids = heldout_windows(model, np.random.default_rng(0), 8, 300)
     ref, got = (decode_logits(model, ids, 64, d) for d in ("float32", args.dtype))
     lp_ref, lp = jax.nn.log_softmax(ref, -1), jax.nn.log_softmax(got, -1)
     kl = float(jnp.mean(jnp.sum(jnp.exp(lp_ref) * (lp_ref - lp), -1)))

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import logging
 import math
 import os
@@ -29,7 +28,6 @@ import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
@@ -42,9 +40,9 @@ from metrale_jax.layers.mamba2 import NemotronSsmWeights
 from metrale_jax.layers.mlp import NemotronMlpWeights
 from metrale_jax.layers.moe import NemotronMoeWeights
 from metrale_jax.layers.mtp import MtpStepWeights, mtp_view
-from metrale_jax.weights.finite import nonfinite_tensors
 from metrale_jax.weights.containers import (DenseWeight, Fp8Share, Fp8Weight, Nvfp4Weight, StackedExperts, W4a4Weight,
                                             WeightQuantFormat, stack_experts)
+from metrale_jax.weights.finite import nonfinite_tensors
 from metrale_jax.weights.quant_config import QuantConfig, load_linear, quant_config_from_dicts, read_quant_config
 from metrale_jax.weights.quantize import LINEAR_MODULES
 from metrale_jax.weights.safetensors_io import (INDEX, CheckpointReader, SafetensorsFile, is_checkpoint_file,
@@ -65,7 +63,6 @@ _MTP = re.compile(r"^mtp\.")
 _KV_SCALE = re.compile(r"\.[kv]_scale$")          # ModelOpt FP8 KV-cache scales: the KV pool is not quantized
 # A routed expert's weight; the loader stacks a layer's experts into one [E, ...] array under
 # "<mixer>.experts.up_proj" / ".experts.down_proj" (HF's in-memory fused names).
-_STACKED = re.compile(r"^(?P<mixer>(?:backbone|mtp)\.layers\.\d+\.mixer\.)experts\.(?P<proj>up|down)_proj$")
 _EXPERT = re.compile(r"^(?P<mixer>(?:backbone|mtp)\.layers\.\d+\.mixer\.)"
                      r"experts\.(?P<e>\d+)\.(?P<proj>up|down)_proj\.weight$")
 

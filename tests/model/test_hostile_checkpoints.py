@@ -314,15 +314,22 @@ def _poison(path, name, value, rng):
     save_safetensors(path, tensors, metadata={"format": "pt"})
 
 
-@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
-def test_check_finite_names_the_weight(ckpt, rng, value):
-    """One random tensor and one random routed expert (loaded stacked with its layer's others) poisoned: both
-    are named."""
-    names = SafetensorsFile(ckpt / "model.safetensors").keys()
+def _poison_a_tensor_and_an_expert(ckpt, value, rng, skip: str | None = None) -> list[str]:
+    """One random tensor and one random routed expert's weight of the checkpoint (names not starting with skip)
+    poisoned with value; returns their names."""
+    names = [n for n in SafetensorsFile(ckpt / "model.safetensors").keys() if not (skip and n.startswith(skip))]
     experts = [n for n in names if ".experts." in n]
     hit = [names[int(rng.integers(len(names)))], experts[int(rng.integers(len(experts)))]]
     for name in hit:
         _poison(ckpt / "model.safetensors", name, value, rng)
+    return hit
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+def test_check_finite_names_the_weight(ckpt, rng, value):
+    """One random tensor and one random routed expert (loaded stacked with its layer's others) poisoned: both
+    are named."""
+    hit = _poison_a_tensor_and_an_expert(ckpt, value, rng)
     with pytest.raises(CheckpointError) as e:
         NemotronH.from_pretrained(ckpt, progress=False)
     assert sorted(e.value.problems) == sorted({f"{n}: holds NaN or infinite values" for n in hit})
@@ -339,11 +346,7 @@ def test_check_finite_names_the_weight_on_a_mesh(ckpt, rng):
 
     if len(jax.devices()) < 4:
         pytest.skip("needs 4 devices")
-    names = [n for n in SafetensorsFile(ckpt / "model.safetensors").keys() if not n.startswith("mtp.")]
-    experts = [n for n in names if ".experts." in n]
-    hit = [names[int(rng.integers(len(names)))], experts[int(rng.integers(len(experts)))]]
-    for name in hit:
-        _poison(ckpt / "model.safetensors", name, np.nan, rng)
+    hit = _poison_a_tensor_and_an_expert(ckpt, np.nan, rng, skip="mtp.")
     with pytest.raises(CheckpointError) as e:
         NemotronH.from_pretrained(ckpt, progress=False, mesh=sharding.make_mesh(2, dp=2))
     assert sorted(e.value.problems) == sorted({f"{n}: holds NaN or infinite values" for n in hit})
