@@ -583,6 +583,7 @@ def generate_engine(model, batch: int, max_len: int) -> Engine:
     exe = _GENERATE_EXECUTABLES.get(model)
     if exe is None:
         exe = _GENERATE_EXECUTABLES[model] = Executables(graphs=model.levers.graphs)
-    B = bucket(-(-batch // _replicas(model, None)))               # each replica's share
+    local = len(data_parallel.local_replicas(model)) if _replicas(model, None) > 1 else 1
+    B = bucket(-(-batch // max(local, 1)))                       # each of this process's replicas' share
     return Engine(model, max_slots=B, max_len=max_len, batch_buckets=(B,), prefill_batch_buckets=(B,),
                   executables=exe)
