@@ -114,11 +114,26 @@ def round_e4m3(v: jax.Array) -> jax.Array:
     return jnp.where(jnp.abs(v) < 2.0 ** -6, subnormal, normal)
 
 
+@jax.custom_jvp
+def straight_through(x: jax.Array, rounded: jax.Array) -> jax.Array:
+    """`rounded` (x quantized and dequantized), differentiated as the identity in x: the straight-through estimator
+    of fake-quantized activations. The rounding's own derivative is zero almost everywhere (E2M1 codes), or
+    JAX rounds the cotangent through the narrow dtype (a float8 cast passes its cotangent through E4M3: 3 mantissa
+    bits), so without it the activations' gradients vanish or lose all but 3 bits."""
+    return rounded
+
+
+@straight_through.defjvp
+def _straight_through_jvp(primals, tangents):
+    x, rounded = primals
+    return rounded, tangents[0].astype(rounded.dtype)
+
+
 def nvfp4_fake_quant(x: jax.Array, global_scale: jax.Array) -> jax.Array:
     """Quantize-dequantize activations [M, K] to NVFP4 (per 16 along K); global_scale [M] or scalar.
 
     Returns x's dtype. Each product e2m1 * E4M3 is exact in bfloat16; the global scale is applied
-    in float32 before the one rounding.
+    in float32 before the one rounding. Differentiated straight through (`straight_through`).
     """
     m, k = x.shape
     g = jnp.broadcast_to(jnp.asarray(global_scale, jnp.float32).reshape(-1, 1, 1), (m, 1, 1))
@@ -130,7 +145,7 @@ def nvfp4_fake_quant(x: jax.Array, global_scale: jax.Array) -> jax.Array:
     denom = s * g
     scaled = jnp.where(denom > 0, groups / jnp.where(denom > 0, denom, 1.0), 0.0)
     q = e2m1_decode(e2m1_encode_jnp(scaled)) * s * g
-    return q.reshape(m, k).astype(x.dtype)
+    return straight_through(x, q.reshape(m, k).astype(x.dtype))
 
 
 def nvfp4_activation_global(x: jax.Array, input_scale: jax.Array | None) -> jax.Array:
@@ -226,6 +241,8 @@ def fp8_groups(x, group: int | None) -> tuple[jax.Array, jax.Array, int]:
 
 
 def fp8_dequantized(x, group: int | None) -> jax.Array:
-    """float32 [M, K]: x rounded through E4M3 as `fp8_groups` quantizes it (the references' activations)."""
+    """float32 [M, K]: x rounded through E4M3 as `fp8_groups` quantizes it (the references' activations);
+    bf16 / f32 x is differentiated straight through (`straight_through`)."""
     q, s, width = fp8_groups(x, group)
-    return q.astype(jnp.float32) * jnp.repeat(s, width, axis=1)[:, :q.shape[1]]
+    rounded = q.astype(jnp.float32) * jnp.repeat(s, width, axis=1)[:, :q.shape[1]]
+    return rounded if isinstance(x, Fp8Activations) else straight_through(x, rounded)

@@ -161,3 +161,22 @@ def test_checked_constructors_build_containers_from_checkpoint_arrays(rng):
     assert rel_err(np.asarray(nv.dequantize(jnp.float32)), np.asarray(w)) < 0.2
     with pytest.raises(WeightFormatError, match="layers.0.out_proj: packed weight must be"):
         nvfp4_weight("layers.0.out_proj", packed, s, g, shape=(256, 512))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_activation_fake_quant_is_differentiated_straight_through(rng, dtype):
+    """The E4M3 (per row, per 128 columns) and NVFP4 activation round trips keep their values and pass the
+    cotangent through unchanged: not rounded to E4M3 (what a float8 cast's derivative does) and not stopped at
+    the E2M1 codes (whose derivative is zero)."""
+    x = jnp.asarray(rng.standard_normal((3, 256)) * rng.uniform(0.1, 10, (3, 1)), dtype)
+    r = jnp.asarray(rng.standard_normal((3, 256)), jnp.float32)             # 24 mantissa bits, not E4M3 values
+    quantizers = {"e4m3 rows": lambda v: qf.fp8_dequantized(v, None),
+                  "e4m3 blocks": lambda v: qf.fp8_dequantized(v, 128),
+                  "nvfp4": lambda v: qf.nvfp4_fake_quant(v, qf.nvfp4_activation_global(v, None))}
+    for name, fq in quantizers.items():
+        out, pull = jax.vjp(fq, x)
+        (grad,) = pull(r.astype(out.dtype))
+        np.testing.assert_array_equal(np.asarray(grad), np.asarray(r.astype(out.dtype).astype(dtype)), err_msg=name)
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(fq(x), np.float32), rtol=1e-6,
+                                   err_msg=name)                                            # the same values
+        assert not np.array_equal(np.asarray(fq(x), np.float32), np.asarray(x, np.float32)), name   # it rounds
