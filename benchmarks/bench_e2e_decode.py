@@ -142,7 +142,7 @@ def main():
     batches = tuple(int(b) for b in (args.batches or ("1,4,8" if args.tiny else "1,8,32,64,256")).split(","))
     bw = copy_bandwidth()
     log(f"copy {bw / 1e9:,.0f} GB/s")
-    out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": str(jax.devices()[0]),
+    out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": jax.devices()[0].device_kind,
            "jax": jax.__version__, "python": platform.python_version(), "copy_bytes_per_s": bw,
            "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "config": "tiny" if args.tiny else "nemotron_h_8b", "sizes": sz, "rows": [], "errors": {}}

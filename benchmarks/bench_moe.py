@@ -76,7 +76,7 @@ def main():
         PROJ = {"up": (INTER, HIDDEN), "down": (HIDDEN, INTER)}
     w8 = functools.partial(grouped.w8a16_grouped_pallas, interpret=args.interpret)
     w4 = functools.partial(grouped.w4a16_grouped_pallas, interpret=args.interpret)
-    out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": str(jax.devices()[0]),
+    out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": jax.devices()[0].device_kind,
            "jax": jax.__version__, "python": platform.python_version(),
            "shapes": {"experts": E, "top_k": TOP_K, "hidden": HIDDEN, "intermediate": INTER}, "results": [],
            "errors": {}}

@@ -335,7 +335,7 @@ def main():
     sz = SIZES["tiny" if args.tiny else "full"]
     config = ModelConfig.from_hf(TINY if args.tiny else args.config)
     dtype = jnp.bfloat16
-    out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": str(jax.devices()[0]),
+    out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": jax.devices()[0].device_kind,
            "backend": jax.default_backend(), "jax": jax.__version__, "python": platform.python_version(),
            "config": {k: getattr(config, k) for k in ("hidden_size", "num_hidden_layers", "hybrid_override_pattern",
                                                        "mamba_num_heads", "mamba_head_dim", "ssm_state_size",

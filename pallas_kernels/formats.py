@@ -159,23 +159,33 @@ def nvfp4_activation_global(x: jax.Array, input_scale: jax.Array | None) -> jax.
 
 
 # ---- activation quantization for the FP8 matrix-unit kernels ------------------------------------
-def quantize_rows_fp8_blocks(x: jax.Array, block: int = FP8_BLOCK) -> tuple[jax.Array, jax.Array]:
-    """x [M, K] -> (E4M3 [M, K], f32 scale [M, ceil(K/block)]): one scale per row per `block` columns."""
+def _scaled_rows_fp8(x: jax.Array, block: int | None) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] -> (x / its scale, clipped to the E4M3 range, f32 [M, K]; f32 scale [M, ceil(K/block)], or [M]
+    per row when block is None): what the E4M3 quantizers round."""
+    if block is None:
+        xf = x.astype(jnp.float32)
+        amax = jnp.max(jnp.abs(xf), axis=1)
+        scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+        return jnp.clip(xf / scale[:, None], -E4M3_MAX, E4M3_MAX), scale
     m, k = x.shape
     kb = math.ceil(k / block)
     xf = jnp.pad(x.astype(jnp.float32), ((0, 0), (0, kb * block - k)))
     amax = jnp.max(jnp.abs(xf.reshape(m, kb, block)), axis=-1)
     scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
     q = (xf.reshape(m, kb, block) / scale[..., None]).reshape(m, kb * block)[:, :k]
-    return jnp.clip(q, -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn), scale
+    return jnp.clip(q, -E4M3_MAX, E4M3_MAX), scale
+
+
+def quantize_rows_fp8_blocks(x: jax.Array, block: int = FP8_BLOCK) -> tuple[jax.Array, jax.Array]:
+    """x [M, K] -> (E4M3 [M, K], f32 scale [M, ceil(K/block)]): one scale per row per `block` columns."""
+    scaled, scale = _scaled_rows_fp8(x, block)
+    return scaled.astype(jnp.float8_e4m3fn), scale
 
 
 def quantize_rows_fp8(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """x [M, K] -> (E4M3 [M, K], f32 scale [M]): one scale per row (token)."""
-    xf = x.astype(jnp.float32)
-    amax = jnp.max(jnp.abs(xf), axis=1)
-    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-    return jnp.clip(xf / scale[:, None], -E4M3_MAX, E4M3_MAX).astype(jnp.float8_e4m3fn), scale
+    scaled, scale = _scaled_rows_fp8(x, None)
+    return scaled.astype(jnp.float8_e4m3fn), scale
 
 
 # ---- activations quantized by their producer ------------------------------------------------------------
@@ -243,6 +253,10 @@ def fp8_groups(x, group: int | None) -> tuple[jax.Array, jax.Array, int]:
 def fp8_dequantized(x, group: int | None) -> jax.Array:
     """float32 [M, K]: x rounded through E4M3 as `fp8_groups` quantizes it (the references' activations);
     bf16 / f32 x is differentiated straight through (`straight_through`)."""
-    q, s, width = fp8_groups(x, group)
-    rounded = q.astype(jnp.float32) * jnp.repeat(s, width, axis=1)[:, :q.shape[1]]
-    return rounded if isinstance(x, Fp8Activations) else straight_through(x, rounded)
+    if isinstance(x, Fp8Activations):
+        q, s, width = _producer_quantized(x)
+        return q.astype(jnp.float32) * jnp.repeat(s, width, axis=1)[:, :q.shape[1]]
+    # round_e4m3, not a float8 round trip: XLA GPU may drop a narrowing convert converted straight back
+    scaled, s = _scaled_rows_fp8(x, group)
+    s, width = (s[:, None], x.shape[1]) if group is None else (s, group)
+    return straight_through(x, round_e4m3(scaled) * jnp.repeat(s, width, axis=1)[:, :x.shape[1]])

@@ -87,12 +87,15 @@ def main(argv=None) -> int:
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--tol", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--precision", default="highest", help="jax_default_matmul_precision of both paths: 'highest' "
+                    "keeps float32 matmuls float32 on the GPU (the default there rounds through TF32, ~5e-4)")
     ap.add_argument("--out", type=Path, help="write the JSON log here")
     args = ap.parse_args(argv)
+    jax.config.update("jax_default_matmul_precision", args.precision)
     rows = rows_of(ROOT / "data" / "kjv" / "heldout.txt", args.rows, args.seq_len, args.seed)
     pattern = json.loads((args.model / "config.json").read_text()).get("hybrid_override_pattern", "")
     log = {"model": str(args.model), "kernels": args.kernels, "rows": args.rows, "seq_len": args.seq_len,
-           "tol": args.tol, "device": str(jax.devices()[0]), "backend": jax.default_backend(),
+           "tol": args.tol, "precision": args.precision, "device": str(jax.devices()[0]), "backend": jax.default_backend(),
            "resolved": registry.report(args.kernels),
            "versions": {"jax": jax.__version__, "python": platform.python_version()}}
     for label, what, lora in (("params", nnx.Param, False), ("lora", LoraParam, True)):

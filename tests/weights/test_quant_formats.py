@@ -130,8 +130,15 @@ def test_round_e4m3_is_the_e4m3_round_trip_and_survives_jit(rng):
     v = np.clip(v, -448, 448)
     want = v.astype(ml_dtypes.float8_e4m3fn).astype(np.float32)
     np.testing.assert_array_equal(np.asarray(jax.jit(qf.round_e4m3)(jnp.asarray(v))), want)
-    hlo = jax.jit(lambda x: qf.nvfp4_fake_quant(x, 1.0)).lower(jnp.ones((2, 32), jnp.bfloat16)).as_text("hlo")
-    assert "reduce-precision" in hlo and "f8e4m3fn" not in hlo
+    for fake_quant in (lambda x: qf.nvfp4_fake_quant(x, 1.0), lambda x: qf.fp8_dequantized(x, 128),
+                       lambda x: qf.fp8_dequantized(x, None)):
+        hlo = jax.jit(fake_quant).lower(jnp.ones((2, 256), jnp.bfloat16)).as_text("hlo")
+        assert "reduce-precision" in hlo and "f8e4m3fn" not in hlo
+    x = jnp.asarray(rng.standard_normal((3, 300)) * 5, jnp.bfloat16)
+    for group in (None, 128):                      # the same numbers as the E4M3 codes the kernels are handed
+        q, s, width = qf.fp8_groups(x, group)
+        want = np.asarray(q, np.float32) * np.repeat(np.asarray(s), width, axis=1)[:, :300]
+        np.testing.assert_array_equal(np.asarray(jax.jit(qf.fp8_dequantized, static_argnums=1)(x, group)), want)
 
 
 def test_fp8_activation_quantizers(rng):
