@@ -354,21 +354,44 @@ def place(name: str, value, config: ModelConfig, tp: TensorParallel, dtype) -> j
     time (never the whole tensor on the host), each share once per process, and only those of this process's
     devices (so in a multi-process run each process reads its own shares of the files)."""
     layout = tensor_layout(name, config, tp)
-    spec = _fit(layout.spec, np.ndim(value))
-    sharding = tp.sharding(spec)
-    dtype = jnp.dtype(dtype)
     if isinstance(value, jax.Array):
         v = value if layout.rows is None else jnp.take(value, jnp.asarray(layout.rows), axis=0)
-        return jax.device_put(v.astype(dtype), sharding)
-    rows = layout.rows
+        return jax.device_put(v.astype(dtype), tp.sharding(_fit(layout.spec, v.ndim)))
+    return place_host(value, layout.spec, tp, layout.rows, dtype)
+
+
+def take_rows(a, idx: np.ndarray, axis: int = 0) -> np.ndarray:
+    """Entries `idx` of a host source along axis 0 or 1 (a contiguous run read as one slice)."""
+    idx = np.asarray(idx)
+    run = len(idx) > 0 and np.array_equal(idx, np.arange(idx[0], idx[0] + len(idx)))
+    sel = slice(int(idx[0]), int(idx[0]) + len(idx)) if run else idx
+    return np.asarray(a[sel] if axis == 0 else a[:, sel])
+
+
+def place_host(a, spec: P, tp: TensorParallel, rows: np.ndarray | None = None, dtype=None) -> jax.Array:
+    """A host source [N, ...] (numpy / memory-mapped view; a jax array is fetched once) on its shards (`spec`;
+    rows: the stored row order as checkpoint indices, a row split), cast to dtype when given, through a callback
+    that reads each device's share by its index only, once per process (the replicas along dp take the same
+    share), and nothing of other processes' devices."""
+    a = np.asarray(a) if isinstance(a, jax.Array) else a
+    shape = tuple(np.shape(a)) if rows is None else (len(rows), *np.shape(a)[1:])
+    dtype = None if dtype is None else jnp.dtype(dtype)
 
     def part(index):
-        if rows is None:
-            return np.asarray(value[index], dtype=dtype)
-        return np.asarray(value[rows[index[0]]][(slice(None), *index[1:])], dtype=dtype)
+        share = a[index] if rows is None else take_rows(a, rows[index[0]])[(slice(None), *index[1:])]
+        return np.asarray(share, dtype=dtype)
+    return jax.make_array_from_callback(shape, tp.sharding(_fit(spec, len(shape))), _read_once(part))
 
-    shape = tuple(np.shape(value)) if rows is None else (len(rows), *np.shape(value)[1:])
-    return jax.make_array_from_callback(shape, sharding, _read_once(part))
+
+def place_stacked(members: Sequence, spec: P, tp: TensorParallel, dtype=None) -> jax.Array:
+    """Host sources of one shape (a layer's routed experts, in order) stacked to [E, ...] and split by `spec`
+    (by expert): each device reads only its own members' shares, cast to dtype when given."""
+    shape = (len(members), *np.shape(members[0]))
+    dtype = None if dtype is None else jnp.dtype(dtype)
+
+    def part(index):
+        return np.stack([np.asarray(members[e][index[1:]], dtype=dtype) for e in range(shape[0])[index[0]]])
+    return jax.make_array_from_callback(shape, tp.sharding(_fit(spec, len(shape))), _read_once(part))
 
 
 def _read_once(part):
@@ -387,14 +410,7 @@ def _read_once(part):
 def place_experts(name: str, members: Sequence, config: ModelConfig, tp: TensorParallel, dtype) -> jax.Array:
     """A layer's routed experts (one [N, K] view each, in order) stacked to [E, N, K] and split by expert:
     each device reads only its own experts."""
-    spec = tensor_layout(name, config, tp).spec
-    shape = (len(members), *np.shape(members[0]))
-    dtype = jnp.dtype(dtype)
-
-    def part(index):
-        return np.stack([np.asarray(members[e][index[1:]], dtype=dtype) for e in range(shape[0])[index[0]]])
-
-    return jax.make_array_from_callback(shape, tp.sharding(spec), _read_once(part))
+    return place_stacked(members, tensor_layout(name, config, tp).spec, tp, dtype)
 
 
 class ShardedTensors(dict):

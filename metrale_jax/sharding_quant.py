@@ -18,13 +18,13 @@ taken back to the checkpoint's layout for save_pretrained.
 A device's view (sharding.device_view) is built with containers of each leaf's local shape (`local_container`).
 
 Reading: every placed array is made by jax.make_array_from_callback, whose callback reads the device's share from
-the container's host source by its index (`place_host`, `place_parts`, `place_members`): from a checkpoint on a mesh
-(`read_on_mesh`) the containers hold the reader's memory-mapped views, so each device's codes / NVFP4 group scales /
-routed experts are read from the file by its rows (columns, experts) only, each share once per process (replicas
-along dp take the same share), and a process reads nothing of other processes' devices. The FP8 block-scale grid
-(1/16384 of the codes) is read whole by each process: which layout a split takes (plain grid or padded share)
-depends on its values, and every process must choose the same. A jax array given (an unsharded model's container)
-is fetched to the host once and cut the same way.
+the container's host source by its index (`sharding.place_host` / `place_stacked`, `place_parts`): from a mesh
+checkpoint (`read_on_mesh`) the containers hold the reader's memory-mapped views, so each device's codes / NVFP4
+group scales / routed experts are read from the file by its rows (columns, experts) only, each share once per
+process (replicas along dp take the same share), and a process reads nothing of other processes' devices. The
+FP8 block-scale grid (1/16384 of the codes) is read whole by each process: which layout a split takes (plain grid
+or padded share) depends on its values, and every process must choose the same. A jax array given (an unsharded
+model's container) is fetched to the host once and cut the same way.
 """
 
 from __future__ import annotations
@@ -84,28 +84,6 @@ def source(a):
     return np.asarray(a) if isinstance(a, jax.Array) else a
 
 
-def take(a, idx: np.ndarray, axis: int = 0) -> np.ndarray:
-    """Entries `idx` of a host source along axis 0 or 1 (a contiguous run read as one slice)."""
-    idx = np.asarray(idx)
-    run = len(idx) > 0 and np.array_equal(idx, np.arange(idx[0], idx[0] + len(idx)))
-    sel = slice(int(idx[0]), int(idx[0]) + len(idx)) if run else idx
-    return np.asarray(a[sel] if axis == 0 else a[:, sel])
-
-
-def place_host(a, spec: P, tp: sharding.TensorParallel, rows: np.ndarray | None = None) -> jax.Array:
-    """A host source [N, ...] on its shards (`spec`; rows: the stored row order as checkpoint indices, a row split),
-    through a callback that reads each device's share by its index only, once per process (the replicas along dp
-    take the same share), and nothing of other processes' devices."""
-    a = source(a)
-    shape = tuple(np.shape(a)) if rows is None else (len(rows), *np.shape(a)[1:])
-
-    def part(index):
-        if rows is None:
-            return np.asarray(a[index])
-        return take(a, rows[index[0]])[(slice(None), *index[1:])]
-    return jax.make_array_from_callback(shape, tp.sharding(sharding._fit(spec, len(shape))), sharding._read_once(part))
-
-
 def place_parts(shape: tuple[int, ...], spec: P, tp: sharding.TensorParallel, part_of) -> jax.Array:
     """An array of `shape` split once along `spec`'s tp axis, device d's block built by part_of(d) (read once per
     process)."""
@@ -131,10 +109,10 @@ def place_fp8(name: str, w: Fp8Weight, config: ModelConfig, tp: sharding.TensorP
     w = fp8_to_block_scaled(w)
     layout = sharding.tensor_layout(name, config, tp)
     split = _split_axis(layout.spec, tp.axis)
-    inp = None if w.input_scale is None else place_host(w.input_scale, P(), tp)
+    inp = None if w.input_scale is None else sharding.place_host(w.input_scale, P(), tp)
     q, s = source(w.weight), np.asarray(w.scale, np.float32)
     if split is None:
-        return Fp8Weight(place_host(q, P(), tp), place_host(s, P(), tp), inp, w.format)
+        return Fp8Weight(sharding.place_host(q, P(), tp), sharding.place_host(s, P(), tp), inp, w.format)
     if split == 1:                                   # work on [K, N]: columns become rows
         s = s.T
     n, k = q.shape[split], q.shape[1 - split]
@@ -144,8 +122,8 @@ def place_fp8(name: str, w: Fp8Weight, config: ModelConfig, tp: sharding.TensorP
     flip = lambda a: a.T if split else a
     aligned = len(shares[0]) % FP8_BLOCK == 0       # else the global grid would not be the [N, K] grid of its shape
     if aligned and all(g is not None for g in grids):
-        codes = place_host(q, spec, tp, layout.rows if split == 0 else None)
-        return Fp8Weight(codes, place_host(flip(np.concatenate(grids)), spec, tp), inp, w.format)
+        codes = sharding.place_host(q, spec, tp, layout.rows if split == 0 else None)
+        return Fp8Weight(codes, sharding.place_host(flip(np.concatenate(grids)), spec, tp), inp, w.format)
     if split == 1 and levers.fp8_activations == "e4m3":
         raise _e4m3_refusal(name, len(shares[0]))
     layouts = [padded_layout(sh) for sh in shares]
@@ -163,12 +141,12 @@ def place_fp8(name: str, w: Fp8Weight, config: ModelConfig, tp: sharding.TensorP
 
     def padded(d: int) -> np.ndarray:                # device d's codes [n_pad, k] (split 1: transposed)
         out = np.zeros((n_pad, k), q.dtype)
-        out[layouts[d][0]] = flip(take(q, shares[d], split))
+        out[layouts[d][0]] = flip(sharding.take_rows(q, shares[d], split))
         return flip(out)
 
     codes = place_parts((tp.size * n_pad, k) if split == 0 else (k, tp.size * n_pad), spec, tp, padded)
-    inner = Fp8Weight(codes, place_host(flip(grid), spec, tp), inp, WeightQuantFormat.FP8_BLOCK_SCALED)
-    idx = place_host(np.concatenate(index).astype(np.int32), P(tp.axis), tp)
+    inner = Fp8Weight(codes, sharding.place_host(flip(grid), spec, tp), inp, WeightQuantFormat.FP8_BLOCK_SCALED)
+    idx = sharding.place_host(np.concatenate(index).astype(np.int32), P(tp.axis), tp)
     if split == 0 and all(np.array_equal(pos, np.arange(len(pos))) for pos, _ in layouts):
         idx = None                                   # padding after the share's rows only: its output is a slice
     logical = (tp.size * len(shares[0]), k)          # the global model's shape: every device's share
@@ -190,7 +168,7 @@ def place_nvfp4(name: str, w: Nvfp4Weight, config: ModelConfig, tp: sharding.Ten
     read by its rows (columns) only."""
     layout = sharding.tensor_layout(name, config, tp)
     split = _split_axis(layout.spec, tp.axis)
-    rep = lambda a: None if a is None else place_host(a, P(), tp)
+    rep = lambda a: None if a is None else sharding.place_host(a, P(), tp)
     if split == 1:
         k_local = w.shape[1] // tp.size
         if w.shape[1] % tp.size or k_local % NVFP4_GROUP:
@@ -198,7 +176,7 @@ def place_nvfp4(name: str, w: Nvfp4Weight, config: ModelConfig, tp: sharding.Ten
                                       f"{NVFP4_GROUP} per device, so NVFP4 group scales cannot follow their elements")
     spec = P() if split is None else P(tp.axis, None) if split == 0 else P(None, tp.axis)
     rows = layout.rows if split == 0 else None
-    return Nvfp4Weight(place_host(w.packed, spec, tp, rows), place_host(w.scale, spec, tp, rows),
+    return Nvfp4Weight(sharding.place_host(w.packed, spec, tp, rows), sharding.place_host(w.scale, spec, tp, rows),
                        rep(w.global_scale), rep(w.input_scale))
 
 
@@ -214,7 +192,7 @@ def place_container(name: str, w, config: ModelConfig, tp: sharding.TensorParall
     if isinstance(w, W4a4Weight):
         raise _w4a4_refusal(name)
     if isinstance(w, StackedExperts):
-        return StackedExperts(jax.tree.map(lambda a: place_host(a, P(tp.axis), tp), w.member))
+        return StackedExperts(jax.tree.map(lambda a: sharding.place_host(a, P(tp.axis), tp), w.member))
     if isinstance(w, ExpertMembers):
         return place_members(w, tp)
     if isinstance(w, Fp8Weight):
@@ -232,15 +210,8 @@ def place_members(members: ExpertMembers, tp: sharding.TensorParallel) -> Stacke
     """Routed experts (checked as stack_experts checks them) stacked and split by expert: every array of the stack
     [E, ...] read by each device for its own experts only."""
     flat = [jax.tree.flatten(m) for m in members]
-    out = []
-    for j in range(len(flat[0][0])):
-        srcs = [source(leaves[j]) for leaves, _ in flat]
-        shape = (len(srcs), *np.shape(srcs[0]))
-
-        def part(index, srcs=srcs):
-            return np.stack([np.asarray(srcs[e][index[1:]]) for e in range(len(srcs))[index[0]]])
-        out.append(jax.make_array_from_callback(shape, tp.sharding(sharding._fit(P(tp.axis), len(shape))),
-                                                sharding._read_once(part)))
+    out = [sharding.place_stacked([source(leaves[j]) for leaves, _ in flat], P(tp.axis), tp)
+           for j in range(len(flat[0][0]))]
     return StackedExperts(jax.tree.unflatten(flat[0][1], out))
 
 
