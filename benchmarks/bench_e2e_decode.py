@@ -3,8 +3,8 @@
 One row per (weights bf16 / fp8-block / nvfp4, Mamba state float32 / bfloat16, batch 1 / 8 / 32 / 64 / 256), on
 Nemotron-H-8B shapes with random weights (64-token prompts, 64 new tokens, greedy):
 - engine_tok_s: Engine.step() while every sequence decodes (host bookkeeping, sampling, read-back included),
-  from the step after the last prompt chunk is dispatched; engine_steady_tok_s: the same from the fourth decode
-  step on (the prefill's tail left out);
+  from the first decode step, the prompts' prefill finished on the device (its time is prefill's, not decode's);
+  engine_steady_tok_s: the same from the fourth decode step on (the pipeline filled);
 - device_tok_s: the engine's own decode and sample executables chained on the device (tokens never leave it);
 - floor_tok_s: batch / (bytes a step must read and write / the copy bandwidth measured in this run). Bytes:
   every weight a decode step reads (prefill-only copies left out; of the embedding table one row per sequence),
@@ -58,14 +58,15 @@ def step_bytes(model, cache, batch: int, seq_len: int) -> int:
 
 
 def engine_rates(eng: Engine, batch: int, prompt: int, new: int, rng) -> tuple[float, float]:
-    """Decode tokens/s through Engine.step(): from the step after every prompt is in (the last prefill chunk may
-    still run) to the end, and in steady state (tokens read back from the fourth decode step on, the drain at the
-    end included)."""
+    """Decode tokens/s through Engine.step(): from the step after every prompt is in, once its prefill has finished
+    on the device, to the end; and in steady state (tokens read back from the fourth decode step on, the drain at
+    the end included)."""
     V = eng.model.config.vocab_size
     for _ in range(batch):
         eng.submit(rng.integers(0, V, prompt).tolist(), new)
     while eng.queue or any(r.done < len(r.prompt) for r in eng.running.values()):
         eng.step()
+    jax.block_until_ready(eng.cache)                     # the last prefill chunk done: decode time starts here
     t, n0 = time.perf_counter(), eng.counters["decode_rows"]
     for _ in range(3):
         eng.step()
