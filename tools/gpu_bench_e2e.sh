@@ -14,6 +14,9 @@ LIMIT=${4:-170}
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee "$OUT/env.txt"
+# the decode-step kernels compiled on this GPU first (a failure here makes the timings below moot)
+METRALE_TEST_GPU=1 timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_decode_attention.py \
+  tests/kernels/test_state_update_pallas.py 2>&1 | tail -15 | tee "$OUT/tests.log"
 declare -A ARMS=([off]="--xla_gpu_enable_command_buffer=" [default]="" [graphs_all]="--xla_gpu_graph_min_graph_size=1")
 for arm in off default graphs_all; do
   XLA_FLAGS="${ARMS[$arm]}" timeout "$LIMIT" python3 benchmarks/bench_e2e_decode.py --weights "$WEIGHTS" \

@@ -3,7 +3,9 @@
 Nemotron-H attention has no positional rotation: q/k/v projections, softmax(q k^T * head_dim**-0.5)
 in float32 under a causal mask, o_proj. Every entry point is a pure function of (layer weights,
 KvPool, inputs) and returns the new pool. Keys and values are stored in the pool's dtype and every
-path attends to keys in that dtype, so prefill and decode see the same numbers.
+path attends to keys in that dtype, so prefill and decode see the same numbers. A step of one token per
+sequence attends through the `decode_attention` kernel, which reads the positions each sequence holds in the pool
+in place (the other paths gather the slot's whole max_len and mask: `pallas_kernels.attention.attend`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,7 @@ from metrale_jax.layers.checks import check_array, check_layer_index, check_slot
 from metrale_jax.layers.projection import Projection
 from metrale_jax.state.kv_pool import KvPool
 from pallas_kernels import registry
-
-_NEG = float(jnp.finfo(jnp.float32).min)
+from pallas_kernels.attention import attend
 
 
 @jax.tree_util.register_dataclass
@@ -40,39 +41,6 @@ class NemotronAttentionWeights:
     k_bias: jax.Array | None = None  # [KVH * hd]
     v_bias: jax.Array | None = None  # [KVH * hd]
     o_bias: jax.Array | None = None  # [D]
-
-
-# queries attended at once: the scores of a block are [B, KVH, G, QUERY_BLOCK, Tk] float32, so a long prefill
-# needs memory linear in its length, not quadratic (each query's softmax still spans all its keys)
-QUERY_BLOCK = 512
-
-
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, q_pos: jax.Array, k_pos: jax.Array, limit: jax.Array,
-           scale: float) -> jax.Array:
-    """Masked GQA attention, softmax in float32.
-
-    q [B, Tq, KVH, G, hd], k/v [B, Tk, KVH, hd], q_pos [B, Tq], k_pos [Tk]; a key is visible to a query
-    when k_pos <= q_pos and k_pos < limit[b].  Returns [B, Tq, KVH, G, hd] float32. More than QUERY_BLOCK
-    queries are taken a block at a time.
-    """
-    Tq = q.shape[1]
-    if Tq <= QUERY_BLOCK:
-        return _attend_block(q, k, v, q_pos, k_pos, limit, scale)
-    n = -(-Tq // QUERY_BLOCK)
-    pad = n * QUERY_BLOCK - Tq
-    qb = jnp.pad(q, ((0, 0), (0, pad)) + ((0, 0),) * 3)
-    pb = jnp.pad(q_pos, ((0, 0), (0, pad)))
-    blocks = lambda x: jnp.moveaxis(x.reshape(x.shape[0], n, QUERY_BLOCK, *x.shape[2:]), 1, 0)
-    out = jax.lax.map(lambda a: _attend_block(a[0], k, v, a[1], k_pos, limit, scale), (blocks(qb), blocks(pb)))
-    return jnp.moveaxis(out, 0, 1).reshape(q.shape[0], n * QUERY_BLOCK, *out.shape[3:])[:, :Tq]
-
-
-def _attend_block(q, k, v, q_pos, k_pos, limit, scale):
-    s = jnp.einsum("bqkgd,bskd->bkgqs", q.astype(k.dtype), k, preferred_element_type=jnp.float32) * scale
-    visible = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < limit[:, None, None])
-    s = jnp.where(visible[:, None, None], s, _NEG)
-    p = jax.nn.softmax(s, axis=-1)
-    return jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
 
 class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
@@ -177,10 +145,13 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
         pk = pool.k.at[l, slots[:, None], wpos].set(k, mode="drop")
         pv = pool.v.at[l, slots[:, None], wpos].set(v, mode="drop")
         if starts is None:
-            keys, values, k_pos = k, v, t
+            o = attend(q, k, v, pos, t, lengths, self.scale)                     # [B, T, KVH, G, hd]
+        elif T == 1:                         # one token per row: the positions each row holds, read in the pool
+            o = registry.get("decode_attention", self.kernels)(q[:, 0], pk, pv, slots, base + lengths, layer=l,
+                                                                scale=self.scale)[:, None]
         else:
-            keys, values, k_pos = pk[l, slots], pv[l, slots], jnp.arange(L, dtype=jnp.int32)
-        o = attend(q, keys, values, pos, k_pos, base + lengths, self.scale)       # [B, T, KVH, G, hd]
+            o = attend(q, pk[l, slots], pv[l, slots], pos, jnp.arange(L, dtype=jnp.int32), base + lengths,
+                       self.scale)
         o = o.astype(hidden.dtype).reshape(B * T, H * hd)
         if self.tp_axis is None:
             out = hidden + linear(self.o_proj, self.o_bias, o, phase).reshape(B, T, D)

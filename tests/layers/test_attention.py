@@ -188,7 +188,7 @@ def test_long_prefills_attend_a_query_block_at_a_time(rng):
     once, and a whole-length score of the built-in model compiles to temp memory far below its T x T scores."""
     from metrale_jax import model as M
     from metrale_jax.builtin import load_builtin
-    from metrale_jax.layers import attention as A
+    from pallas_kernels import attention as A
 
     B, T, KVH, G, hd = 2, A.QUERY_BLOCK * 2 + 37, 2, 2, 8
     q = jnp.asarray(rng.standard_normal((B, T, KVH, G, hd)), jnp.float32)

@@ -1,0 +1,75 @@
+"""Decode attention over the key/value pool in place (pallas_kernels/attention.py): the Pallas kernel against its
+jnp reference and a float64 numpy softmax attention; positions a row does not hold (past its limit, other slots,
+other layers) are NaN-poisoned, so reading any of them shows."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import registry
+from pallas_kernels.attention import DecodeAttentionConfig, decode_attention_pallas, decode_attention_reference
+from pallas_kernels.errors import ShapeError
+from tests.numpy_refs import rel_err
+
+
+def _case(rng, dtype, *, layers=2, S=5, L=45, KVH=2, G=3, hd=12, B=4):
+    """Pools [layers, S, L, KVH, hd] NaN everywhere but the held positions of the rows' slots in `layer` 1;
+    slots distinct, limits from 1 to L (a block edge, the whole slot)."""
+    q = jnp.asarray(rng.standard_normal((B, KVH, G, hd)), dtype)
+    slots = rng.permutation(S)[:B].astype(np.int32)
+    limit = np.array([1, 32, L, 19][:B], np.int32)
+    k, v = (np.full((layers, S, L, KVH, hd), np.nan, np.float32) for _ in range(2))
+    for b in range(B):
+        for pool in (k, v):
+            pool[1, slots[b], :limit[b]] = rng.standard_normal((limit[b], KVH, hd)) * 2
+    return q, jnp.asarray(k, dtype), jnp.asarray(v, dtype), jnp.asarray(slots), jnp.asarray(limit)
+
+
+def _numpy(q, k, v, slots, limit, layer, scale):
+    """float64 softmax attention of each row's query over its held positions."""
+    q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+    out = np.zeros(q.shape)
+    for b, (s, n) in enumerate(zip(np.asarray(slots), np.asarray(limit))):
+        kk, vv = k[layer, s, :n], v[layer, s, :n]                      # [n, KVH, hd]
+        sc = np.einsum("kgd,nkd->kgn", q[b], kk) * scale
+        p = np.exp(sc - sc.max(-1, keepdims=True))
+        out[b] = np.einsum("kgn,nkd->kgd", p / p.sum(-1, keepdims=True), vv)
+    return out
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-5)])
+@pytest.mark.parametrize("block_k", [8, 32])
+def test_kernel_reads_only_the_held_positions(rng, interpret, dtype, tol, block_k):
+    q, k, v, slots, limit = _case(rng, dtype)
+    scale = 12 ** -0.5
+    out = decode_attention_pallas(q, k, v, slots, limit, layer=1, scale=scale, interpret=interpret,
+                                  config=DecodeAttentionConfig(block_k=block_k))
+    assert out.shape == q.shape and out.dtype == jnp.float32
+    assert np.all(np.isfinite(np.asarray(out)))                         # no poisoned position was read
+    want = _numpy(q.astype(k.dtype), k, v, slots, limit, 1, scale)      # the query as the pool's dtype, as attend
+    assert rel_err(np.asarray(out), want) <= tol
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+def test_reference_is_attend_over_the_gathered_slots(rng, dtype, tol):
+    """The reference (what the model computed before the kernel: the whole slot gathered, masked) on clean pools
+    equals the numpy attention; bf16 pools: the reference rounds its probabilities to bf16."""
+    q, k, v, slots, limit = _case(rng, dtype)
+    clean = lambda a: jnp.where(jnp.isnan(a), jnp.asarray(rng.standard_normal(a.shape), a.dtype), a)
+    k, v = clean(k), clean(v)
+    got = decode_attention_reference(q, k, v, slots, limit, layer=1, scale=0.3)
+    assert rel_err(np.asarray(got), _numpy(q.astype(k.dtype), k, v, slots, limit, 1, 0.3)) <= tol
+    ker = registry.get("decode_attention", "interpret")(q, k, v, slots, limit, layer=1, scale=0.3)
+    assert rel_err(np.asarray(ker), np.asarray(got)) <= tol
+
+
+def test_bad_shapes_are_typed_errors(rng):
+    q, k, v, slots, limit = _case(rng, jnp.float32)
+    with pytest.raises(ShapeError, match="decode_attention: expected q"):
+        decode_attention_reference(q[0], k, v, slots, limit, layer=1, scale=1.0)
+    with pytest.raises(ShapeError, match=r"needs pools \[\.\.\., 2, 12\]"):
+        decode_attention_pallas(q, k[..., :8], v[..., :8], slots, limit, layer=1, scale=1.0, interpret=True)
+    with pytest.raises(ShapeError, match="slots / limit"):
+        decode_attention_pallas(q, k, v, slots[:2], limit, layer=1, scale=1.0, interpret=True)
+    with pytest.raises(ShapeError, match="layer 2 is not in the pool's 2 layers"):
+        decode_attention_reference(q, k, v, slots, limit, layer=2, scale=1.0)
