@@ -396,6 +396,12 @@ KERNELS = [
     check("rmsnorm", *both("rmsnorm", normal(7, 48), normal(48), eps=1e-5), ("y",))
     check("gated_rmsnorm", *both("gated_rmsnorm", normal(7, 48), normal(7, 48), normal(48), group_size=16,
                                  eps=1e-5), ("y",))
+
+    # decode attention: one query per sequence over the positions its slot holds in a key/value pool
+    # [layers, slots, max_len, KV heads, head dim] (the kernel reads those only; the reference gathers the slot)
+    kv = normal(2, 6, 40, 2, 16), normal(2, 6, 40, 2, 16)
+    check("decode_attention", *both("decode_attention", normal(3, 2, 2, 16), *kv, rows,
+                                    jnp.asarray([40, 1, 17], jnp.int32), layer=1, scale=0.25), ("out",))
     print(f"({time.perf_counter() - t0:.1f} s)")
     """),
     md("""
