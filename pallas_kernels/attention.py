@@ -91,10 +91,11 @@ class DecodeAttentionConfig:
 CONFIG = DecodeAttentionConfig()
 
 
-def _decode_kernel(slots_ref, limit_ref, q_ref, k_ref, v_ref, o_ref, *, layer, G, BG, hd, BD, BK, scale):
+def _decode_kernel(slots_ref, limit_ref, q_ref, k_ref, v_ref, o_ref, *, layer, S, L, G, BG, hd, BD, BK, scale):
     b, h = pl.program_id(0), pl.program_id(1)
     f32 = jnp.float32
-    slot, n = slots_ref[b], limit_ref[b]
+    # clamped as the reference's gather clamps them: nothing outside the pool is ever read
+    slot, n = jnp.clip(slots_ref[b], 0, S - 1), jnp.clip(limit_ref[b], 0, L)
     g, d = jnp.arange(BG), jnp.arange(BD)
     gm, dm = g < G, d < hd
     q = plgpu.load(q_ref.at[b, h, g[:, None], d[None, :]], mask=gm[:, None] & dm[None, :], other=0.0)
@@ -124,8 +125,8 @@ def _decode_kernel(slots_ref, limit_ref, q_ref, k_ref, v_ref, o_ref, *, layer, G
 @functools.partial(jax.jit, static_argnames=("layer", "scale", "interpret", "config"))
 def _decode_call(q, k_pool, v_pool, slots, limit, *, layer, scale, interpret, config):
     B, KVH, G, hd = q.shape
-    kernel = functools.partial(_decode_kernel, layer=layer, G=G, BG=next_pow2(G), hd=hd, BD=next_pow2(hd),
-                               BK=config.block_k, scale=scale)
+    kernel = functools.partial(_decode_kernel, layer=layer, S=k_pool.shape[1], L=k_pool.shape[2], G=G,
+                               BG=next_pow2(G), hd=hd, BD=next_pow2(hd), BK=config.block_k, scale=scale)
     return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32), grid=(B, KVH),
                           compiler_params=compiler_params(config.num_warps), interpret=interpret,
                           name="decode_attention")(slots.astype(jnp.int32), limit.astype(jnp.int32), q, k_pool, v_pool)

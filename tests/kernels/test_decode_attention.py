@@ -73,3 +73,16 @@ def test_bad_shapes_are_typed_errors(rng):
         decode_attention_pallas(q, k, v, slots[:2], limit, layer=1, scale=1.0, interpret=True)
     with pytest.raises(ShapeError, match="layer 2 is not in the pool's 2 layers"):
         decode_attention_reference(q, k, v, slots, limit, layer=2, scale=1.0)
+
+
+def test_limits_past_the_pool_read_the_whole_slot_and_nothing_beyond(rng, interpret):
+    """A limit above max_len (which the engine never sends) reads the slot's max_len positions, as the reference's
+    mask does, and nothing past them (other slots and layer 0 stay NaN)."""
+    q, k, v, slots, _ = _case(rng, jnp.float32, L=40)
+    full = jnp.asarray(rng.standard_normal(k.shape[2:]), jnp.float32)
+    k, v = (a.at[1, slots].set(full) for a in (k, v))                   # every position of the rows' slots held
+    limit = jnp.asarray([41, 40, 1000, 7], jnp.int32)
+    out = decode_attention_pallas(q, k, v, slots, limit, layer=1, scale=0.4, interpret=interpret)
+    assert np.all(np.isfinite(np.asarray(out)))
+    want = _numpy(q, k, v, slots, np.minimum(np.asarray(limit), 40), 1, 0.4)
+    assert rel_err(np.asarray(out), want) <= 1e-5
