@@ -360,6 +360,12 @@ def place(name: str, value, config: ModelConfig, tp: TensorParallel, dtype) -> j
     return place_host(value, layout.spec, tp, layout.rows, dtype)
 
 
+def host_source(a):
+    """What shares are read from: a host array or memory-mapped view as it is (indexing it reads the indexed rows /
+    columns only), a jax array fetched to the host once."""
+    return np.asarray(a) if isinstance(a, jax.Array) else a
+
+
 def take_rows(a, idx: np.ndarray, axis: int = 0) -> np.ndarray:
     """Entries `idx` of a host source along axis 0 or 1 (a contiguous run read as one slice)."""
     idx = np.asarray(idx)
@@ -373,7 +379,7 @@ def place_host(a, spec: P, tp: TensorParallel, rows: np.ndarray | None = None, d
     rows: the stored row order as checkpoint indices, a row split), cast to dtype when given, through a callback
     that reads each device's share by its index only, once per process (the replicas along dp take the same
     share), and nothing of other processes' devices."""
-    a = np.asarray(a) if isinstance(a, jax.Array) else a
+    a = host_source(a)
     shape = tuple(np.shape(a)) if rows is None else (len(rows), *np.shape(a)[1:])
     dtype = None if dtype is None else jnp.dtype(dtype)
 

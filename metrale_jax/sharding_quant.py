@@ -78,12 +78,6 @@ def padded_layout(share: np.ndarray, block: int = FP8_BLOCK) -> tuple[np.ndarray
 
 
 # ---- reading shares ----------------------------------------------------------------------------
-def source(a):
-    """What shares are read from: a host array or memory-mapped view as it is (indexing it reads the indexed rows /
-    columns only), a jax array fetched to the host once."""
-    return np.asarray(a) if isinstance(a, jax.Array) else a
-
-
 def place_parts(shape: tuple[int, ...], spec: P, tp: sharding.TensorParallel, part_of) -> jax.Array:
     """An array of `shape` split once along `spec`'s tp axis, device d's block built by part_of(d) (read once per
     process)."""
@@ -110,7 +104,7 @@ def place_fp8(name: str, w: Fp8Weight, config: ModelConfig, tp: sharding.TensorP
     layout = sharding.tensor_layout(name, config, tp)
     split = _split_axis(layout.spec, tp.axis)
     inp = None if w.input_scale is None else sharding.place_host(w.input_scale, P(), tp)
-    q, s = source(w.weight), np.asarray(w.scale, np.float32)
+    q, s = sharding.host_source(w.weight), np.asarray(w.scale, np.float32)
     if split is None:
         return Fp8Weight(sharding.place_host(q, P(), tp), sharding.place_host(s, P(), tp), inp, w.format)
     if split == 1:                                   # work on [K, N]: columns become rows
@@ -210,7 +204,7 @@ def place_members(members: ExpertMembers, tp: sharding.TensorParallel) -> Stacke
     """Routed experts (checked as stack_experts checks them) stacked and split by expert: every array of the stack
     [E, ...] read by each device for its own experts only."""
     flat = [jax.tree.flatten(m) for m in members]
-    out = [sharding.place_stacked([source(leaves[j]) for leaves, _ in flat], P(tp.axis), tp)
+    out = [sharding.place_stacked([sharding.host_source(leaves[j]) for leaves, _ in flat], P(tp.axis), tp)
            for j in range(len(flat[0][0]))]
     return StackedExperts(jax.tree.unflatten(flat[0][1], out))
 

@@ -243,11 +243,20 @@ def fp8_groups(x, group: int | None) -> tuple[jax.Array, jax.Array, int]:
     of 128 columns)."""
     if isinstance(x, Fp8Activations):
         return _producer_quantized(x)
-    if group is None:
-        q, s = quantize_rows_fp8(x)
-        return q, s[:, None], x.shape[1]
-    q, s = quantize_rows_fp8_blocks(x, group)
-    return q, s, group
+    scaled, s, width = _scaled_groups(x, group)
+    return scaled.astype(jnp.float8_e4m3fn), s, width
+
+
+def _scaled_groups(x: jax.Array, group: int | None) -> tuple[jax.Array, jax.Array, int]:
+    """(x / its scales clipped to the E4M3 range f32 [M, K], f32 scale [M, ceil(K/width)], width), per row
+    (group None; width K) or per row per `group` columns: what fp8_groups rounds to E4M3."""
+    scaled, s = _scaled_rows_fp8(x, group)
+    return (scaled, s[:, None], x.shape[1]) if group is None else (scaled, s, group)
+
+
+def _times_scales(v: jax.Array, s: jax.Array, width: int) -> jax.Array:
+    """v [M, K] times its scales [M, ceil(K/width)], each over `width` columns."""
+    return v * jnp.repeat(s, width, axis=1)[:, :v.shape[1]]
 
 
 def fp8_dequantized(x, group: int | None) -> jax.Array:
@@ -255,8 +264,7 @@ def fp8_dequantized(x, group: int | None) -> jax.Array:
     bf16 / f32 x is differentiated straight through (`straight_through`)."""
     if isinstance(x, Fp8Activations):
         q, s, width = _producer_quantized(x)
-        return q.astype(jnp.float32) * jnp.repeat(s, width, axis=1)[:, :q.shape[1]]
+        return _times_scales(q.astype(jnp.float32), s, width)
     # round_e4m3, not a float8 round trip: XLA GPU may drop a narrowing convert converted straight back
-    scaled, s = _scaled_rows_fp8(x, group)
-    s, width = (s[:, None], x.shape[1]) if group is None else (s, group)
-    return straight_through(x, round_e4m3(scaled) * jnp.repeat(s, width, axis=1)[:, :x.shape[1]])
+    scaled, s, width = _scaled_groups(x, group)
+    return straight_through(x, _times_scales(round_e4m3(scaled), s, width))

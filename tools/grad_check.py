@@ -95,7 +95,8 @@ def main(argv=None) -> int:
     rows = rows_of(ROOT / "data" / "kjv" / "heldout.txt", args.rows, args.seq_len, args.seed)
     pattern = json.loads((args.model / "config.json").read_text()).get("hybrid_override_pattern", "")
     log = {"model": str(args.model), "kernels": args.kernels, "rows": args.rows, "seq_len": args.seq_len,
-           "tol": args.tol, "precision": args.precision, "device": str(jax.devices()[0]), "backend": jax.default_backend(),
+           "tol": args.tol, "precision": args.precision, "device": str(jax.devices()[0]),
+           "backend": jax.default_backend(),
            "resolved": registry.report(args.kernels),
            "versions": {"jax": jax.__version__, "python": platform.python_version()}}
     for label, what, lora in (("params", nnx.Param, False), ("lora", LoraParam, True)):
