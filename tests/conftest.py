@@ -5,6 +5,10 @@ import os
 ON_CPU = not os.environ.get("METRALE_TEST_GPU")
 if ON_CPU:
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+else:
+    # The tests compare float32 paths at 1e-5; a GPU's default float32 matmul rounds its inputs to TF32 (10 mantissa
+    # bits, ~5e-4), which two correct paths fused differently do not share. The CPU computes float32 exactly.
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 # On the CPU the tests' programs are tiny and compile-bound: LLVM at -O0 (XLA's HLO passes unchanged) cut
 # tests/sharding + tests/model/test_hf_equivalence from 128 to 77 s cold on 2 cores (2026-12-02).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4"

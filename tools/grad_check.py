@@ -96,6 +96,7 @@ def main(argv=None) -> int:
     pattern = json.loads((args.model / "config.json").read_text()).get("hybrid_override_pattern", "")
     log = {"model": str(args.model), "kernels": args.kernels, "rows": args.rows, "seq_len": args.seq_len,
            "tol": args.tol, "precision": args.precision, "device": str(jax.devices()[0]),
+           "device_kind": jax.devices()[0].device_kind,
            "backend": jax.default_backend(),
            "resolved": registry.report(args.kernels),
            "versions": {"jax": jax.__version__, "python": platform.python_version()}}
