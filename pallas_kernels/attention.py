@@ -2,9 +2,10 @@
 
 `attend` is the model's attention for every phase (jnp). `decode_attention` is one query token per sequence against
 its slot's keys and values in the pool [layers, slots, max_len, KVH, hd]: the jnp reference gathers each row's
-whole slot (max_len positions) and masks; the Pallas kernel's program (row, kv head) streams blocks of the
-positions the row holds, [0, limit), with an online softmax in float32, so a step reads what the sequences hold,
-not max_len. Positions at and past a row's limit are never read (the tests poison them with NaN).
+whole slot (max_len positions) and masks; the Pallas kernel's program (row, kv head, piece of the slot) streams
+blocks of the positions the row holds, [0, limit), with an online softmax in float32 (the pieces' partial softmaxes
+combined after), so a step reads what the sequences hold, not max_len. Positions at and past a row's limit are
+never read (the tests poison them with NaN).
 """
 
 from __future__ import annotations
@@ -80,62 +81,120 @@ def decode_attention_reference(q, k_pool, v_pool, slots, limit, *, layer: int, s
                   limit, scale)[:, 0]
 
 
+MMA_ROWS = 16                                      # the smallest M (and N) of a Triton dot
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeAttentionConfig:
-    """block_k: positions per loop step (a [G, block_k, hd] float32 product per step lives in registers)."""
+    """block_k: positions per loop step; the two products per step ([G, hd] x [hd, block_k] and back) run on the
+    tensor cores with the query heads of a kv head padded to 16 rows. split_positions: a row's slot is cut into
+    pieces of this many positions, one program each, whose partial softmaxes are then combined (flash-decoding),
+    so that a few long rows still fill the GPU; the pieces depend on the pool's max_len only, never on the batch,
+    so a row's result does not depend on the rows beside it. None: one program per (row, kv head)."""
 
-    block_k: int = 32
+    block_k: int = 64
     num_warps: int = 4
+    split_positions: int | None = 512
+
+    def __post_init__(self):
+        if self.block_k < MMA_ROWS or self.block_k & (self.block_k - 1):
+            raise ShapeError(f"DecodeAttentionConfig: block_k must be a power of two >= {MMA_ROWS}, got "
+                             f"{self.block_k}")
+        if self.split_positions is not None and (self.split_positions <= 0 or self.split_positions % self.block_k):
+            raise ShapeError(f"DecodeAttentionConfig: split_positions must be a positive multiple of block_k "
+                             f"{self.block_k} (or None), got {self.split_positions}")
+
+    def pieces(self, max_len: int) -> int:
+        """Programs per (row, kv head) for a pool of max_len positions."""
+        return 1 if self.split_positions is None else max(1, -(-max_len // self.split_positions))
 
 
 CONFIG = DecodeAttentionConfig()
 
 
-def _decode_kernel(slots_ref, limit_ref, q_ref, k_ref, v_ref, o_ref, *, layer, S, L, G, BG, hd, BD, BK, scale):
-    b, h = pl.program_id(0), pl.program_id(1)
-    f32 = jnp.float32
+def _dot(a, b, b_contract: int, precision):
+    """a [M, K] times b ([N, K] if b_contract == 1, else [K, N]) -> [M, N] float32."""
+    return jax.lax.dot_general(a, b, (((1,), (b_contract,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+
+
+def _decode_kernel(slots_ref, limit_ref, q_ref, k_ref, v_ref, *out_refs, layer, S, L, G, BG, hd, BD, BK, piece,
+                   scale):
+    """Program (row b, kv head h, piece s) over positions [s * piece, (s + 1) * piece) of the row's held [0, n).
+    One piece: the normalised output [B, KVH, G, hd]; several: the piece's unnormalised sum, max and total."""
+    b, h, s_id = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    f32, dtype = jnp.float32, k_ref.dtype
+    # float32 pools multiply in float32 (IEEE), not TF32; 16-bit pools are exact products either way
+    precision = (jax.lax.Precision.HIGHEST,) * 2 if dtype == jnp.float32 else None
     # clamped as the reference's gather clamps them: nothing outside the pool is ever read
     slot, n = jnp.clip(slots_ref[b], 0, S - 1), jnp.clip(limit_ref[b], 0, L)
+    lo = s_id * piece
+    hi = jnp.minimum(lo + piece, n)
     g, d = jnp.arange(BG), jnp.arange(BD)
     gm, dm = g < G, d < hd
     q = plgpu.load(q_ref.at[b, h, g[:, None], d[None, :]], mask=gm[:, None] & dm[None, :], other=0.0)
-    q = q.astype(k_ref.dtype).astype(f32)                                      # [BG, BD], as attend rounds it
+    q = q.astype(dtype)                                                         # [BG, BD], as attend rounds it
 
     def block(i, carry):
         m, total, acc = carry
         pos = i * BK + jnp.arange(BK)
-        pm = pos < n
+        pm = pos < hi
         tile = pm[:, None] & dm[None, :]
-        k = plgpu.load(k_ref.at[layer, slot, pos[:, None], h, d[None, :]], mask=tile, other=0.0).astype(f32)
-        s = jnp.sum(q[:, None, :] * k[None, :, :], axis=2) * scale                # [BG, BK]
+        k = plgpu.load(k_ref.at[layer, slot, pos[:, None], h, d[None, :]], mask=tile, other=0.0)     # [BK, BD]
+        s = _dot(q, k, 1, precision) * scale                                                        # [BG, BK]
         s = jnp.where(pm[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp(s - m_new[:, None])
         alpha = jnp.exp(m - m_new)
-        v = plgpu.load(v_ref.at[layer, slot, pos[:, None], h, d[None, :]], mask=tile, other=0.0).astype(f32)
-        acc = acc * alpha[:, None] + jnp.sum(p[:, :, None] * v[None, :, :], axis=1)
+        v = plgpu.load(v_ref.at[layer, slot, pos[:, None], h, d[None, :]], mask=tile, other=0.0)     # [BK, BD]
+        # the probabilities enter the product in the pool's dtype, as attend rounds them; the sum stays float32
+        acc = acc * alpha[:, None] + _dot(p.astype(dtype), v, 0, precision)
         return m_new, total * alpha + jnp.sum(p, axis=1), acc
 
     init = (jnp.full((BG,), NEG, f32), jnp.zeros((BG,), f32), jnp.zeros((BG, BD), f32))
-    _, total, acc = jax.lax.fori_loop(0, pl.cdiv(n, BK), block, init)
-    out = acc / jnp.where(total > 0, total, 1.0)[:, None]
-    plgpu.store(o_ref.at[b, h, g[:, None], d[None, :]], out, mask=gm[:, None] & dm[None, :])
+    m, total, acc = jax.lax.fori_loop(lo // BK, pl.cdiv(hi, BK), block, init)
+    rows = gm[:, None] & dm[None, :]
+    if len(out_refs) == 1:
+        out = acc / jnp.where(total > 0, total, 1.0)[:, None]
+        plgpu.store(out_refs[0].at[b, h, g[:, None], d[None, :]], out, mask=rows)
+    else:
+        acc_ref, max_ref, total_ref = out_refs
+        plgpu.store(acc_ref.at[b, h, s_id, g[:, None], d[None, :]], acc, mask=rows)
+        plgpu.store(max_ref.at[b, h, s_id, g], m, mask=gm)
+        plgpu.store(total_ref.at[b, h, s_id, g], total, mask=gm)
+
+
+def _combine(acc, m, total):
+    """The pieces' partial softmaxes -> the row's attention.  acc [B, KVH, NS, G, hd], m / total [B, KVH, NS, G]."""
+    w = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))                          # [B, KVH, NS, G]; empty pieces: 0
+    denom = jnp.sum(total * w, axis=2)                                          # [B, KVH, G]
+    return jnp.sum(acc * w[..., None], axis=2) / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "scale", "interpret", "config"))
 def _decode_call(q, k_pool, v_pool, slots, limit, *, layer, scale, interpret, config):
     B, KVH, G, hd = q.shape
-    kernel = functools.partial(_decode_kernel, layer=layer, S=k_pool.shape[1], L=k_pool.shape[2], G=G,
-                               BG=next_pow2(G), hd=hd, BD=next_pow2(hd), BK=config.block_k, scale=scale)
-    return pl.pallas_call(kernel, out_shape=jax.ShapeDtypeStruct(q.shape, jnp.float32), grid=(B, KVH),
-                          compiler_params=compiler_params(config.num_warps), interpret=interpret,
-                          name="decode_attention")(slots.astype(jnp.int32), limit.astype(jnp.int32), q, k_pool, v_pool)
+    L = k_pool.shape[2]
+    NS = config.pieces(L)
+    piece = config.split_positions if NS > 1 else L
+    kernel = functools.partial(_decode_kernel, layer=layer, S=k_pool.shape[1], L=L, G=G, hd=hd,
+                               BG=next_pow2(G, MMA_ROWS), BD=next_pow2(hd, MMA_ROWS), BK=config.block_k,
+                               piece=piece, scale=scale)
+    f32 = jnp.float32
+    out_shape = (jax.ShapeDtypeStruct(q.shape, f32) if NS == 1 else
+                 (jax.ShapeDtypeStruct((B, KVH, NS, G, hd), f32), jax.ShapeDtypeStruct((B, KVH, NS, G), f32),
+                  jax.ShapeDtypeStruct((B, KVH, NS, G), f32)))
+    out = pl.pallas_call(kernel, out_shape=out_shape, grid=(B, KVH, NS),
+                         compiler_params=compiler_params(config.num_warps), interpret=interpret,
+                         name="decode_attention")(slots.astype(jnp.int32), limit.astype(jnp.int32), q, k_pool, v_pool)
+    return out if NS == 1 else _combine(*out)
 
 
 def decode_attention_pallas(q, k_pool, v_pool, slots, limit, *, layer: int, scale: float, interpret: bool = False,
                             config: DecodeAttentionConfig = CONFIG) -> jax.Array:
-    """Pallas (Triton) arm of `decode_attention`: the reference's call and result (up to float32 summation order,
-    and probabilities kept in float32 where the reference rounds them to the pool's dtype)."""
+    """Pallas (Triton) arm of `decode_attention`: the reference's call and result up to float32 summation order
+    (the probabilities are rounded to the pool's dtype against the running maximum, the reference's against the
+    final one)."""
     _check(q, k_pool, v_pool, slots, limit, layer)
     return _decode_call(q, k_pool, v_pool, slots, limit, layer=layer, scale=float(scale), interpret=interpret,
                         config=config)

@@ -37,13 +37,16 @@ def _numpy(q, k, v, slots, limit, layer, scale):
     return out
 
 
-@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-5)])
-@pytest.mark.parametrize("block_k", [8, 32])
-def test_kernel_reads_only_the_held_positions(rng, interpret, dtype, tol, block_k):
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
+@pytest.mark.parametrize("block_k,split", [(16, None), (64, 512), (16, 16), (16, 32)])
+def test_kernel_reads_only_the_held_positions(rng, interpret, dtype, tol, block_k, split):
+    """One program per row and kv head, or the slot (45 positions) in 3 / 2 pieces: rows whose limit ends inside
+    the first piece (later pieces empty), on a piece's edge (32), inside the last."""
     q, k, v, slots, limit = _case(rng, dtype)
     scale = 12 ** -0.5
-    out = decode_attention_pallas(q, k, v, slots, limit, layer=1, scale=scale, interpret=interpret,
-                                  config=DecodeAttentionConfig(block_k=block_k))
+    config = DecodeAttentionConfig(block_k=block_k, split_positions=split)
+    assert config.pieces(45) == {None: 1, 512: 1, 16: 3, 32: 2}[split]
+    out = decode_attention_pallas(q, k, v, slots, limit, layer=1, scale=scale, interpret=interpret, config=config)
     assert out.shape == q.shape and out.dtype == jnp.float32
     assert np.all(np.isfinite(np.asarray(out)))                         # no poisoned position was read
     want = _numpy(q.astype(k.dtype), k, v, slots, limit, 1, scale)      # the query as the pool's dtype, as attend
@@ -63,6 +66,15 @@ def test_reference_is_attend_over_the_gathered_slots(rng, dtype, tol):
     assert rel_err(np.asarray(ker), np.asarray(got)) <= tol
 
 
+def test_configs_the_kernel_cannot_run_are_refused():
+    for bad in (8, 48):
+        with pytest.raises(ShapeError, match=f"block_k must be a power of two >= 16, got {bad}"):
+            DecodeAttentionConfig(block_k=bad)
+    for bad in (0, 40):
+        with pytest.raises(ShapeError, match=f"split_positions must be a positive multiple of block_k 16.*{bad}"):
+            DecodeAttentionConfig(block_k=16, split_positions=bad)
+
+
 def test_bad_shapes_are_typed_errors(rng):
     q, k, v, slots, limit = _case(rng, jnp.float32)
     with pytest.raises(ShapeError, match="decode_attention: expected q"):
@@ -75,14 +87,16 @@ def test_bad_shapes_are_typed_errors(rng):
         decode_attention_reference(q, k, v, slots, limit, layer=2, scale=1.0)
 
 
-def test_limits_past_the_pool_read_the_whole_slot_and_nothing_beyond(rng, interpret):
+@pytest.mark.parametrize("split", [None, 16])
+def test_limits_past_the_pool_read_the_whole_slot_and_nothing_beyond(rng, interpret, split):
     """A limit above max_len (which the engine never sends) reads the slot's max_len positions, as the reference's
     mask does, and nothing past them (other slots and layer 0 stay NaN)."""
     q, k, v, slots, _ = _case(rng, jnp.float32, L=40)
     full = jnp.asarray(rng.standard_normal(k.shape[2:]), jnp.float32)
     k, v = (a.at[1, slots].set(full) for a in (k, v))                   # every position of the rows' slots held
     limit = jnp.asarray([41, 40, 1000, 7], jnp.int32)
-    out = decode_attention_pallas(q, k, v, slots, limit, layer=1, scale=0.4, interpret=interpret)
+    out = decode_attention_pallas(q, k, v, slots, limit, layer=1, scale=0.4, interpret=interpret,
+                                  config=DecodeAttentionConfig(block_k=16, split_positions=split))
     assert np.all(np.isfinite(np.asarray(out)))
     want = _numpy(q, k, v, slots, np.minimum(np.asarray(limit), 40), 1, 0.4)
     assert rel_err(np.asarray(out), want) <= 1e-5

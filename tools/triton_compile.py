@@ -1,0 +1,114 @@
+"""Compile the Pallas Triton kernels for a Hopper GPU without one: a check before device time is spent.
+
+Two steps, two environments:
+  1. `dump` (the project venv, CPU): every registered kernel with a Triton arm is lowered for CUDA on the operands of
+     its gradient-test case (tests/kernels/test_kernel_grads.py), decode_attention also at the 8B shapes with its
+     slot whole and in pieces, with jax's GPU query stubbed to compute capability 9.0; each pallas_call's Triton IR
+     is written to DIR/<case>.<n>.w<warps>s<stages>.ttir.
+  2. `compile` (a venv with the `triton` package, which has its own LLVM and ptxas; no GPU needed): each .ttir is
+     compiled to a cubin for sm_90; a kernel that fails prints Triton's error. Exit status 1 if any failed.
+
+    JAX_PLATFORMS=cpu PYTHONPATH=. .venv/bin/python tools/triton_compile.py dump /tmp/ttir
+    python3.12 -m venv /tmp/tv && /tmp/tv/bin/pip install triton
+    /tmp/tv/bin/python tools/triton_compile.py compile /tmp/ttir
+
+What this proves: the kernel lowers through Pallas and Triton's passes and fits the SM (registers, shared memory).
+What it does not: that it runs correctly or fast (the interpret-mode tests and the GPU do that). It uses jax's
+private lowering hooks (jax 0.11.2) and a triton release whose IR dialect may differ from jaxlib's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import re
+import sys
+import types
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def dump(out: pathlib.Path) -> int:
+    sys.path.insert(0, str(ROOT))
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration
+
+    from pallas_kernels import attention, registry
+    from tests.kernels.test_kernel_grads import CASES
+
+    gpu_info.get_gpu_info = lambda *a, **k: types.SimpleNamespace(compute_capability=90)
+    modules: list[str] = []
+    lower = lowering.lower_jaxpr_to_triton_module
+
+    def capture(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        modules.append(result.module.operation.get_asm(enable_debug_info=False))
+        return result
+
+    pallas_call_registration.lowering.lower_jaxpr_to_triton_module = capture
+    registry._load_all()
+    cases = {}
+    for name in sorted(CASES):
+        spec = registry._KERNELS[name]
+        if spec.pallas is not None:
+            cases[name] = (spec.pallas, *CASES[name](np.random.default_rng(0)))
+    B, L = 4, 2112                                       # 8B decode attention: 8 kv heads x 4, head_dim 128
+    q = jnp.zeros((B, 8, 4, 128), jnp.bfloat16)
+    pool = jnp.zeros((4, B, L, 8, 128), jnp.bfloat16)
+    rows = jnp.arange(B, dtype=jnp.int32)
+    for tag, config in (("pieces", attention.CONFIG), ("whole", attention.DecodeAttentionConfig(split_positions=None))):
+        cases[f"decode_attention_8b_{tag}"] = (attention.decode_attention_pallas, (q, pool, pool, rows, rows),
+                                               dict(layer=1, scale=0.1, config=config))
+    out.mkdir(parents=True, exist_ok=True)
+    failed = 0
+    for name, (fn, args, kwargs) in cases.items():
+        modules.clear()
+        try:
+            hlo = jax.jit(lambda *a, fn=fn, kw=kwargs: fn(*a, **kw, interpret=False)).trace(*args).lower(
+                lowering_platforms=("cuda",)).as_text()
+        except Exception as e:  # noqa: BLE001  (report every kernel, then fail)
+            failed += 1
+            print(f"{name}: lowering FAILED: {type(e).__name__}: {str(e)[:500]}")
+            continue
+        # each custom call's launch, in the order the modules were lowered: num_stages, then num_warps
+        launches = re.findall(r"num_stages = (\d+)[^}]*?num_warps = (\d+)", hlo)
+        if len(launches) != len(modules):
+            failed += 1
+            print(f"{name}: {len(modules)} Triton modules but {len(launches)} launches in the HLO")
+            continue
+        for i, (text, (stages, warps)) in enumerate(zip(modules, launches)):
+            (out / f"{name}.{i}.w{warps}s{stages}.ttir").write_text(text)
+        print(f"{name}: {len(modules)} Triton module(s), (stages, warps) {launches}")
+    return int(failed > 0)
+
+
+def compile_all(directory: pathlib.Path) -> int:
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    failed = 0
+    for path in sorted(directory.glob("*.ttir")):
+        warps, stages = re.search(r"\.w(\d+)s(\d+)\.ttir$", path.name).groups()
+        try:
+            kernel = triton.compile(str(path), target=GPUTarget("cuda", 90, 32),
+                                    options={"num_warps": int(warps), "num_stages": int(stages)})
+            meta = kernel.metadata
+            print(f"{path.name}: OK (shared memory {meta.shared} bytes, {len(kernel.asm['cubin'])} bytes of cubin)")
+        except Exception as e:  # noqa: BLE001
+            failed += 1
+            print(f"{path.name}: FAILED: {type(e).__name__}: {str(e)[:1500]}")
+    return int(failed > 0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("step", choices=("dump", "compile"))
+    ap.add_argument("directory", type=pathlib.Path)
+    args = ap.parse_args()
+    return dump(args.directory) if args.step == "dump" else compile_all(args.directory)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
