@@ -12,9 +12,11 @@ Nemotron-H-8B shapes with random weights (64-token prompts, 64 new tokens, greed
 - kernels_per_step: GPU kernels per chained step, from a profiler trace (GPU only).
 
     PYTHONPATH=. python benchmarks/bench_e2e_decode.py [--weights bf16,fp8-block,nvfp4] [--states float32,bfloat16]
-        [--batches 1,8,32,64,256] [--out benchmarks/results/e2e_decode.json]
+        [--batches 1,8,32,64,256] [--out benchmarks/results/e2e_decode.json] [--update]
     CPU dry run: JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_e2e_decode.py --tiny --out /tmp/e2e.json
-The JSON holds the rows of this run only (`rows`), and the date, device and copy bandwidth.
+The JSON holds the rows of this run (`rows`), and the date, device and copy bandwidth. With --update, the rows of
+--out that this run did not measure are kept (a full table takes longer than one device call allows): each row
+carries the date and copy bandwidth of its own run, and rows from another device are refused.
 """
 
 from __future__ import annotations
@@ -126,6 +128,37 @@ def bench_rows(model, weights: str, state: str, batches, sz, bw, exe, rows: list
             f"{B / floor_s:,.0f}), {row['kernels_per_step']} kernels")
 
 
+ROW_ORDER = {"weights": ("bf16", "fp8-block", "nvfp4"), "state_dtype": ("float32", "bfloat16")}
+
+
+def row_key(row: dict) -> tuple:
+    return row["weights"], row["state_dtype"], row["batch"]
+
+
+def read_previous(path: str) -> dict | None:
+    if not os.path.exists(path):
+        return None
+    with open(path) as fh:
+        return json.load(fh)
+
+
+def merge_runs(previous: dict, run: dict) -> dict:
+    """`run`'s document with the rows of `previous` it did not measure kept; every row stamped with the date and
+    copy bandwidth of the run that measured it; rows ordered by weights, state dtype and batch."""
+    if previous.get("device") != run["device"] or previous.get("config") != run["config"]:
+        raise SystemExit(f"--update: {previous.get('device')} / {previous.get('config')} rows cannot join a "
+                         f"{run['device']} / {run['config']} run")
+    stamp = lambda doc: [{"date": doc["date"], "copy_bytes_per_s": doc["copy_bytes_per_s"], **r} for r in doc["rows"]]
+    fresh = stamp(run)
+    measured = {row_key(r) for r in fresh}
+    rows = [r for r in stamp(previous) if row_key(r) not in measured] + fresh
+    order = lambda r: (ROW_ORDER["weights"].index(r["weights"]) if r["weights"] in ROW_ORDER["weights"] else 9,
+                       ROW_ORDER["state_dtype"].index(r["state_dtype"]), r["batch"])
+    remeasured = {r["weights"] for r in fresh} | set(run["errors"])
+    errors = {w: e for w, e in previous.get("errors", {}).items() if w not in remeasured} | run["errors"]
+    return {**run, "rows": sorted(rows, key=order), "errors": errors}
+
+
 SIZES = {"full": dict(prompt=64, new=64, chain=16, profile=True),
          "tiny": dict(prompt=16, new=8, chain=4, profile=False)}
 
@@ -137,6 +170,7 @@ def main():
     ap.add_argument("--weights", default="bf16,fp8-block,nvfp4")
     ap.add_argument("--states", default="float32,bfloat16")
     ap.add_argument("--batches", default=None, help="default 1,8,32,64,256 (tiny: 1,4,8)")
+    ap.add_argument("--update", action="store_true", help="keep the rows of --out that this run does not measure")
     args = ap.parse_args()
     sz = SIZES["tiny" if args.tiny else "full"]
     config = ModelConfig.from_hf(TINY if args.tiny else CONFIG_8B)
@@ -149,10 +183,13 @@ def main():
            "config": "tiny" if args.tiny else "nemotron_h_8b", "sizes": sz, "rows": [], "errors": {}}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
+    previous = read_previous(args.out) if args.update else None
+
     def save():
         out["wall_s"] = time.time() - T0
+        doc = merge_runs(previous, out) if previous else out
         with open(args.out, "w") as fh:
-            json.dump(out, fh, indent=1, default=str)
+            json.dump(doc, fh, indent=1, default=str)
 
     for weights in args.weights.split(","):
         exe = Executables()
