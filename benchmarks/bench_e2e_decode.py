@@ -16,7 +16,7 @@ Nemotron-H-8B shapes with random weights (64-token prompts, 64 new tokens, greed
     CPU dry run: JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_e2e_decode.py --tiny --out /tmp/e2e.json
 The JSON holds the rows of this run (`rows`), and the date, device and copy bandwidth. With --update, the rows of
 --out that this run did not measure are kept (a full table takes longer than one device call allows): each row
-carries the date and copy bandwidth of its own run, and rows from another device are refused.
+carries the date and copy bandwidth of its own run; a table from another device or model is replaced, not joined.
 """
 
 from __future__ import annotations
@@ -135,11 +135,17 @@ def row_key(row: dict) -> tuple:
     return row["weights"], row["state_dtype"], row["batch"]
 
 
-def read_previous(path: str) -> dict | None:
+def read_previous(path: str, device: str, config: str) -> dict | None:
+    """The table at path to update, or None (no file, or another device's or model's table: this run starts anew)."""
     if not os.path.exists(path):
         return None
     with open(path) as fh:
-        return json.load(fh)
+        previous = json.load(fh)
+    if (previous.get("device"), previous.get("config")) != (device, config):
+        log(f"--update: {path} holds {previous.get('device')} / {previous.get('config')} rows; this {device} / "
+            f"{config} run writes a new table")
+        return None
+    return previous
 
 
 def merge_runs(previous: dict, run: dict) -> dict:
@@ -183,7 +189,7 @@ def main():
            "config": "tiny" if args.tiny else "nemotron_h_8b", "sizes": sz, "rows": [], "errors": {}}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
-    previous = read_previous(args.out) if args.update else None
+    previous = read_previous(args.out, out["device"], out["config"]) if args.update else None
 
     def save():
         out["wall_s"] = time.time() - T0

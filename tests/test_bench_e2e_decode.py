@@ -1,8 +1,10 @@
 """bench_e2e_decode --update: a run of a few rows joins the table without losing the rows it did not measure."""
 
+import json
+
 import pytest
 
-from benchmarks.bench_e2e_decode import merge_runs
+from benchmarks.bench_e2e_decode import merge_runs, read_previous
 
 
 def _doc(date, device, rows, errors=None, bw=3e12):
@@ -26,3 +28,12 @@ def test_update_keeps_unmeasured_rows_and_replaces_measured_ones():
 def test_update_refuses_rows_of_another_device():
     with pytest.raises(SystemExit, match="cannot join"):
         merge_runs(_doc("d1", "H100", [("bf16", "float32", 1, 1.0)]), _doc("d2", "H200", []))
+
+
+def test_update_starts_a_new_table_over_another_devices(tmp_path):
+    path = tmp_path / "e2e.json"
+    assert read_previous(str(path), "H100", "nemotron_h_8b") is None                  # no table yet
+    path.write_text(json.dumps(_doc("d1", "H100", [("bf16", "float32", 1, 1.0)])))
+    assert read_previous(str(path), "H100", "nemotron_h_8b")["rows"][0]["device_tok_s"] == 1.0
+    assert read_previous(str(path), "H200", "nemotron_h_8b") is None
+    assert read_previous(str(path), "H100", "tiny") is None
