@@ -1,11 +1,12 @@
 """Decode attention over the key/value pool in place (pallas_kernels/attention.py) against its reference.
 
 Shapes: one attention layer of Nemotron-H-8B (32 query heads, 8 kv heads, head_dim 128, bf16 pools), B rows each
-holding `held` positions of a slot in a pool of max_len = held + 64. Arms: the reference (the slot gathered whole,
-masked; what XLA runs without the kernel) and the Pallas kernel over a few configs (the first is the frozen default;
-the others without or with other pieces of the slot per program). Each arm's output is checked against the reference first. Times: wall us per call (calls queued in one
-executable) and GPU kernel us from a profiler trace. Floor: the keys and values the rows hold, read once, at the
-copy bandwidth measured in the same run.
+holding `held` positions of a slot in a pool of max_len positions (held + 64, or 8,192: short rows in a long
+pool). Arms: the reference (the slot gathered whole, masked; what XLA runs without the kernel) and the Pallas
+kernel over a few configs (the first is the frozen default; the others without or with other pieces of the slot
+per program). Each arm's output is checked against the reference first. Times: wall us per call (calls queued in
+one executable) and GPU kernel us from a profiler trace. Floor: the keys and values the rows hold, read once, at
+the copy bandwidth measured in the same run.
 
     PYTHONPATH=. python benchmarks/bench_decode_attention.py [--out FILE] [--interpret]
 writes FILE (default benchmarks/results/decode_attention.json).
@@ -33,10 +34,9 @@ C = attention.DecodeAttentionConfig
 CONFIGS = [attention.CONFIG, C(64, 4, None), C(64, 4, 256), C(64, 4, 1024)]
 
 
-def case(B: int, held: int, key: int, sets: int = 4):
-    """`sets` distinct queries [B, KVH, G, HD] and one pool pair [1, B, held + 64, KVH, HD] (bf16); slots permuted."""
+def case(B: int, held: int, L: int, key: int, sets: int = 4):
+    """`sets` distinct queries [B, KVH, G, HD] and one pool pair [1, B, L, KVH, HD] (bf16); slots permuted."""
     rng = np.random.default_rng(key)
-    L = held + 64
     k, v = (jax.random.normal(jax.random.key(key + i), (1, B, L, KVH, HD), jnp.bfloat16) for i in range(2))
     slots = jnp.asarray(rng.permutation(B), jnp.int32)
     limit = jnp.full((B,), held, jnp.int32)
@@ -58,7 +58,8 @@ def main():
     ap.add_argument("--interpret", action="store_true", help="a CPU dry run: small shapes, the default config")
     args = ap.parse_args()
     dry = args.interpret
-    grid = [(2, 600)] if dry else [(1, 128), (1, 2048), (1, 8192), (8, 2048), (256, 128), (256, 2048)]
+    grid = [(2, 600, 664)] if dry else [(1, 128, 192), (1, 128, 8192), (1, 2048, 2112), (1, 8192, 8256),
+                                       (8, 2048, 2112), (256, 128, 192), (256, 128, 8192), (256, 2048, 2112)]
     configs = CONFIGS[:1] if dry else CONFIGS
     bw = copy_bandwidth()
     scale = HD ** -0.5
@@ -67,10 +68,10 @@ def main():
            "jax": jax.__version__, "python": platform.python_version(), "copy_bytes_per_s": bw,
            "shapes": {"kv_heads": KVH, "q_per_kv": G, "head_dim": HD, "pool_dtype": "bfloat16"}, "rows": rows}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    for B, held in grid:
-        sets = case(B, held, key=B * 7 + held)
+    for B, held, max_len in grid:
+        sets = case(B, held, max_len, key=B * 7 + held)
         floor_bytes = B * held * KVH * HD * 2 * 2 + sets[0][0].nbytes + B * KVH * G * HD * 4
-        row = {"batch": B, "held": held, "floor_us": floor_bytes / bw * 1e6, "bytes": floor_bytes, "arms": {}}
+        row = {"batch": B, "held": held, "max_len": max_len, "floor_us": floor_bytes / bw * 1e6, "bytes": floor_bytes, "arms": {}}
         ref = lambda q, k, v, s, n: attention.decode_attention_reference(q, k, v, s, n, layer=0, scale=scale)
         want = np.asarray(ref(*sets[0]))
         arms = {"reference": ref}
@@ -89,7 +90,7 @@ def main():
             except Exception as e:  # noqa: BLE001  (an arm that fails is recorded, the others still run)
                 entry["error"] = repr(e)[:300]
             row["arms"][name] = entry
-            print(f"B={B} held={held} {name}: {entry}", flush=True)
+            print(f"B={B} held={held} max_len={max_len} {name}: {entry}", flush=True)
         rows.append(row)
         with open(args.out, "w") as f:                  # after every row: a cut-off run keeps what it measured
             json.dump(out, f, indent=1)
