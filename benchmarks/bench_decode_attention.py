@@ -44,14 +44,6 @@ def case(B: int, held: int, L: int, key: int, sets: int = 4):
     return [(q, k, v, slots, limit) for q in qs]
 
 
-def time_arm(fn, sets, reps: int, trace: bool) -> dict:
-    many = timing.queued(fn, len(sets))
-    out = {"wall_us": min(timing.wall_us(many, sets, reps=reps))}
-    if trace:
-        out.update(timing.traced_gpu_us(many, sets))
-    return out
-
-
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "decode_attention.json"))
@@ -71,7 +63,8 @@ def main():
     for B, held, max_len in grid:
         sets = case(B, held, max_len, key=B * 7 + held)
         floor_bytes = B * held * KVH * HD * 2 * 2 + sets[0][0].nbytes + B * KVH * G * HD * 4
-        row = {"batch": B, "held": held, "max_len": max_len, "floor_us": floor_bytes / bw * 1e6, "bytes": floor_bytes, "arms": {}}
+        row = {"batch": B, "held": held, "max_len": max_len, "floor_us": floor_bytes / bw * 1e6, "bytes": floor_bytes,
+               "arms": {}}
         ref = lambda q, k, v, s, n: attention.decode_attention_reference(q, k, v, s, n, layer=0, scale=scale)
         want = np.asarray(ref(*sets[0]))
         arms = {"reference": ref}
@@ -84,9 +77,8 @@ def main():
             try:
                 got = np.asarray(fn(*sets[0]))
                 entry["rel_err_vs_reference"] = float(np.linalg.norm(got - want) / np.linalg.norm(want))
-                entry.update(time_arm(fn, sets, reps=2 if dry else 20, trace=not dry))
-                us = entry.get("gpu_us") or entry["wall_us"]
-                entry["floor_fraction"] = row["floor_us"] / us
+                entry.update(timing.wall_and_traced_us(fn, sets, reps=2 if dry else 20, trace=not dry))
+                entry["floor_fraction"] = row["floor_us"] / entry["us"]
             except Exception as e:  # noqa: BLE001  (an arm that fails is recorded, the others still run)
                 entry["error"] = repr(e)[:300]
             row["arms"][name] = entry

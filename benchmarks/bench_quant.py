@@ -64,13 +64,7 @@ def time_calls(fn, arg_sets, *, per_exec: int, reps: int, profile: bool = True) 
     """Median-free simple timing: `per_exec` calls of fn inside one executable (cycling arg_sets), the
     executable run `reps` times back to back; returns us per call (wall) and GPU us per call (trace)."""
     arg_sets = [arg_sets[i % len(arg_sets)] for i in range(per_exec)]   # per_exec <= len: all distinct
-    many = timing.queued(fn, per_exec)
-    walls = timing.wall_us(many, arg_sets, reps=reps)
-    res = {"wall_us": min(walls), "wall_us_all": walls}
-    if profile:
-        res.update(timing.traced_gpu_us(many, arg_sets))
-    res["us"] = res.get("gpu_us") or res["wall_us"]
-    return res
+    return timing.wall_and_traced_us(fn, arg_sets, reps=reps, trace=profile)
 
 
 # ---- inputs -----------------------------------------------------------------------------------------------

@@ -101,6 +101,19 @@ def kernel_breakdown(events: list[dict], steps: int, classify, top: int = 25) ->
             "top_kernels": dict(sorted(names.items(), key=lambda kv: -kv[1]["us_per_step"])[:top])}
 
 
+def wall_and_traced_us(fn, arg_sets, *, reps: int, trace: bool = True) -> dict:
+    """fn queued once per (distinct) entry of arg_sets in one executable: us per call by wall clock ("wall_us", best
+    of the trials in "wall_us_all") and, with trace, by GPU kernel time from a profiler trace of the same executable
+    (`traced_gpu_us`); "us" is the GPU time where traced, else the wall time."""
+    many = queued(fn, len(arg_sets))
+    walls = wall_us(many, arg_sets, reps=reps)
+    res = {"wall_us": min(walls), "wall_us_all": walls}
+    if trace:
+        res.update(traced_gpu_us(many, arg_sets))
+    res["us"] = res.get("gpu_us") or res["wall_us"]
+    return res
+
+
 def gpu_kernel_us(trace_dir: str, calls: int) -> tuple[float | None, dict]:
     """Sum of GPU kernel durations in the perfetto trace per call, and the largest kernels (name -> us per call):
     the Mosaic kernel apart from XLA's small ones around it (x permutation, split-K sum)."""
