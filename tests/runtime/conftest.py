@@ -18,6 +18,17 @@ FAST_COMPILE = ({"xla_backend_optimization_level": 0, "xla_llvm_disable_expensiv
 ENGINE = dict(max_slots=4, max_len=64, batch_buckets=(4,), token_buckets=(8, 64), eos_ids=[EOS])
 
 
+def shared_prefix_prompt(rng, bases: list[list[int]], index: int) -> list[int]:
+    """The index-th prompt of a mixed workload: the bases in full first, then at least half of a random base,
+    each with up to 11 fresh tokens after it, so that prefix-cache hits come with every seed."""
+    if index < len(bases):
+        base, keep = bases[index], len(bases[index])
+    else:
+        base = bases[rng.integers(0, len(bases))]
+        keep = rng.integers(len(base) // 2, len(base) + 1)
+    return base[:keep] + rng.integers(0, EOS, rng.integers(0, 12)).tolist()
+
+
 @pytest.fixture(scope="session")
 def model():
     return NemotronH.from_config(CFG, jax.random.key(3), dtype=jnp.float32)

@@ -17,7 +17,7 @@ from metrale_jax.runtime import Engine, SpeculativeConfig
 from metrale_jax.state.cache import ModelCache
 from tests import numpy_refs_model as ref
 from tests.numpy_refs import rel_err
-from tests.runtime.conftest import EOS, V
+from tests.runtime.conftest import EOS, V, shared_prefix_prompt
 
 FWD_SHAPE = (8, 40)     # every forward reference is padded to this shape: one compile
 
@@ -185,12 +185,12 @@ def test_no_compile_after_warmup_over_200_mixed_steps(make_engine, rng, capsys):
     eng.warmup(sampling=True, score=True)
     compiles, stats = eng.compiles, eng.exe.stats()
     bases = _prompts(rng, [17, 24, 9])
-    streamed = []
+    streamed, submitted = [], 0
     while eng.counters["steps"] < 200:
         while len(eng.queue) < 3:
             kind = rng.integers(0, 4)
-            base = bases[rng.integers(0, 3)]
-            prompt = base[:rng.integers(1, len(base) + 1)] + rng.integers(0, EOS, rng.integers(0, 12)).tolist()
+            prompt = shared_prefix_prompt(rng, bases, submitted)
+            submitted += 1
             if kind == 0:
                 eng.submit_score(prompt + [1])
             else:

@@ -20,7 +20,7 @@ from metrale_jax.errors import ConfigError
 from metrale_jax.model import NemotronH
 from metrale_jax.runtime import Engine, Executables, SpeculativeConfig
 from tests.numpy_refs import rel_err
-from tests.runtime.conftest import CFG, ENGINE, EOS, FAST_COMPILE
+from tests.runtime.conftest import CFG, ENGINE, EOS, FAST_COMPILE, shared_prefix_prompt
 from tests.runtime.test_engine import _Oracle
 
 SPEC = SpeculativeConfig(num_draft=3)
@@ -150,8 +150,7 @@ def _mixed_workload(eng, rng_seed: int, steps: int):
     while eng.counters["steps"] < steps:
         while len(eng.queue) < 3:
             kind = rng.integers(0, 4)
-            base = bases[rng.integers(0, 3)]
-            prompt = base[:rng.integers(1, len(base) + 1)] + rng.integers(0, EOS, rng.integers(0, 12)).tolist()
+            prompt = shared_prefix_prompt(rng, bases, len(rids))
             if kind == 0:
                 rids.append(eng.submit_score(prompt + [1]))
             else:
