@@ -20,6 +20,10 @@ whole number per SM into K pieces (`tail_split`), so every SM streams about the 
 split halves at in_proj) are added in the kernel by 2-CTA clusters (`_cluster_sum`: CTA 0 adds the other's
 float32 partial from its shared memory in the order XLA's sum uses, so both give the same bits).
 
+An elementwise epilogue (`epilogues`: the MLP's relu^2 on up_proj) goes on the complete float32 sum: in the kernel
+before a direct bf16 store (also after a cluster's sum), else in `_finish` after XLA adds the split partials; the
+same bits as applying it to the float32 output.
+
 Weight tiles never depend on M (split-K chosen from (N, K) only, split partials added in a fixed order), and a
 wgmma gives each output column the same bits whatever its N (tested on the GPU), so a row's result is
 bit-identical whatever the batch. Interpret mode (CPU tests) passes the A operand through shared memory, since the
@@ -41,6 +45,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels import epilogues
 from pallas_kernels.errors import ShapeError
 from pallas_kernels.w8a16 import H200_SMS
 
@@ -108,11 +113,13 @@ def _mma_values(a_fns, b_refs, a_smem, n: int):
     return pl.run_scoped(run, *[plgpu.ACC((ROWS, n), jnp.float32) for _ in a_fns])
 
 
-def _store_out(accs, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, xr: int = BM):
+def _store_out(accs, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, xr: int = BM, epilogue: str | None = None):
     """accs: per 64-row group, a [64, xr] tile of out^T (xr: x rows per CTA, see `x_rows`).
-    direct: into o_gmem [M, N] through transposed SMEM views (TMA clips rows past M and columns past N;
-    16-bit outputs only). Else as float32 out^T partials into o_gmem [split, N, Mp] (summed and transposed by
-    the caller)."""
+    direct: the complete sums, through `epilogue`, into o_gmem [M, N] through transposed SMEM views (TMA clips
+    rows past M and columns past N; 16-bit outputs only). Else as float32 out^T partials into o_gmem
+    [split, N, Mp] (summed, put through the epilogue and transposed by `_finish`)."""
+    if direct:
+        accs = [epilogues.apply(acc, epilogue) for acc in accs]
     for g, acc in enumerate(accs):
         rows, cols = pl.ds(g * ROWS, ROWS), pl.ds(0, xr)
         dst = o_smem.at[cols, rows].transpose((1, 0)) if direct else o_smem.at[rows, cols]
@@ -158,16 +165,17 @@ def _check_dims(name: str, N: int, K: int, k_multiple: int):
                          "use the Triton arm for other shapes")
 
 
-def _finish(out, direct: bool, M: int, out_dtype):
-    """Direct: cut padded rows. Else sum the split-K partials as a chain of elementwise adds (a fixed order
-    whatever the shape: a reduce could be emitted with an M-dependent order) and transpose."""
+def _finish(out, direct: bool, M: int, out_dtype, epilogue: str | None = None):
+    """Direct: cut padded rows (the kernel applied the epilogue). Else sum the split-K partials as a chain of
+    elementwise adds (a fixed order whatever the shape: a reduce could be emitted with an M-dependent order),
+    apply the epilogue to the sum and transpose."""
     if direct:
         return out[:M]
     out = out[:, :, :M]
     y = out[0]
     for i in range(1, out.shape[0]):
         y = y + out[i]
-    return y.T.astype(out_dtype)
+    return epilogues.apply(y, epilogue).T.astype(out_dtype)
 
 
 def _cluster_sum(acc, c, size, ready, red_bar, bn: int, xr: int, store):

@@ -18,7 +18,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import registry
+from pallas_kernels import epilogues, registry
 from pallas_kernels.mgpu_gemv import (ROWS, W4_BK, W4_K, GemvConfig, _check_config, _check_dims, _check_x_bf16,
                                       _cluster_launch, _cluster_sum, _finish, _grid, _interpret_kw, _mma, _out_spec,
                                       _pad_rows, _store_out, _tf, auto_split, launch_tiles, resolve_k_blocks,
@@ -132,7 +132,7 @@ def _nibble_f32(p16, high: bool):
 
 
 def _w4_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, ready=None, red_bar=None, *, bn, steps,
-               stages, direct, interpret, xr, kb, cluster=0):
+               stages, direct, interpret, xr, kb, epilogue=None, cluster=0):
     """NVFP4 GEMV: scales are multiplied in during the decode, so one accumulator per 64 rows (over all m_tiles x
     tiles of the CTA, one wgmma against the decoded tile) runs over all K.
     Each step waits for its own wgmmas (wait_group 0) before the next step's decode rewrites the A registers:
@@ -174,13 +174,13 @@ def _w4_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, ready=Non
     acc = [a * gs for a in acc]
     if cluster:
         _cluster_sum(acc, split, cluster, ready, red_bar, bn, xr,
-                     lambda total: _store_out(total, o_smem, o_gmem, 0, m_blk, n_blk, bn, direct, xr))
+                     lambda total: _store_out(total, o_smem, o_gmem, 0, m_blk, n_blk, bn, direct, xr, epilogue))
     else:
-        _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, xr)
+        _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, xr, epilogue)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
-def _w4_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "epilogue", "config", "interpret"))
+def _w4_call(x, packed, scale, global_scale, *, out_dtype, epilogue, config: GemvConfig, interpret: bool):
     M, K = x.shape
     N = packed.shape[0]
     bn, nb, mb, split, steps = _grid("w4a16_gemv", M, N, K, W4_BK * config.k_blocks, config)
@@ -190,7 +190,7 @@ def _w4_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, i
     size = split if split > 1 and config.reduce == "cluster" and not interpret else 0
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, 1 if size else split, out_dtype, xr)
     kernel = functools.partial(_w4_kernel, bn=bn, steps=steps, stages=stages, direct=direct,
-                               interpret=bool(interpret), xr=xr, kb=config.k_blocks, cluster=size)
+                               interpret=bool(interpret), xr=xr, kb=config.k_blocks, epilogue=epilogue, cluster=size)
     scratch = dict(o_smem=o_smem, a_smem=plgpu.SMEM((ROWS, W4_BK), jnp.bfloat16, transforms=_tf(128, 2))
                    if interpret else None)
     grid = (nb, pl.cdiv(mb, mt), split)
@@ -200,7 +200,7 @@ def _w4_call(x, packed, scale, global_scale, *, out_dtype, config: GemvConfig, i
         scratch.update(barriers)
     f = plgpu.kernel(kernel, out_type=out_type, **launch, scratch_types=scratch, **_interpret_kw(interpret))
     g = jnp.asarray(global_scale, jnp.float32).reshape(1)
-    return _finish(f(xp, packed, scale, g), direct, M, out_dtype)
+    return _finish(f(xp, packed, scale, g), direct, M, out_dtype, epilogue)
 
 
 def w4a16_gemv_blocks(N: int, K: int, M: int = 1) -> GemvConfig:
@@ -213,18 +213,20 @@ def w4a16_gemv_blocks(N: int, K: int, M: int = 1) -> GemvConfig:
     return GemvConfig(block_n=64, stages=3, split_k=auto_split(nb, steps))
 
 
-def w4a16_gemv_mosaic(x, packed, scale, global_scale, *, out_dtype=None, interpret: bool = False,
-                      config: GemvConfig | None = None):
+def w4a16_gemv_mosaic(x, packed, scale, global_scale, *, out_dtype=None, epilogue: str | None = None,
+                      interpret: bool = False, config: GemvConfig | None = None):
     """Decode GEMV on NVFP4 weights, Mosaic GPU arm; same call and result as `w4a16_reference`
-    (bf16 x, N % 64 == 0, K % 512 == 0)."""
+    (bf16 x, N % 64 == 0, K % 512 == 0); the epilogue in the kernel where it stores the output dtype straight
+    away."""
     check_nvfp4_args("w4a16_gemv", x, packed, scale, global_scale, transposed=False)
+    epilogues.check("w4a16_gemv", epilogue)
     _check_x_bf16("w4a16_gemv", x)
     N, K = packed.shape[0], 2 * packed.shape[1]
     _check_dims("w4a16_gemv", N, K, W4_K)
     config = resolve_k_blocks(config or w4a16_gemv_blocks(N, K, x.shape[0]), x.shape[0])
     _check_config("w4a16_gemv", config)
-    return _w4_call(x, packed, scale, global_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config,
-                    interpret=interpret)
+    return _w4_call(x, packed, scale, global_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), epilogue=epilogue,
+                    config=config, interpret=interpret)
 
 
 # Registered beside the Triton arm; shapes the Mosaic arm does not take go to the Triton arm (registry). Mosaic is

@@ -16,7 +16,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import registry
+from pallas_kernels import epilogues, registry
 from pallas_kernels.errors import ShapeError
 from pallas_kernels.formats import FP8_BLOCK
 from pallas_kernels.mgpu_gemv import (ROWS, W8_BK, GemvConfig, _check_config, _check_dims, _check_x_bf16,
@@ -33,19 +33,21 @@ def _widen8(w_ref):
 
 
 def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, *t_gmem, o_smem, a_smem, ready=None, red_bar=None, bn, steps, stages,
-               direct, xr, kb, dp=0, tail=0, cluster=0):
+               direct, xr, kb, epilogue=None, dp=0, tail=0, cluster=0):
     """One wgmma per 128-wide K block over all m_tiles 16-row x tiles of the CTA (the weight tile is read and
     widened once) into a fresh accumulator, waited for before the block scale is applied; a pipeline step holds
     kb blocks, whose wgmmas are all issued before the wait. A wgmma computes each output column the same way
     whatever its N (rows bit-identical at M = 1, 16, 40 and 256 on the GPU), so a row's result does not depend
     on M. tail > 0: CTAs n < dp take row block n whole; the others piece (n - dp) % tail of the K range of row
     block dp + (n - dp) // tail, as float32 partials into t_gmem [tail, tail rows, Mp]. cluster > 0: the tail
-    pieces of one output tile form a cluster and add their partials in the kernel (`_w8_tail_cluster`)."""
+    pieces of one output tile form a cluster and add their partials in the kernel (`_w8_tail_cluster`). A direct
+    store puts the complete sums through `epilogue` first (`_store_out`)."""
     n, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
     run = functools.partial(_w8_blocks, x_gmem, w_gmem, s_gmem, a_smem, bn=bn, stages=stages, xr=xr, kb=kb)
-    store = lambda acc, n_blk: _store_out(acc, o_smem, o_gmem, 0, m_blk, n_blk, bn, direct, xr)
+    store = lambda acc, n_blk: _store_out(acc, o_smem, o_gmem, 0, m_blk, n_blk, bn, direct, xr, epilogue)
     if not tail:
-        _store_out(run(n, m_blk, split * steps, steps=steps), o_smem, o_gmem, split, m_blk, n, bn, direct, xr)
+        _store_out(run(n, m_blk, split * steps, steps=steps), o_smem, o_gmem, split, m_blk, n, bn, direct, xr,
+                   epilogue)
         return
     if cluster:
         return _w8_tail_cluster(run, store, ready, red_bar, m_blk, bn=bn, steps=steps, xr=xr, dp=dp, tail=tail)
@@ -109,8 +111,8 @@ def _w8_blocks(x_gmem, w_gmem, s_gmem, a_smem, n_blk, m_blk, k_first, *, bn, ste
                                init_carry=(zero,) * groups)(w_gmem, x_gmem)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "interpret"))
-def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "epilogue", "config", "interpret"))
+def _w8_call(x, w, scale, *, out_dtype, epilogue, config: GemvConfig, interpret: bool):
     M, K = x.shape
     N = w.shape[0]
     bn, nb, mb, split, steps = _grid("w8a16_gemv", M, N, K, W8_BK * config.k_blocks, config)
@@ -122,7 +124,7 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
     size = tail if nt and config.reduce == "cluster" and not interpret else 0
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype, xr)
     kernel = functools.partial(_w8_kernel, bn=bn, steps=steps, stages=stages, direct=direct, xr=xr,
-                               kb=config.k_blocks)
+                               kb=config.k_blocks, epilogue=epilogue)
     scratch = dict(o_smem=o_smem, a_smem=plgpu.SMEM((ROWS, W8_BK), jnp.bfloat16, transforms=_tf(2 * W8_BK, 2))
                    if interpret else None)
     grid = (nb, pl.cdiv(mb, mt), split)
@@ -141,10 +143,10 @@ def _w8_call(x, w, scale, *, out_dtype, config: GemvConfig, interpret: bool):
         scratch.update(barriers)
     f = plgpu.kernel(kernel, out_type=out_type, **launch, scratch_types=scratch, **_interpret_kw(interpret))
     if not nt or size:
-        return _finish(f(xp, w, scale), direct, M, out_dtype)
+        return _finish(f(xp, w, scale), direct, M, out_dtype, epilogue)
     out, parts = f(xp, w, scale)
-    y = _finish(out, direct, M, out_dtype)
-    return jnp.concatenate([y[:, :dp * bn], _finish(parts, False, M, out_dtype)], axis=1)
+    y = _finish(out, direct, M, out_dtype, epilogue)
+    return jnp.concatenate([y[:, :dp * bn], _finish(parts, False, M, out_dtype, epilogue)], axis=1)
 
 
 def tail_blocks(n_blocks: int, tail_split: int) -> tuple[int, int]:
@@ -168,16 +170,19 @@ def w8a16_gemv_blocks(N: int, K: int) -> GemvConfig:
     return dataclasses.replace(base, split_k=auto_split(nb, steps, target=int(4.5 * H200_SMS)))
 
 
-def w8a16_gemv_mosaic(x, w, scale, *, out_dtype=None, interpret: bool = False, config: GemvConfig | None = None):
+def w8a16_gemv_mosaic(x, w, scale, *, out_dtype=None, epilogue: str | None = None, interpret: bool = False,
+                      config: GemvConfig | None = None):
     """Decode GEMV, Mosaic GPU arm; same call and result as `w8a16_reference` (bf16 x, N % 64 == 0,
-    K % 128 == 0)."""
+    K % 128 == 0); the epilogue in the kernel where it stores the output dtype straight away."""
     _check_w8a16("w8a16_gemv", x, w, scale)
+    epilogues.check("w8a16_gemv", epilogue)
     _check_x_bf16("w8a16_gemv", x)
     N, K = w.shape
     _check_dims("w8a16_gemv", N, K, W8_BK)
     config = resolve_k_blocks(config or w8a16_gemv_blocks(N, K), x.shape[0])
     _check_config("w8a16_gemv", config)
-    return _w8_call(x, w, scale, out_dtype=jnp.dtype(out_dtype or x.dtype), config=config, interpret=interpret)
+    return _w8_call(x, w, scale, out_dtype=jnp.dtype(out_dtype or x.dtype), epilogue=epilogue, config=config,
+                    interpret=interpret)
 
 
 # Registered beside the Triton arm; shapes the Mosaic arm does not take go to the Triton arm (registry). Mosaic is

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import epilogues
 from pallas_kernels.errors import ShapeError
 from pallas_kernels.formats import NVFP4_GROUP, dequantize_nvfp4
 from pallas_kernels import registry
@@ -37,10 +38,13 @@ from pallas_kernels.w8a16 import (GEMV_SWAP, QuantBlocks, check_activations, che
 
 
 # ---- references ----------------------------------------------------------------------------------------
-def w4a16_reference(x, packed, scale, global_scale, *, out_dtype=None):
-    """Dequantize then matmul.  x [M, K], packed uint8 [N, K/2], scale E4M3 [N, K/16], global f32 []."""
+def w4a16_reference(x, packed, scale, global_scale, *, out_dtype=None, epilogue: str | None = None):
+    """Dequantize then matmul, then the epilogue (`epilogues`) on the float32 result.  x [M, K], packed uint8
+    [N, K/2], scale E4M3 [N, K/16], global f32 []."""
     check_nvfp4_args("w4a16", x, packed, scale, global_scale, transposed=False)
-    return matmul_f32(x, dequantize_nvfp4(packed, scale, global_scale)).astype(out_dtype or x.dtype)
+    epilogues.check("w4a16", epilogue)
+    y = matmul_f32(x, dequantize_nvfp4(packed, scale, global_scale))
+    return epilogues.apply(y, epilogue).astype(out_dtype or x.dtype)
 
 
 def w4a16_t_reference(x, packed_t, scale_t, global_scale, *, out_dtype=None):
@@ -225,11 +229,15 @@ def _run(name, x, packed, scale, global_scale, blocks, out_dtype, interpret, tra
                     interpret=interpret, transposed=transposed, name=name)
 
 
-def w4a16_gemv_pallas(x, packed, scale, global_scale, *, out_dtype=None, interpret=False, blocks=None):
-    """Decode GEMV; same call and result as `w4a16_reference`."""
+def w4a16_gemv_pallas(x, packed, scale, global_scale, *, out_dtype=None, epilogue: str | None = None,
+                      interpret=False, blocks=None):
+    """Decode GEMV; same call and result as `w4a16_reference` (the epilogue by XLA on the float32 output)."""
+    epilogues.check("w4a16_gemv", epilogue)
     N, K = packed.shape[0], 2 * packed.shape[1]
-    return _run("w4a16_gemv", x, packed, scale, global_scale, blocks or w4a16_gemv_blocks(N, K), out_dtype,
-                interpret, False)
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    y = _run("w4a16_gemv", x, packed, scale, global_scale, blocks or w4a16_gemv_blocks(N, K),
+             jnp.float32 if epilogue else out_dtype, interpret, False)
+    return epilogues.apply(y, epilogue).astype(out_dtype)
 
 
 def w4a16_gemm_pallas(x, packed, scale, global_scale, *, out_dtype=None, interpret=False, blocks=None):

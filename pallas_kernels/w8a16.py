@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import epilogues
 from pallas_kernels.errors import ShapeError
 from pallas_kernels.formats import FP8_BLOCK, block_grid, expand_block_scale, fp8_dequantized
 from pallas_kernels import registry
@@ -111,11 +112,14 @@ def finish_split(out: jax.Array, split: int, M: int, out_dtype) -> jax.Array:
 
 
 # ---- reference -----------------------------------------------------------------------------------------
-def w8a16_reference(x: jax.Array, w: jax.Array, scale: jax.Array, *, out_dtype=None) -> jax.Array:
-    """Dequantize then matmul.  x [M, K], w E4M3 [N, K], scale f32 [ceil(N/128), ceil(K/128)] -> [M, N]."""
+def w8a16_reference(x: jax.Array, w: jax.Array, scale: jax.Array, *, out_dtype=None,
+                    epilogue: str | None = None) -> jax.Array:
+    """Dequantize then matmul, then the epilogue (`epilogues`) on the float32 result.  x [M, K], w E4M3 [N, K],
+    scale f32 [ceil(N/128), ceil(K/128)] -> [M, N]."""
+    epilogues.check("w8a16", epilogue)
     N, K = w.shape
     wd = w.astype(jnp.float32) * expand_block_scale(scale, N, K)
-    return matmul_f32(x, wd).astype(out_dtype or x.dtype)
+    return epilogues.apply(matmul_f32(x, wd), epilogue).astype(out_dtype or x.dtype)
 
 
 def _check_w8a16(kernel, x, w, scale):
@@ -210,12 +214,17 @@ def w8a16_gemm_blocks(N: int, K: int) -> QuantBlocks:
     return QuantBlocks(block_m=64, block_n=128, block_k=64, split_k=1, num_warps=4, num_stages=4)
 
 
-def w8a16_gemv_pallas(x, w, scale, *, out_dtype=None, interpret: bool = False, blocks: QuantBlocks | None = None):
-    """Decode GEMV (any M, rows tiled by 16); same call and result as `w8a16_reference`."""
+def w8a16_gemv_pallas(x, w, scale, *, out_dtype=None, epilogue: str | None = None, interpret: bool = False,
+                      blocks: QuantBlocks | None = None):
+    """Decode GEMV (any M, rows tiled by 16); same call and result as `w8a16_reference` (the epilogue by XLA on
+    the float32 output)."""
     _check_w8a16("w8a16_gemv", x, w, scale)
+    epilogues.check("w8a16_gemv", epilogue)
     blk = fit_blocks(blocks or w8a16_gemv_blocks(*w.shape), x.shape[0], w.shape[1])
-    return _w8a16_call(x, w, scale, out_dtype=jnp.dtype(out_dtype or x.dtype), blocks=blk,
-                       interpret=interpret, name="w8a16_gemv")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    y = _w8a16_call(x, w, scale, out_dtype=jnp.float32 if epilogue else out_dtype, blocks=blk,
+                    interpret=interpret, name="w8a16_gemv")
+    return epilogues.apply(y, epilogue).astype(out_dtype)
 
 
 def w8a16_gemm_pallas(x, w, scale, *, out_dtype=None, interpret: bool = False, blocks: QuantBlocks | None = None):

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# One device call (issue 31): the decode-step kernels' GPU tests, decode attention alone
-# (benchmarks/bench_decode_attention.py), then end-to-end decode rows (benchmarks/bench_e2e_decode.py --update,
-# which keeps the table's other rows). Everything goes to $OUT: copy e2e_decode.json over
-# benchmarks/results/e2e_decode.json (and decode_attention.json) to commit them.
+# One device call (issue 31): the decode-step kernels' GPU tests (decode attention, state update, the GEMVs'
+# relu^2 epilogue), decode attention alone (benchmarks/bench_decode_attention.py), then end-to-end decode rows
+# (benchmarks/bench_e2e_decode.py --update, which keeps the table's other rows). Everything goes to $OUT: copy
+# e2e_decode.json over benchmarks/results/e2e_decode.json (and decode_attention.json) to commit them.
 #   tools/gpu_bench_e2e.sh [WEIGHTS (fp8-block)] [STATES (float32)] [BATCHES (1,256)] [E2E_TIMEOUT_S (300)]
 set -o pipefail
 OUT=${OUT:-gpu_out}
@@ -17,6 +17,9 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&
 # the decode-step kernels compiled on this GPU first (a failure here makes the timings below moot)
 METRALE_TEST_GPU=1 timeout 120 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_decode_attention.py \
   tests/kernels/test_state_update_pallas.py 2>&1 | tail -15 | tee "$OUT/tests.log"
+# the GEMVs with relu^2 in their epilogue (the MLP's up_proj), compiled, and their rows' bits at the 8B shapes
+METRALE_TEST_GPU=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_mgpu_gemv.py \
+  -k "epilogue or batch_invariant or large_batch" 2>&1 | tail -15 | tee -a "$OUT/tests.log"
 timeout 180 python3 benchmarks/bench_decode_attention.py --out "$OUT/decode_attention.json" > "$OUT/da.log" 2>&1
 echo "decode_attention exit: $?" | tee -a "$OUT/da.log"
 cp benchmarks/results/e2e_decode.json "$OUT/e2e_decode.json"

@@ -20,6 +20,7 @@ from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import check_array, check_layer_index
 from metrale_jax.layers.projection import Projection
 from pallas_kernels import registry
+from pallas_kernels.epilogues import relu2
 
 
 @jax.tree_util.register_dataclass
@@ -31,11 +32,6 @@ class NemotronMlpWeights:
     down_proj: Any                     # [D, I]
     up_bias: jax.Array | None = None   # [I]
     down_bias: jax.Array | None = None  # [D]
-
-
-def relu2(x: jax.Array) -> jax.Array:
-    r = jnp.maximum(x, 0)
-    return r * r
 
 
 class Relu2MLP(nnx.Module):
@@ -71,11 +67,11 @@ class Relu2MLP(nnx.Module):
         return self.down_proj(self._act(x, phase), phase=phase, out_dtype=jnp.float32)
 
     def _act(self, x: jax.Array, phase: str) -> jax.Array:
-        """relu(up_proj(x) + up_bias)^2 [T, I] in x.dtype."""
+        """relu(up_proj(x) + up_bias)^2 [T, I] in x.dtype, relu^2 on the float32 sum (without a bias, in the
+        up_proj kernel's epilogue where it takes one: no separate elementwise kernel)."""
         if self.up_bias is None:
-            u = self.up_proj(x, phase=phase, out_dtype=jnp.float32)
-        else:
-            u = self.up_proj(x, phase=phase, out_dtype=jnp.float32) + self.up_bias[...].astype(jnp.float32)
+            return self.up_proj(x, phase=phase, out_dtype=x.dtype, epilogue="relu2")
+        u = self.up_proj(x, phase=phase, out_dtype=jnp.float32) + self.up_bias[...].astype(jnp.float32)
         return relu2(u).astype(x.dtype)
 
 

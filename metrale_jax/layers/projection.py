@@ -30,7 +30,7 @@ from metrale_jax.weights.containers import (DenseWeight, Fp8PrefillWeight, Fp8Sh
                                             check_fp8_prefill, check_nvfp4, check_nvfp4_t, clear_zero_scale_blocks,
                                             fp8_to_block_scaled)
 from metrale_jax.weights.quant_formats import Fp8Activations
-from pallas_kernels import registry
+from pallas_kernels import epilogues, registry
 
 DECODE_ORDER = ("dense", "fp8_native", "w4a4", "nvfp4")
 PREFILL_ORDER = ("dense", "fp8_native", "w4a4", "fp8_prefill", "nvfp4_t", "nvfp4")
@@ -46,6 +46,7 @@ ARM_KERNELS = {
 }
 # kernels that quantize their activations to E4M3 (and so also take Fp8Activations): how
 INPUT_QUANT = {"fp8_gemm_t": "rows", "w8a16_gemm_pipelined": "blocks"}
+EPILOGUE_KERNELS = ("w8a16_gemv", "w4a16_gemv")   # kernels that take `epilogue` (every arm of theirs)
 PREFILL_ONLY_ARMS = ("fp8_prefill", "nvfp4_t")   # copies no decode call reads
 M128_ABOVE = 128   # prefill tokens above which the transposed NVFP4 arm takes w4a16_gemm_t_m128
 # the layer's own ("base") weights: the first installed of these (what ssm_weights() reports)
@@ -246,8 +247,13 @@ class Projection(nnx.Module):
         return INPUT_QUANT.get(self.active_kernel(phase, tokens))
 
     # ---- calling -----------------------------------------------------------------------------------------
-    def __call__(self, x: jax.Array | Fp8Activations, *, phase: str = "prefill", out_dtype=None) -> jax.Array:
-        """x [M, K] (or Fp8Activations where `input_quant` says so) -> [M, N] in out_dtype (default x.dtype)."""
+    def __call__(self, x: jax.Array | Fp8Activations, *, phase: str = "prefill", out_dtype=None,
+                 epilogue: str | None = None) -> jax.Array:
+        """x [M, K] (or Fp8Activations where `input_quant` says so) -> [M, N] in out_dtype (default x.dtype).
+        epilogue: an elementwise function (pallas_kernels.epilogues) applied to the float32 result before the
+        cast: inside the kernel where the kernel takes it (EPILOGUE_KERNELS on the layer's own weights), else
+        after a float32 call; the same bits either way."""
+        epilogues.check(self.name, epilogue)
         if x.ndim != 2 or x.shape[1] != self.in_features:
             raise ShapeError(f"{self.name}: input must be [M, {self.in_features}], got {tuple(x.shape)}")
         arm = self.active_arm(phase, x.shape[0])
@@ -259,15 +265,16 @@ class Projection(nnx.Module):
         w = self.arm_weight(arm)
         out_dtype = out_dtype or x.dtype
         rows = None if self.lora is None else row_adapters(self.name, x.shape[0])
-        if rows is None:
-            return _run_arm(fn, arm, w, x, phase, out_dtype)
-        dense_x = x.dequantize() if isinstance(x, Fp8Activations) else x
-        y = _run_arm(fn, arm, w, x, phase, jnp.float32) + self.lora.delta(dense_x, rows)
-        return y.astype(out_dtype)
+        if rows is None and (epilogue is None or (kernel in EPILOGUE_KERNELS and not isinstance(w, Fp8Share))):
+            return _run_arm(fn, arm, w, x, phase, out_dtype, **({} if epilogue is None else dict(epilogue=epilogue)))
+        y = _run_arm(fn, arm, w, x, phase, jnp.float32)
+        if rows is not None:
+            y = y + self.lora.delta(x.dequantize() if isinstance(x, Fp8Activations) else x, rows)
+        return epilogues.apply(y, epilogue).astype(out_dtype)
 
 
-def _run_arm(fn, arm: str, w, x, phase: str, out_dtype) -> jax.Array:
-    """The arm's kernel `fn` on its weight container `w`."""
+def _run_arm(fn, arm: str, w, x, phase: str, out_dtype, **epilogue) -> jax.Array:
+    """The arm's kernel `fn` on its weight container `w` (epilogue: only to the EPILOGUE_KERNELS)."""
     if arm == "dense":
         return fn(x, w.weight, out_dtype=out_dtype)
     if arm == "fp8_native" and isinstance(w, Fp8Share):
@@ -275,7 +282,7 @@ def _run_arm(fn, arm: str, w, x, phase: str, out_dtype) -> jax.Array:
             raise ShapeError("an FP8 share split by input column takes unquantized activations")
         return w.output(fn(w.padded_input(x), w.weight.weight, w.weight.scale, out_dtype=out_dtype))
     if arm == "fp8_native":
-        return fn(x, w.weight, w.scale, out_dtype=out_dtype)
+        return fn(x, w.weight, w.scale, out_dtype=out_dtype, **epilogue)
     if arm == "w4a4":
         n = w.weight
         return fn(x, n.packed, n.scale, n.global_scale, n.input_scale, out_dtype=out_dtype, decode=phase == "decode")
@@ -283,7 +290,7 @@ def _run_arm(fn, arm: str, w, x, phase: str, out_dtype) -> jax.Array:
         return fn(x, w.weight, w.scale, out_dtype=out_dtype)
     if arm == "nvfp4_t":
         return fn(x, w.packed_t, w.scale_t, w.global_scale, out_dtype=out_dtype)
-    return fn(x, w.packed, w.scale, w.global_scale, out_dtype=out_dtype)
+    return fn(x, w.packed, w.scale, w.global_scale, out_dtype=out_dtype, **epilogue)
 
 
 def arm_reference(weight, x: jax.Array, *, out_dtype=None) -> jax.Array:

@@ -14,7 +14,7 @@ from metrale_jax.weights import quant_formats as qf
 from pallas_kernels import mgpu_gemv as mg
 from pallas_kernels import mgpu_gemv_w4 as w4m
 from pallas_kernels import mgpu_gemv_w8 as w8m
-from pallas_kernels import registry, w4a16, w8a16
+from pallas_kernels import epilogues, registry, w4a16, w8a16
 from pallas_kernels.mgpu_gemv import GemvConfig
 from tests.kernels.ptx_emulator import bf16_pairs, element_map, run_ptx
 from tests.numpy_refs import rel_err
@@ -96,6 +96,53 @@ def test_w4a16_mosaic_matches_reference(rng, interpret, M, N, K, config):
     yb = w4m.w4a16_gemv_mosaic(x, p, s, g, interpret=interpret, config=config)
     _finite(yb)
     assert yb.dtype == jnp.bfloat16 and rel_err(yb, ref) < 4e-3
+
+
+# (kernel, M, N, K, config): the direct bf16 store (relu^2 in the kernel), split-K partials (relu^2 after XLA's sum),
+# several x tiles per CTA, and w4's split halves
+EPILOGUE_CASES = [("w8a16", 3, 192, 384, GemvConfig(64, 2)),
+                  ("w8a16", 5, 192, 512, GemvConfig(128, 3, 2)),
+                  ("w8a16", 40, 192, 384, GemvConfig(64, 2)),
+                  ("w4a16", 3, 192, 1024, GemvConfig(128, 2)),
+                  ("w4a16", 6, 128, 1024, GemvConfig(64, 2, 2))]
+
+
+def _arms(kernel, rng, N, K):
+    """(weight args, Mosaic arm, Triton arm, reference) of a GEMV kernel."""
+    if kernel == "w8a16":
+        return _fp8(rng, N, K), w8m.w8a16_gemv_mosaic, w8a16.w8a16_gemv_pallas, w8a16.w8a16_reference
+    return _nvfp4(rng, N, K), w4m.w4a16_gemv_mosaic, w4a16.w4a16_gemv_pallas, w4a16.w4a16_reference
+
+
+@pytest.mark.parametrize("kernel,M,N,K,config", EPILOGUE_CASES, ids=str)
+def test_epilogue_equals_the_unfused_composition(rng, interpret, kernel, M, N, K, config):
+    """relu^2 in the kernel (before the direct bf16 store) or after the split-K sum gives, bit for bit, relu^2 on
+    the arm's own float32 output and then the cast; so do the Triton arm and the reference (outputs start as NaN
+    in interpret mode: an unwritten row fails)."""
+    x = _x(rng, M, K)
+    args, mosaic, triton, reference = _arms(kernel, rng, N, K)
+    for arm, kw in ((mosaic, dict(interpret=interpret, config=config)), (triton, dict(interpret=interpret)),
+                    (reference, {})):
+        y = arm(x, *args, out_dtype=F32, **kw)
+        assert (np.asarray(y) < 0).mean() > 0.2                       # relu has work to do
+        for out_dtype in (jnp.bfloat16, F32):
+            got = arm(x, *args, out_dtype=out_dtype, epilogue="relu2", **kw)
+            assert got.dtype == out_dtype
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(epilogues.relu2(y).astype(out_dtype)))
+    with pytest.raises(ShapeError, match="epilogue expected None or one of"):
+        mosaic(x, *args, epilogue="gelu", interpret=interpret, config=config)
+
+
+def test_tail_split_epilogue_matches_the_unfused_composition(rng, interpret, monkeypatch):
+    """The tail-split launch: whole row blocks put relu^2 in their direct store, the tail pieces after their sum."""
+    sms = w8m.H200_SMS if not interpret else 4
+    monkeypatch.setattr(w8m, "H200_SMS", sms)
+    M, N, K = 3, 64 * (sms + 1), 256
+    x, (q, s) = _x(rng, M, K), _fp8(rng, N, K)
+    config = GemvConfig(64, 2, 1, tail_split=2)
+    y = w8m.w8a16_gemv_mosaic(x, q, s, out_dtype=F32, interpret=interpret, config=config)
+    got = w8m.w8a16_gemv_mosaic(x, q, s, epilogue="relu2", interpret=interpret, config=config)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(epilogues.relu2(y).astype(jnp.bfloat16)))
 
 
 def test_every_e2m1_code_and_scale_decodes(rng, interpret):
@@ -461,18 +508,20 @@ def test_w4a16_mosaic_8b_shapes_on_gpu(rng, N, K, cfg):
                                            ("w4a16", GemvConfig(k_blocks=2))], ids=str)
 @pytest.mark.parametrize("split", [1, 2])
 @pytest.mark.parametrize("out_dtype", [jnp.bfloat16, F32], ids=lambda d: jnp.dtype(d).name)
-def test_lowers_for_cuda_on_every_output_path(kernel, config, split, out_dtype):
+@pytest.mark.parametrize("epilogue", [None, "relu2"])
+def test_lowers_for_cuda_on_every_output_path(kernel, config, split, out_dtype, epilogue):
     """Lower for CUDA on the CPU (layout inference included; interpret mode cannot see these errors), with the direct
-    bf16 store (unsplit) and the float32 partials."""
+    bf16 store (unsplit; relu^2 on the accumulator's registers first) and the float32 partials."""
     N, K, sd = 256, 2048, jax.ShapeDtypeStruct
     config = dataclasses.replace(config, block_n=64, stages=2, split_k=split)
     x = sd((1, K), jnp.bfloat16)
+    kw = dict(out_dtype=out_dtype, epilogue=epilogue, config=config)
     if kernel == "w8a16":
         args = (sd((N, K), jnp.float8_e4m3fn), sd((N // 128, K // 128), F32))
-        fn = lambda x, w, s: w8m.w8a16_gemv_mosaic(x, w, s, out_dtype=out_dtype, config=config)
+        fn = lambda x, w, s: w8m.w8a16_gemv_mosaic(x, w, s, **kw)
     else:
         args = (sd((N, K // 2), jnp.uint8), sd((N, K // 16), jnp.float8_e4m3fn), sd((), F32))
-        fn = lambda x, p, s, g: w4m.w4a16_gemv_mosaic(x, p, s, g, out_dtype=out_dtype, config=config)
+        fn = lambda x, p, s, g: w4m.w4a16_gemv_mosaic(x, p, s, g, **kw)
     text = jax.jit(fn).trace(x, *args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
 
@@ -484,8 +533,8 @@ def test_tail_split_lowers_for_cuda(M, reduce):
     lowers for CUDA at one to eight x tiles per CTA (M = 40: three, 192-byte float32 rows), both output paths."""
     N, K, sd = 18560, 4096, jax.ShapeDtypeStruct
     config = dataclasses.replace(w8m.w8a16_gemv_blocks(N, K), reduce=reduce)
-    for out_dtype in (jnp.bfloat16, F32):
-        fn = lambda x, w, s: w8m.w8a16_gemv_mosaic(x, w, s, out_dtype=out_dtype, config=config)
+    for out_dtype, epilogue in ((jnp.bfloat16, None), (F32, None), (jnp.bfloat16, "relu2")):
+        fn = lambda x, w, s: w8m.w8a16_gemv_mosaic(x, w, s, out_dtype=out_dtype, epilogue=epilogue, config=config)
         text = jax.jit(fn).trace(sd((M, K), jnp.bfloat16), sd((N, K), jnp.float8_e4m3fn),
                                  sd((N // 128, K // 128), F32)).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
@@ -497,10 +546,27 @@ def test_split_k_cluster_reduction_lowers_for_cuda(M):
     shared memory, bf16 straight out) lowers for CUDA, for both output paths."""
     N, K, sd = 4096, 8192, jax.ShapeDtypeStruct
     x = sd((M, K), jnp.bfloat16)
-    for out_dtype in (jnp.bfloat16, F32):
+    for out_dtype, epilogue in ((jnp.bfloat16, None), (F32, None), (jnp.bfloat16, "relu2")):
         config = dataclasses.replace(w4m.w4a16_gemv_blocks(N, K), reduce="cluster")
         args = (sd((N, K // 2), jnp.uint8), sd((N, K // 16), jnp.float8_e4m3fn), sd((), F32))
-        fn = lambda x, p, s, g: w4m.w4a16_gemv_mosaic(x, p, s, g, out_dtype=out_dtype, config=config)
+        fn = lambda x, p, s, g: w4m.w4a16_gemv_mosaic(x, p, s, g, out_dtype=out_dtype, epilogue=epilogue,
+                                                      config=config)
         assert config.split_k > 1
         text = jax.jit(fn).trace(x, *args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
+
+
+@pytest.mark.parametrize("kernel", ["w8a16", "w4a16"])
+@pytest.mark.parametrize("M", [1, 16, 256])
+def test_up_proj_relu2_epilogue_lowers_for_cuda(kernel, M):
+    """The 8B MLP's up_proj (N = 21504, K = 4096) with relu^2 in the default launch's epilogue lowers for CUDA."""
+    N, K, sd = 21504, 4096, jax.ShapeDtypeStruct
+    x = sd((M, K), jnp.bfloat16)
+    if kernel == "w8a16":
+        args = (sd((N, K), jnp.float8_e4m3fn), sd((N // 128, K // 128), F32))
+        fn = lambda x, w, s: w8m.w8a16_gemv_mosaic(x, w, s, epilogue="relu2")
+    else:
+        args = (sd((N, K // 2), jnp.uint8), sd((N, K // 16), jnp.float8_e4m3fn), sd((), F32))
+        fn = lambda x, p, s, g: w4m.w4a16_gemv_mosaic(x, p, s, g, epilogue="relu2")
+    text = jax.jit(fn).trace(x, *args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

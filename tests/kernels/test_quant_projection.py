@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 
 from metrale_jax import ModelConfig, ModelLevers, NemotronMamba2Layer
-from metrale_jax.errors import KernelUnavailableError, WeightFormatError
+from metrale_jax.errors import KernelUnavailableError, ShapeError, WeightFormatError
 from metrale_jax.init import random_norm, random_ssm_weights
 from metrale_jax.layers.projection import DECODE_ORDER, PREFILL_ORDER, Projection, arm_reference
 from metrale_jax.weights import containers as C
 from metrale_jax.weights import quant_formats as qf
 from pallas_kernels import registry
+from pallas_kernels.epilogues import relu2
 from tests.numpy_refs import rel_err
 
 N, K = 72, 64
@@ -136,6 +137,24 @@ def test_arms_through_interpreted_kernels(rng):
         p = _projection(cont, (arm,), kernels="interpret")
         y = p(x, phase=phase, out_dtype=jnp.float32)
         assert rel_err(y, _own_result(arm, p.arm_weight(arm), x, phase, 4)) < 1e-5
+
+
+@pytest.mark.parametrize("kernels", ["reference", "interpret"])
+def test_epilogue_is_relu2_of_the_float32_result_on_every_arm(rng, kernels):
+    """epilogue='relu2' gives, bit for bit, relu^2 of the float32 result and then the cast, on every arm and phase:
+    inside the decode GEMVs (EPILOGUE_KERNELS) and after a float32 call elsewhere (a LoRA overlay's rows too:
+    tests/model/test_lora.py). An unknown epilogue is a ShapeError naming the projection."""
+    cont = _containers(rng)
+    x = jnp.asarray(rng.standard_normal((4, K)), jnp.bfloat16)
+    for phase, order in (("decode", DECODE_ORDER), ("prefill", PREFILL_ORDER)):
+        for arm in order:
+            p = _projection(cont, (arm,), kernels=kernels)
+            y = p(x, phase=phase, out_dtype=jnp.float32)
+            assert (np.asarray(y) < 0).any() and (np.asarray(y) > 0).any()
+            got = p(x, phase=phase, out_dtype=jnp.bfloat16, epilogue="relu2")
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(relu2(y).astype(jnp.bfloat16)), err_msg=arm)
+    with pytest.raises(ShapeError, match=f"{NAME}: epilogue expected None or one of"):
+        p(x, phase="decode", epilogue="gelu")
 
 
 # ---- the Mamba-2 layer's seed methods -------------------------------------------------------------------
