@@ -89,31 +89,45 @@ def _update_step(window: jax.Array, x: jax.Array, weight: jax.Array, bias: jax.A
     return _activate(acc, activation), nxt
 
 
+def _live_windows(pool, rows, skip_row):
+    """(the named rows' windows, zero where a row is skip_row; a function that keeps skip_row's window in a
+    scatter of new windows)."""
+    old = pool[rows]
+    if skip_row is None:
+        return old, lambda new: new
+    live = (rows != skip_row)[:, None, None]
+    return jnp.where(live, old, jnp.zeros_like(old)), lambda new: jnp.where(live, new, old)
+
+
 def causal_conv1d_update_reference(pool: jax.Array, rows: jax.Array, x: jax.Array, weight: jax.Array,
                                    bias: jax.Array | None = None, *, activation: str | None = "silu",
-                                   x_col: int | None = None) -> tuple[jax.Array, jax.Array]:
+                                   x_col: int | None = None,
+                                   skip_row: int | None = None) -> tuple[jax.Array, jax.Array]:
     """One decode step per batch row, slot-indexed.  pool [R, C, K-1] (conv states, oldest first), rows [B],
     x [B, C] -> (y [B, C] in x.dtype, pool with the named rows advanced; no other row touched).
-    With x_col, x [B, W] holds the conv input in its columns [x_col, x_col + C) (the Mamba-2 in_proj output)."""
+    With x_col, x [B, W] holds the conv input in its columns [x_col, x_col + C) (the Mamba-2 in_proj output).
+    skip_row: a pool row (the padding slot's) neither read nor written; batch rows naming it start from zeros."""
     x = columns(x, x_col, weight.shape[0])
-    y, nxt = _update_step(pool[rows], x, weight, bias, activation)
-    return y.astype(x.dtype), pool.at[rows].set(nxt)
+    window, keep = _live_windows(pool, rows, skip_row)
+    y, nxt = _update_step(window, x, weight, bias, activation)
+    return y.astype(x.dtype), pool.at[rows].set(keep(nxt))
 
 
 def causal_conv1d_update_multi_reference(pool: jax.Array, rows: jax.Array, x: jax.Array, weight: jax.Array,
                                          bias: jax.Array | None = None, *, activation: str | None = "silu",
-                                         x_col: int | None = None):
+                                         x_col: int | None = None, skip_row: int | None = None):
     """k consecutive tokens per batch row (speculative verify).  x [B, k, C] -> (y [B, k, C],
     step_states [B, k, C, K-1] (the conv state after each token), pool with the rows at their last token)."""
     x = columns(x, x_col, weight.shape[0])
+    window, keep = _live_windows(pool, rows, skip_row)
 
     def body(window, xk):
         yk, window = _update_step(window, xk, weight, bias, activation)
         return window, (yk, window)
 
-    last, (y, steps) = jax.lax.scan(body, pool[rows], jnp.swapaxes(x, 0, 1))
+    last, (y, steps) = jax.lax.scan(body, window, jnp.swapaxes(x, 0, 1))
     swap = lambda a: jnp.swapaxes(a, 0, 1)
-    return swap(y).astype(x.dtype), swap(steps), pool.at[rows].set(last)
+    return swap(y).astype(x.dtype), swap(steps), pool.at[rows].set(keep(last))
 
 
 # ---- Pallas (Triton backend) ---------------------------------------------------------------------------------
@@ -123,7 +137,8 @@ def causal_conv1d_update_multi_reference(pool: jax.Array, rows: jax.Array, x: ja
 # Update: grid (channel blocks, batch rows): each program reads its row's [BC, K-1] window from the pool, runs
 # its k tokens (y = silu(sum_k w_k window_k), the window shifts by one) and writes the window back into the
 # same buffer: the pool is an input aliased to an output, so with the pool donated nothing else of it is
-# read, written or copied (no gather / scatter around the kernel). Rows naming the padding row race only there.
+# read, written or copied (no gather / scatter around the kernel). Rows naming the padding row race only there,
+# and with skip_row (the padding row) they neither read nor write it.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,14 +227,15 @@ def _conv_fwd(x, weight, bias, initial_states, cu_seqlens, *, activation, interp
 
 
 def _conv_update_kernel(rows_ref, x_ref, w_ref, b_ref, pool_in_ref, y_ref, pool_ref, *steps_ref, C, K, KT, BC,
-                        x_col, has_bias, activation, multi):
+                        x_col, has_bias, activation, multi, skip_row):
     del pool_in_ref  # aliased to pool_ref
     cb, b = pl.program_id(0), pl.program_id(1)
     f32 = jnp.float32
     ch = cb * BC + jnp.arange(BC)
     cm = ch < C
     r = rows_ref[b]
-    window = [plgpu.load(pool_ref.at[r, ch, k], mask=cm, other=0.0) for k in range(K - 1)]   # oldest first
+    pm = cm if skip_row is None else cm & (r != skip_row)               # skip_row: no pool traffic
+    window = [plgpu.load(pool_ref.at[r, ch, k], mask=pm, other=0.0) for k in range(K - 1)]   # oldest first
     w = [plgpu.load(w_ref.at[ch, k], mask=cm, other=0.0).astype(f32) for k in range(K)]
     bias = plgpu.load(b_ref.at[ch], mask=cm, other=0.0).astype(f32) if has_bias else None
     for t in range(KT):
@@ -234,7 +250,7 @@ def _conv_update_kernel(rows_ref, x_ref, w_ref, b_ref, pool_in_ref, y_ref, pool_
             for k in range(K - 1):
                 plgpu.store(steps_ref[0].at[b, t, ch, k], window[k], mask=cm)
     for k in range(K - 1):
-        plgpu.store(pool_ref.at[r, ch, k], window[k], mask=cm)
+        plgpu.store(pool_ref.at[r, ch, k], window[k], mask=pm)
 
 
 def _check_update(kernel, pool, rows, x, weight, bias, lead, x_col):
@@ -252,24 +268,29 @@ def _check_update(kernel, pool, rows, x, weight, bias, lead, x_col):
 
 def causal_conv1d_update_pallas(pool: jax.Array, rows: jax.Array, x: jax.Array, weight: jax.Array,
                                 bias: jax.Array | None = None, *, activation: str | None = "silu",
-                                x_col: int | None = None, interpret: bool = False,
+                                x_col: int | None = None, skip_row: int | None = None, interpret: bool = False,
                                 blocks: ConvBlocks | None = None):
     """The Pallas conv decode step; same call and results as `causal_conv1d_update_reference`, the pool
     updated in place when the caller donates it; with x_col the input columns are read in place."""
     _check_update("causal_conv1d_update", pool, rows, x, weight, bias, (None,), x_col)
     return _conv_update(pool, rows, x, weight, bias, activation=_checked(activation), interpret=interpret,
-                        blocks=blocks, multi=False, x_col=x_col)
+                        blocks=blocks, multi=False, x_col=x_col, skip_row=_skip(skip_row))
 
 
 def causal_conv1d_update_multi_pallas(pool: jax.Array, rows: jax.Array, x: jax.Array, weight: jax.Array,
                                       bias: jax.Array | None = None, *, activation: str | None = "silu",
-                                      x_col: int | None = None, interpret: bool = False,
-                                      blocks: ConvBlocks | None = None):
+                                      x_col: int | None = None, skip_row: int | None = None,
+                                      interpret: bool = False, blocks: ConvBlocks | None = None):
     """The Pallas k-token conv update; same call and results as `causal_conv1d_update_multi_reference`."""
     _check_update("causal_conv1d_update_multi", pool, rows, x, weight, bias, (None, None), x_col)
     y, pool, steps = _conv_update(pool, rows, x, weight, bias, activation=_checked(activation),
-                                  interpret=interpret, blocks=blocks, multi=True, x_col=x_col)
+                                  interpret=interpret, blocks=blocks, multi=True, x_col=x_col,
+                                  skip_row=_skip(skip_row))
     return y, steps, pool
+
+
+def _skip(skip_row):
+    return None if skip_row is None else int(skip_row)
 
 
 def _checked(activation):
@@ -278,8 +299,8 @@ def _checked(activation):
     return activation
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "interpret", "blocks", "multi", "x_col"))
-def _conv_update(pool, rows, x, weight, bias, *, activation, interpret, blocks, multi, x_col):
+@functools.partial(jax.jit, static_argnames=("activation", "interpret", "blocks", "multi", "x_col", "skip_row"))
+def _conv_update(pool, rows, x, weight, bias, *, activation, interpret, blocks, multi, x_col, skip_row):
     Bt, (C, K) = x.shape[0], weight.shape
     KT = x.shape[1] if multi else 1
     blk = blocks or ConvBlocks()
@@ -288,7 +309,7 @@ def _conv_update(pool, rows, x, weight, bias, *, activation, interpret, blocks, 
     if multi:
         out_shape.append(jax.ShapeDtypeStruct((Bt, KT, C, K - 1), pool.dtype))
     kernel = functools.partial(_conv_update_kernel, C=C, K=K, KT=KT, BC=BC, x_col=x_col or 0,
-                               has_bias=bias is not None, activation=activation, multi=multi)
+                               has_bias=bias is not None, activation=activation, multi=multi, skip_row=skip_row)
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=(pl.cdiv(C, BC), Bt), input_output_aliases={4: 1},
         compiler_params=compiler_params(blk.num_warps), interpret=interpret, name="causal_conv1d_update",

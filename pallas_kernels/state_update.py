@@ -5,7 +5,9 @@ batch row names its pool row. Rows are gathered, advanced one token (or K tokens
 after every token for verify and rollback), and scattered back; no other row is touched.
     S = exp(dt' A) S + dt' x B^T,   y = S C + D x      (state math in float32)
 Every entry point takes the decay rates A [H] or, with A=None, A_log [H] (A = -exp(A_log) computed in the kernel:
-a model's decode step then launches no separate kernel for it).
+a model's decode step then launches no separate kernel for it). skip_row names a pool row (the padding slot's)
+that is neither read nor written: batch rows naming it run from a zero state (their outputs are padding) and cost
+no state traffic, so a lone sequence padded to two rows or a part-filled batch bucket moves only its live rows.
 """
 
 from __future__ import annotations
@@ -55,26 +57,39 @@ def decay_rates(A: jax.Array | None, A_log: jax.Array | None) -> jax.Array:
     return -jnp.exp(a.astype(jnp.float32)) if is_log else a
 
 
+def _live_rows(state, rows, skip_row):
+    """(the named rows' states in float32, zero where a row is skip_row; a function that keeps skip_row's state
+    in a scatter of new values)."""
+    old = state[rows]
+    if skip_row is None:
+        return old.astype(jnp.float32), lambda new: new
+    live = (rows != skip_row).reshape(-1, *(1,) * (state.ndim - 1))
+    return jnp.where(live, old.astype(jnp.float32), 0.0), lambda new: jnp.where(live, new, old)
+
+
 def state_update_reference(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array | None,
                            B: jax.Array, C: jax.Array, *, D: jax.Array | None = None,
                            dt_bias: jax.Array | None = None, dt_softplus: bool = True,
                            dt_limit: tuple[float, float] = (0.0, math.inf),
-                           A_log: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                           A_log: jax.Array | None = None, skip_row: int | None = None) -> tuple[jax.Array, jax.Array]:
     """One token per batch row.  state [R, H, P, N], rows [Bt], x [Bt, H, P], dt [Bt, H], B/C [Bt, G, N].
     Returns (y [Bt, H, P] in x.dtype, new state)."""
     dtp = process_dt(dt, dt_bias, dt_softplus, dt_limit)
-    h, y = _step(state[rows].astype(jnp.float32), x, dtp, decay_rates(A, A_log), B, C, D)
-    return y.astype(x.dtype), state.at[rows].set(h.astype(state.dtype))
+    h0, keep = _live_rows(state, rows, skip_row)
+    h, y = _step(h0, x, dtp, decay_rates(A, A_log), B, C, D)
+    return y.astype(x.dtype), state.at[rows].set(keep(h.astype(state.dtype)))
 
 
 def state_update_multi_reference(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax.Array,
                                  A: jax.Array | None, B: jax.Array, C: jax.Array, *, D: jax.Array | None = None,
                                  dt_bias: jax.Array | None = None, dt_softplus: bool = True,
-                                 dt_limit: tuple[float, float] = (0.0, math.inf), A_log: jax.Array | None = None):
+                                 dt_limit: tuple[float, float] = (0.0, math.inf), A_log: jax.Array | None = None,
+                                 skip_row: int | None = None):
     """K tokens per batch row.  x [Bt, K, H, P], dt [Bt, K, H], B/C [Bt, K, G, N].
     Returns (y [Bt, K, H, P], step_states [Bt, K, H, P, N] (state after each token), new state)."""
     dtp = process_dt(dt, dt_bias, dt_softplus, dt_limit)
     A = decay_rates(A, A_log)
+    h0, keep = _live_rows(state, rows, skip_row)
 
     def body(h, inp):
         xk, dtk, Bk, Ck = inp
@@ -83,8 +98,8 @@ def state_update_multi_reference(state: jax.Array, rows: jax.Array, x: jax.Array
         return h, (y, h)
 
     swap = lambda a: jnp.swapaxes(a, 0, 1)
-    h, (y, hs) = jax.lax.scan(body, state[rows].astype(jnp.float32), (swap(x), swap(dtp), swap(B), swap(C)))
-    return swap(y).astype(x.dtype), swap(hs).astype(state.dtype), state.at[rows].set(h.astype(state.dtype))
+    h, (y, hs) = jax.lax.scan(body, h0, (swap(x), swap(dtp), swap(B), swap(C)))
+    return swap(y).astype(x.dtype), swap(hs).astype(state.dtype), state.at[rows].set(keep(h.astype(state.dtype)))
 
 
 def unpack_xbc(xbc: jax.Array, dt: jax.Array, dt_col: int | None, H: int, P: int, N: int):
@@ -118,7 +133,8 @@ def state_update_multi_xbc_reference(state: jax.Array, rows: jax.Array, xbc: jax
 # Grid (P-blocks, heads, batch rows): each program gathers the [BP, N] tile of its pool row, advances it (K tokens
 # in registers for the multi form) and scatters it back into the same buffer: the pool is an input aliased to
 # an output (input_output_aliases), so under jit with the pool donated nothing else of the pool is read,
-# written or copied. Batch rows naming the same (padding) row race only on that row. x, B, C and dt reach the
+# written or copied. Batch rows naming the same (padding) row race only on that row; with skip_row (that row) they
+# neither read nor write it. x, B, C and dt reach the
 # kernel as [*lead, columns] arrays with a static column offset each, so the packed forms (`*_xbc`) read the
 # conv output and the in_proj output in place: no slice kernels between the custom calls.
 
@@ -138,7 +154,7 @@ def default_update_blocks(P: int, N: int) -> UpdateBlocks:
 
 def _update_kernel(rows_ref, A_ref, D_ref, dtb_ref, x_ref, dt_ref, B_ref, C_ref, state_in_ref, y_ref, state_ref,
                    *steps_ref, K, P, N, rep, BP, Np, cols, has_D, has_bias, softplus_dt, dt_lo, dt_hi, clamp_dt,
-                   multi, a_is_log):
+                   multi, a_is_log, skip_row):
     del state_in_ref  # aliased to state_ref
     pb, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     f32 = jnp.float32
@@ -147,11 +163,12 @@ def _update_kernel(rows_ref, A_ref, D_ref, dtb_ref, x_ref, dt_ref, B_ref, C_ref,
     pm, nm = pc < P, n < N
     tile = pm[:, None] & nm[None, :]
     r, g = rows_ref[b], h // rep
+    pool_tile = tile if skip_row is None else tile & (r != skip_row)     # skip_row: no state traffic
     x_col, b_col, c_col, dt_col = cols
     a = A_ref[h].astype(f32)
     if a_is_log:
         a = -jnp.exp(a)
-    state = plgpu.load(state_ref.at[r, h, pc[:, None], n[None, :]], mask=tile, other=0.0).astype(f32)
+    state = plgpu.load(state_ref.at[r, h, pc[:, None], n[None, :]], mask=pool_tile, other=0.0).astype(f32)
 
     def token(k, state):
         at = (b, k) if multi else (b,)
@@ -177,7 +194,7 @@ def _update_kernel(rows_ref, A_ref, D_ref, dtb_ref, x_ref, dt_ref, B_ref, C_ref,
         return state
 
     state = jax.lax.fori_loop(0, K, token, state) if multi else token(0, state)
-    plgpu.store(state_ref.at[r, h, pc[:, None], n[None, :]], state.astype(state_ref.dtype), mask=tile)
+    plgpu.store(state_ref.at[r, h, pc[:, None], n[None, :]], state.astype(state_ref.dtype), mask=pool_tile)
 
 
 def _check_update(state, rows, x, dt, A, B, C, D, dt_bias, lead):
@@ -220,9 +237,9 @@ def _check_packed(state, rows, xbc, dt, A, D, dt_bias, dt_col, lead):
 
 
 @functools.partial(jax.jit, static_argnames=("G", "cols", "dt_softplus", "dt_limit", "interpret", "blocks",
-                                             "multi", "a_is_log"))
+                                             "multi", "a_is_log", "skip_row"))
 def _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, *, G, cols, dt_softplus, dt_limit, interpret, blocks,
-                   multi, a_is_log):
+                   multi, a_is_log, skip_row):
     """x, B, C, dt: [*lead, columns], read from the static column offsets cols = (x, B, C, dt); A holds A_log
     when a_is_log."""
     _, H, P, N = state.shape
@@ -239,7 +256,7 @@ def _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, *, G, cols, dt_softp
     kernel = functools.partial(
         _update_kernel, K=K, P=P, N=N, rep=H // G, BP=BP, Np=Np, cols=cols, has_D=D is not None,
         has_bias=dt_bias is not None, softplus_dt=dt_softplus, dt_lo=lo, dt_hi=hi,
-        clamp_dt=lo > 0.0 or not math.isinf(hi), multi=multi, a_is_log=a_is_log)
+        clamp_dt=lo > 0.0 or not math.isinf(hi), multi=multi, a_is_log=a_is_log, skip_row=skip_row)
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=(pl.cdiv(P, BP), H, Bt), input_output_aliases={8: 1},
         compiler_params=compiler_params(blk.num_warps, 1), interpret=interpret, name="ssm_state_update",
@@ -260,6 +277,10 @@ def _packed_operands(state, xbc, dt_col):
     return xbc, xbc, xbc, GN // N, (0, H * P, H * P + GN, dt_col or 0)
 
 
+def _skip(skip_row):
+    return None if skip_row is None else int(skip_row)
+
+
 def _limit(dt_limit):
     return tuple(float(v) for v in dt_limit)
 
@@ -267,7 +288,7 @@ def _limit(dt_limit):
 def state_update_pallas(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array | None,
                         B: jax.Array, C: jax.Array, *, D: jax.Array | None = None, dt_bias: jax.Array | None = None,
                         dt_softplus: bool = True, dt_limit: tuple[float, float] = (0.0, math.inf),
-                        A_log: jax.Array | None = None, interpret: bool = False,
+                        A_log: jax.Array | None = None, skip_row: int | None = None, interpret: bool = False,
                         blocks: UpdateBlocks | None = None) -> tuple[jax.Array, jax.Array]:
     """The Pallas one-token update; same call and results as `state_update_reference`, the pool updated in
     place when the caller donates it."""
@@ -276,21 +297,22 @@ def state_update_pallas(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax
     x, B, C, G, cols = _flat_operands(x, B, C, (x.shape[0],))
     return _update_pallas(state, rows, x, dt, a, B, C, D, dt_bias, G=G, cols=cols, dt_softplus=dt_softplus,
                           dt_limit=_limit(dt_limit), interpret=interpret, blocks=blocks, multi=False,
-                          a_is_log=is_log)
+                          a_is_log=is_log, skip_row=_skip(skip_row))
 
 
 def state_update_multi_pallas(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array | None,
                               B: jax.Array, C: jax.Array, *, D: jax.Array | None = None,
                               dt_bias: jax.Array | None = None, dt_softplus: bool = True,
                               dt_limit: tuple[float, float] = (0.0, math.inf), A_log: jax.Array | None = None,
-                              interpret: bool = False, blocks: UpdateBlocks | None = None):
+                              skip_row: int | None = None, interpret: bool = False,
+                              blocks: UpdateBlocks | None = None):
     """The Pallas K-token update; same call and results as `state_update_multi_reference`."""
     a, is_log = _rates(A, A_log)
     _check_update(state, rows, x, dt, a, B, C, D, dt_bias, x.shape[:2])
     x, B, C, G, cols = _flat_operands(x, B, C, x.shape[:2])
     y, state, steps = _update_pallas(state, rows, x, dt, a, B, C, D, dt_bias, G=G, cols=cols,
                                      dt_softplus=dt_softplus, dt_limit=_limit(dt_limit), interpret=interpret,
-                                     blocks=blocks, multi=True, a_is_log=is_log)
+                                     blocks=blocks, multi=True, a_is_log=is_log, skip_row=_skip(skip_row))
     return y, steps, state
 
 
@@ -298,7 +320,8 @@ def state_update_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Array, d
                             A: jax.Array | None = None, *, dt_col: int | None = None, D: jax.Array | None = None,
                             dt_bias: jax.Array | None = None, dt_softplus: bool = True,
                             dt_limit: tuple[float, float] = (0.0, math.inf), A_log: jax.Array | None = None,
-                            interpret: bool = False, blocks: UpdateBlocks | None = None):
+                            skip_row: int | None = None, interpret: bool = False,
+                            blocks: UpdateBlocks | None = None):
     """The one-token update reading x, B, C (and dt at dt_col) in place; same call and results as
     `state_update_xbc_reference`."""
     a, is_log = _rates(A, A_log)
@@ -306,15 +329,15 @@ def state_update_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Array, d
     x, B, C, G, cols = _packed_operands(state, xbc, dt_col)
     return _update_pallas(state, rows, x, dt, a, B, C, D, dt_bias, G=G, cols=cols, dt_softplus=dt_softplus,
                           dt_limit=_limit(dt_limit), interpret=interpret, blocks=blocks, multi=False,
-                          a_is_log=is_log)
+                          a_is_log=is_log, skip_row=_skip(skip_row))
 
 
 def state_update_multi_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Array, dt: jax.Array,
                                   A: jax.Array | None = None, *, dt_col: int | None = None,
                                   D: jax.Array | None = None, dt_bias: jax.Array | None = None,
                                   dt_softplus: bool = True, dt_limit: tuple[float, float] = (0.0, math.inf),
-                                  A_log: jax.Array | None = None, interpret: bool = False,
-                                  blocks: UpdateBlocks | None = None):
+                                  A_log: jax.Array | None = None, skip_row: int | None = None,
+                                  interpret: bool = False, blocks: UpdateBlocks | None = None):
     """The K-token update reading its operands in place; same call and results as
     `state_update_multi_xbc_reference`."""
     a, is_log = _rates(A, A_log)
@@ -322,7 +345,7 @@ def state_update_multi_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Ar
     x, B, C, G, cols = _packed_operands(state, xbc, dt_col)
     y, state, steps = _update_pallas(state, rows, x, dt, a, B, C, D, dt_bias, G=G, cols=cols,
                                      dt_softplus=dt_softplus, dt_limit=_limit(dt_limit), interpret=interpret,
-                                     blocks=blocks, multi=True, a_is_log=is_log)
+                                     blocks=blocks, multi=True, a_is_log=is_log, skip_row=_skip(skip_row))
     return y, steps, state
 
 

@@ -230,6 +230,11 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
             return hidden + reduced_linear(self.out_proj, None, g, phase, self.tp_axis)
         return hidden + self.out_proj(g, phase=phase)
 
+    def _padding_row(self, pool: SsmPool) -> int:
+        """The flattened pool row of this layer's padding slot (a lone sequence's partner, a part-filled bucket's
+        rows in the model's steps)."""
+        return self.pool_layer * pool.num_slots + pool.padding_slot
+
     def _conv(self):
         return self.conv1d_weight[...], None if self.conv1d_bias is None else self.conv1d_bias[...]
 
@@ -276,10 +281,10 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
     def decode_rows(self, pool: SsmPool, rows, hidden: jax.Array):
         """hidden [n*k, D] of DecodeRows -> (hidden, pool, SlotState with rows.verify else None)."""
         if rows.verify:
-            return self.decode_verify_multi(pool, rows.slots, hidden, rows.k)
+            return self.decode_verify_multi(pool, rows.slots, hidden, rows.k, skip_padding_slot=True)
         if rows.k != 1:
             raise ShapeError(f"rows: a decode step takes one token per sequence, got k={rows.k} (verify=False)")
-        hidden, pool = self.decode_multi_seq(pool, rows.slots, hidden)
+        hidden, pool = self.decode_multi_seq(pool, rows.slots, hidden, skip_padding_slot=True)
         return hidden, pool, None
 
     # ---- decode ------------------------------------------------------------------------
@@ -292,28 +297,34 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         out, pool = self.decode_multi_seq(pool, jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)), h)
         return (out[0] if squeeze else out), pool
 
-    def decode_multi_seq(self, pool: SsmPool, slots: jax.Array, hidden: jax.Array) -> tuple[jax.Array, SsmPool]:
-        """One token for each of N sequences.  slots [N], hidden [N, D] -> ([N, D], pool)."""
+    def decode_multi_seq(self, pool: SsmPool, slots: jax.Array, hidden: jax.Array, *,
+                         skip_padding_slot: bool = False) -> tuple[jax.Array, SsmPool]:
+        """One token for each of N sequences.  slots [N], hidden [N, D] -> ([N, D], pool).
+        skip_padding_slot: the pool's padding slot holds no sequence (the model's steps pad their batches with
+        it), so the conv and state kernels neither read nor write it (rows naming it give padding)."""
         self._check_hidden(hidden)
         self._check_pool(pool)
         slots = check_slots("slots", slots, hidden.shape[0])
         if hidden.shape[0] == 1:
-            out, pool = self.decode_multi_seq(*_pad_one(pool, slots, hidden))
+            out, pool = self.decode_multi_seq(*_pad_one(pool, slots, hidden), skip_padding_slot=skip_padding_slot)
             return out[:1], pool
         zxbcdt = self._project_in(hidden, "decode")                   # [N, I + conv_dim + H], read in place
         I, dt_col = self.config.d_inner, self.config.d_inner + self.config.conv_dim
         w, b = self._conv()
         rows = self.pool_layer * pool.num_slots + slots
         conv, ssm = _flat(pool.conv_state), _flat(pool.ssm_state)
-        xbc, conv = self._kernel("causal_conv1d_update")(conv, rows, zxbcdt, w, b, x_col=I)
-        y, ssm = self._kernel("state_update_xbc")(ssm, rows, xbc, zxbcdt, dt_col=dt_col, **self._ssm_args(a_log=True))
+        skip = self._padding_row(pool) if skip_padding_slot else None
+        xbc, conv = self._kernel("causal_conv1d_update")(conv, rows, zxbcdt, w, b, x_col=I, skip_row=skip)
+        y, ssm = self._kernel("state_update_xbc")(ssm, rows, xbc, zxbcdt, dt_col=dt_col, skip_row=skip,
+                                                  **self._ssm_args(a_log=True))
         pool = SsmPool(conv.reshape(pool.conv_state.shape), ssm.reshape(pool.ssm_state.shape))
         return self._project_out(y, zxbcdt, hidden, "decode", z_col=0), pool
 
-    def decode_verify_multi(self, pool: SsmPool, slots: jax.Array, hidden: jax.Array,
-                            k: int) -> tuple[jax.Array, SsmPool, SlotState]:
+    def decode_verify_multi(self, pool: SsmPool, slots: jax.Array, hidden: jax.Array, k: int, *,
+                            skip_padding_slot: bool = False) -> tuple[jax.Array, SsmPool, SlotState]:
         """k consecutive tokens for each of n sequences in one sweep; rows sequence-major (r = i*k + j).
-        slots [n], hidden [n*k, D] -> ([n*k, D], pool, state after every token)."""
+        slots [n], hidden [n*k, D] -> ([n*k, D], pool, state after every token); skip_padding_slot as
+        `decode_multi_seq`'s."""
         self._check_hidden(hidden)
         self._check_pool(pool)
         if k < 1 or hidden.shape[0] % k:
@@ -321,7 +332,8 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         n = hidden.shape[0] // k
         slots = check_slots("slots", slots, n)
         if n == 1:
-            out, pool, steps = self.decode_verify_multi(*_pad_one(pool, slots, hidden), k)
+            out, pool, steps = self.decode_verify_multi(*_pad_one(pool, slots, hidden), k,
+                                                        skip_padding_slot=skip_padding_slot)
             return out[:k], pool, jax.tree.map(lambda a: a[:1], steps)
         zxbcdt = self._project_in(hidden, "decode")                   # [n*k, I + conv_dim + H], read in place
         I, dt_col = self.config.d_inner, self.config.d_inner + self.config.conv_dim
@@ -329,9 +341,11 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         rows = self.pool_layer * pool.num_slots + slots
         conv, ssm = _flat(pool.conv_state), _flat(pool.ssm_state)
         packed = zxbcdt.reshape(n, k, -1)
-        xbc, conv_steps, conv = self._kernel("causal_conv1d_update_multi")(conv, rows, packed, w, b, x_col=I)
+        skip = self._padding_row(pool) if skip_padding_slot else None
+        xbc, conv_steps, conv = self._kernel("causal_conv1d_update_multi")(conv, rows, packed, w, b, x_col=I,
+                                                                           skip_row=skip)
         y, ssm_steps, ssm = self._kernel("state_update_multi_xbc")(ssm, rows, xbc, packed, dt_col=dt_col,
-                                                                   **self._ssm_args(a_log=True))
+                                                                   skip_row=skip, **self._ssm_args(a_log=True))
         pool = SsmPool(conv.reshape(pool.conv_state.shape), ssm.reshape(pool.ssm_state.shape))
         out = self._project_out(y.reshape(n * k, *y.shape[2:]), zxbcdt, hidden, "decode", z_col=0)
         return out, pool, SlotState(conv=conv_steps, ssm=ssm_steps)

@@ -98,6 +98,35 @@ def test_update_multi_keeps_every_step(rng, interpret):
 
 
 @pytest.mark.parametrize("multi", [False, True])
+def test_update_skip_row_is_neither_read_nor_written(rng, interpret, multi):
+    """skip_row (the padding row, named twice): its window stays bitwise as it was (NaN here, so a read would show),
+    its rows run from a zero window, and the live rows get what they get without skip_row (their new windows bit
+    for bit; y to an ulp: XLA:CPU may contract the interpreted taps into FMAs differently)."""
+    R, C, K, k = 6, 24, 4, 3
+    rows = jnp.asarray([4, R - 1, 1, R - 1], jnp.int32)
+    x = jnp.asarray(rng.standard_normal((4, k, C) if multi else (4, C)), jnp.float32)
+    pool = jnp.asarray(rng.standard_normal((R, C, K - 1)), jnp.float32).at[R - 1].set(jnp.nan)
+    w, b = jnp.asarray(rng.standard_normal((C, K)), jnp.float32), jnp.asarray(rng.standard_normal(C), jnp.float32)
+    kernel, reference = ((causal_conv1d_update_multi_pallas, causal_conv1d_update_multi_reference) if multi
+                         else (causal_conv1d_update_pallas, causal_conv1d_update_reference))
+    got = kernel(pool, rows, x, w, b, skip_row=R - 1, interpret=interpret, blocks=SMALL)
+    plain = kernel(pool, rows, x, w, b, interpret=interpret, blocks=SMALL)
+    ref = reference(pool, rows, x, w, b, skip_row=R - 1)
+    zero = reference(pool.at[R - 1].set(0.0), rows, x, w, b)
+    for g, p, r, z in zip(got, plain, ref, zero):
+        g, p, r, z = (np.asarray(v) for v in (g, p, r, z))
+        if g.shape[0] == R:                                        # the pool
+            assert np.isnan(g[R - 1]).all() and np.isnan(r[R - 1]).all()
+            np.testing.assert_array_equal(g[:R - 1], p[:R - 1])
+            np.testing.assert_array_equal(g[:R - 1], r[:R - 1])
+        else:                                                      # y (and the per-token windows)
+            np.testing.assert_allclose(g[[0, 2]], p[[0, 2]], rtol=1e-6, atol=1e-6)
+            assert np.all(np.isfinite(g))
+            np.testing.assert_allclose(g, r, rtol=1e-6, atol=1e-6)
+            np.testing.assert_allclose(g[[1, 3]], z[[1, 3]], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("multi", [False, True])
 def test_update_reads_columns_in_place(rng, interpret, multi):
     """With x_col the update reads its channels out of a wider array (the in_proj output): the same bits as the
     update on the cut-out columns, and the reference agrees."""

@@ -178,3 +178,32 @@ def test_donated_pool_is_updated_in_place(rng):
     assert rel_err(new, s_ref) <= 1e-4 and rel_err(y, y_ref) <= 1e-4
     keep = np.setdiff1d(np.arange(before.shape[0]), np.asarray(rows))
     np.testing.assert_array_equal(np.asarray(new)[keep], before[keep])
+
+
+@pytest.mark.parametrize("multi", [False, True])
+def test_skip_row_is_neither_read_nor_written(rng, interpret, multi):
+    """skip_row (the padding row, named by two batch rows here): its state stays bitwise as it was, its rows run from
+    a zero state (finite padding: the reference's zero-state update), and the live rows get what they get without
+    skip_row (to an ulp: XLA:CPU may contract the interpreted update into FMAs differently); the reference does the
+    same."""
+    rows = jnp.asarray([4, PAD, 1, PAD], jnp.int32)
+    lead = (4, 3) if multi else (4,)
+    state, a, kw = _args(rng, lead)
+    state = state.at[PAD].set(jnp.nan)                            # a read of the padding row would show
+    kernel, reference = ((state_update_multi_pallas, state_update_multi_reference) if multi
+                         else (state_update_pallas, state_update_reference))
+    got = kernel(state, rows, **a, **kw, skip_row=PAD, interpret=interpret)
+    plain = kernel(state, rows, **a, **kw, interpret=interpret)
+    ref = reference(state, rows, **a, **kw, skip_row=PAD)
+    zero = reference(state.at[PAD].set(0.0), rows, **a, **kw)     # the padding rows' outputs from a zero state
+    live, pad = np.asarray([0, 2]), np.asarray([1, 3])
+    for g, p, r, z in zip(got, plain, ref, zero):
+        g, p, r, z = (np.asarray(v, np.float32) for v in (g, p, r, z))
+        if g.shape[0] == R:                                        # the pool
+            assert rel_err(g[[4, 1]], p[[4, 1]]) <= 1e-6
+            assert np.isnan(g[PAD]).all() and np.isnan(r[PAD]).all()
+            assert rel_err(g[[4, 1]], r[[4, 1]]) <= 1e-4
+            _untouched(g, np.asarray(state, np.float32), rows)
+        else:                                                      # y (and the per-token states)
+            assert rel_err(g[live], p[live]) <= 1e-6
+            assert np.all(np.isfinite(g)) and rel_err(g[pad], z[pad]) <= 1e-4 and rel_err(g, r) <= 1e-4

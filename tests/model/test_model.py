@@ -1,6 +1,8 @@
 """NemotronH on a tiny random config with every block kind: forward against float64 numpy, and the
 entry points against forward (prefill, chunked prefill, decode, mixed batches, generate, score)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -90,6 +92,27 @@ def test_a_decoded_row_alone_has_the_bits_it_has_beside_another(rng):
     alone, _ = m.decode(jax.tree.map(jnp.copy, cache), [0], ids[:1, 5])
     pair, _ = m.decode(cache, [0, 1], ids[:, 5])
     np.testing.assert_array_equal(np.asarray(alone)[0], np.asarray(pair)[0])
+
+
+@pytest.mark.parametrize("kernels", ["reference", "interpret"])
+def test_a_decode_leaves_the_padding_slot_as_it_was(model, ids16, rng, kernels):
+    """The padding row beside a lone sequence is padding: the Mamba layers neither read nor write its conv and SSM
+    states (random here: a write would change them), and the live row's logits are those of the same decode with
+    the padding slot zeroed."""
+    m = model if kernels == "reference" else NemotronH.from_config(CFG, jax.random.key(7), dtype=jnp.float32,
+                                                                 levers=ModelLevers(kernels=kernels))
+    cache = m.new_cache(2, 16)
+    _, cache = m.prefill(cache, [0], ids16[:1, :5])
+    pad = cache.padding_slot
+    noise = lambda a: a.at[:, pad].set(jnp.asarray(rng.standard_normal(a[:, pad].shape), a.dtype))
+    noisy = dataclasses.replace(jax.tree.map(jnp.copy, cache),          # decode donates its cache
+                                ssm=type(cache.ssm)(noise(cache.ssm.conv_state), noise(cache.ssm.ssm_state)))
+    before = jax.tree.map(np.asarray, noisy.ssm)
+    got, after = m.decode(noisy, [0], ids16[:1, 5])
+    want, _ = m.decode(cache, [0], ids16[:1, 5])
+    for b, a in zip(jax.tree.leaves(before), jax.tree.leaves(after.ssm)):
+        np.testing.assert_array_equal(np.asarray(a)[:, pad], b[:, pad])
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_chunked_prefill_continues_from_the_cache(model, ids16, full16):
