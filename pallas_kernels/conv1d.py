@@ -17,7 +17,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import registry
-from pallas_kernels.triton_util import check_columns, check_floating, check_shape, columns, compiler_params, next_pow2
+from pallas_kernels.triton_util import (check_columns, check_floating, check_row_offset, check_shape, columns,
+                                       compiler_params, next_pow2)
 from pallas_kernels.varlen import as_cu_seqlens, token_positions
 
 
@@ -91,7 +92,7 @@ def _update_step(window: jax.Array, x: jax.Array, weight: jax.Array, bias: jax.A
 
 def _live_windows(pool, rows, skip_row):
     """(the named rows' windows, zero where a row is skip_row; a function that keeps skip_row's window in a
-    scatter of new windows)."""
+    scatter of new windows). rows: pool rows (row_offset added)."""
     old = pool[rows]
     if skip_row is None:
         return old, lambda new: new
@@ -101,13 +102,16 @@ def _live_windows(pool, rows, skip_row):
 
 def causal_conv1d_update_reference(pool: jax.Array, rows: jax.Array, x: jax.Array, weight: jax.Array,
                                    bias: jax.Array | None = None, *, activation: str | None = "silu",
-                                   x_col: int | None = None,
-                                   skip_row: int | None = None) -> tuple[jax.Array, jax.Array]:
+                                   x_col: int | None = None, skip_row: int | None = None,
+                                   row_offset: int = 0) -> tuple[jax.Array, jax.Array]:
     """One decode step per batch row, slot-indexed.  pool [R, C, K-1] (conv states, oldest first), rows [B],
     x [B, C] -> (y [B, C] in x.dtype, pool with the named rows advanced; no other row touched).
     With x_col, x [B, W] holds the conv input in its columns [x_col, x_col + C) (the Mamba-2 in_proj output).
+    row_offset: batch row b reads and writes pool row rows[b] + row_offset (a layer's block of a flattened
+    [layers * slots] pool: the kernels add it, so a decode step computes no row indices per layer).
     skip_row: a pool row (the padding slot's) neither read nor written; batch rows naming it start from zeros."""
     x = columns(x, x_col, weight.shape[0])
+    rows = rows + check_row_offset("causal_conv1d_update", pool, row_offset)
     window, keep = _live_windows(pool, rows, skip_row)
     y, nxt = _update_step(window, x, weight, bias, activation)
     return y.astype(x.dtype), pool.at[rows].set(keep(nxt))
@@ -115,10 +119,12 @@ def causal_conv1d_update_reference(pool: jax.Array, rows: jax.Array, x: jax.Arra
 
 def causal_conv1d_update_multi_reference(pool: jax.Array, rows: jax.Array, x: jax.Array, weight: jax.Array,
                                          bias: jax.Array | None = None, *, activation: str | None = "silu",
-                                         x_col: int | None = None, skip_row: int | None = None):
+                                         x_col: int | None = None, skip_row: int | None = None,
+                                         row_offset: int = 0):
     """k consecutive tokens per batch row (speculative verify).  x [B, k, C] -> (y [B, k, C],
     step_states [B, k, C, K-1] (the conv state after each token), pool with the rows at their last token)."""
     x = columns(x, x_col, weight.shape[0])
+    rows = rows + check_row_offset("causal_conv1d_update", pool, row_offset)
     window, keep = _live_windows(pool, rows, skip_row)
 
     def body(window, xk):
@@ -227,13 +233,13 @@ def _conv_fwd(x, weight, bias, initial_states, cu_seqlens, *, activation, interp
 
 
 def _conv_update_kernel(rows_ref, x_ref, w_ref, b_ref, pool_in_ref, y_ref, pool_ref, *steps_ref, C, K, KT, BC,
-                        x_col, has_bias, activation, multi, skip_row):
+                        x_col, has_bias, activation, multi, skip_row, row_offset):
     del pool_in_ref  # aliased to pool_ref
     cb, b = pl.program_id(0), pl.program_id(1)
     f32 = jnp.float32
     ch = cb * BC + jnp.arange(BC)
     cm = ch < C
-    r = rows_ref[b]
+    r = rows_ref[b] + row_offset
     pm = cm if skip_row is None else cm & (r != skip_row)               # skip_row: no pool traffic
     window = [plgpu.load(pool_ref.at[r, ch, k], mask=pm, other=0.0) for k in range(K - 1)]   # oldest first
     w = [plgpu.load(w_ref.at[ch, k], mask=cm, other=0.0).astype(f32) for k in range(K)]
@@ -253,7 +259,7 @@ def _conv_update_kernel(rows_ref, x_ref, w_ref, b_ref, pool_in_ref, y_ref, pool_
         plgpu.store(pool_ref.at[r, ch, k], window[k], mask=pm)
 
 
-def _check_update(kernel, pool, rows, x, weight, bias, lead, x_col):
+def _check_update(kernel, pool, rows, x, weight, bias, lead, x_col, row_offset):
     check_shape(kernel, "x", x, (*lead, None))
     check_floating(kernel, "x", x)
     check_shape(kernel, "weight", weight, (None, None))
@@ -261,6 +267,7 @@ def _check_update(kernel, pool, rows, x, weight, bias, lead, x_col):
     check_columns(kernel, "x", x, lead, x_col, C)
     check_shape(kernel, "weight", weight, (C, None))
     check_shape(kernel, "pool", pool, (None, C, weight.shape[1] - 1))
+    check_row_offset(kernel, pool, row_offset)
     check_shape(kernel, "rows", rows, (x.shape[0],))
     if bias is not None:
         check_shape(kernel, "bias", bias, (C,))
@@ -268,24 +275,26 @@ def _check_update(kernel, pool, rows, x, weight, bias, lead, x_col):
 
 def causal_conv1d_update_pallas(pool: jax.Array, rows: jax.Array, x: jax.Array, weight: jax.Array,
                                 bias: jax.Array | None = None, *, activation: str | None = "silu",
-                                x_col: int | None = None, skip_row: int | None = None, interpret: bool = False,
-                                blocks: ConvBlocks | None = None):
+                                x_col: int | None = None, skip_row: int | None = None, row_offset: int = 0,
+                                interpret: bool = False, blocks: ConvBlocks | None = None):
     """The Pallas conv decode step; same call and results as `causal_conv1d_update_reference`, the pool
     updated in place when the caller donates it; with x_col the input columns are read in place."""
-    _check_update("causal_conv1d_update", pool, rows, x, weight, bias, (None,), x_col)
+    _check_update("causal_conv1d_update", pool, rows, x, weight, bias, (None,), x_col, row_offset)
     return _conv_update(pool, rows, x, weight, bias, activation=_checked(activation), interpret=interpret,
-                        blocks=blocks, multi=False, x_col=x_col, skip_row=_skip(skip_row))
+                        blocks=blocks, multi=False, x_col=x_col, skip_row=_skip(skip_row),
+                        row_offset=check_row_offset("causal_conv1d_update", pool, row_offset))
 
 
 def causal_conv1d_update_multi_pallas(pool: jax.Array, rows: jax.Array, x: jax.Array, weight: jax.Array,
                                       bias: jax.Array | None = None, *, activation: str | None = "silu",
                                       x_col: int | None = None, skip_row: int | None = None,
-                                      interpret: bool = False, blocks: ConvBlocks | None = None):
+                                      row_offset: int = 0, interpret: bool = False,
+                                      blocks: ConvBlocks | None = None):
     """The Pallas k-token conv update; same call and results as `causal_conv1d_update_multi_reference`."""
-    _check_update("causal_conv1d_update_multi", pool, rows, x, weight, bias, (None, None), x_col)
+    _check_update("causal_conv1d_update_multi", pool, rows, x, weight, bias, (None, None), x_col, row_offset)
     y, pool, steps = _conv_update(pool, rows, x, weight, bias, activation=_checked(activation),
                                   interpret=interpret, blocks=blocks, multi=True, x_col=x_col,
-                                  skip_row=_skip(skip_row))
+                                  skip_row=_skip(skip_row), row_offset=check_row_offset("causal_conv1d_update", pool, row_offset))
     return y, steps, pool
 
 
@@ -299,8 +308,9 @@ def _checked(activation):
     return activation
 
 
-@functools.partial(jax.jit, static_argnames=("activation", "interpret", "blocks", "multi", "x_col", "skip_row"))
-def _conv_update(pool, rows, x, weight, bias, *, activation, interpret, blocks, multi, x_col, skip_row):
+@functools.partial(jax.jit, static_argnames=("activation", "interpret", "blocks", "multi", "x_col", "skip_row",
+                                             "row_offset"))
+def _conv_update(pool, rows, x, weight, bias, *, activation, interpret, blocks, multi, x_col, skip_row, row_offset):
     Bt, (C, K) = x.shape[0], weight.shape
     KT = x.shape[1] if multi else 1
     blk = blocks or ConvBlocks()
@@ -309,7 +319,8 @@ def _conv_update(pool, rows, x, weight, bias, *, activation, interpret, blocks, 
     if multi:
         out_shape.append(jax.ShapeDtypeStruct((Bt, KT, C, K - 1), pool.dtype))
     kernel = functools.partial(_conv_update_kernel, C=C, K=K, KT=KT, BC=BC, x_col=x_col or 0,
-                               has_bias=bias is not None, activation=activation, multi=multi, skip_row=skip_row)
+                               has_bias=bias is not None, activation=activation, multi=multi, skip_row=skip_row,
+                               row_offset=row_offset)
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=(pl.cdiv(C, BC), Bt), input_output_aliases={4: 1},
         compiler_params=compiler_params(blk.num_warps), interpret=interpret, name="causal_conv1d_update",

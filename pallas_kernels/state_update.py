@@ -8,6 +8,8 @@ Every entry point takes the decay rates A [H] or, with A=None, A_log [H] (A = -e
 a model's decode step then launches no separate kernel for it). skip_row names a pool row (the padding slot's)
 that is neither read nor written: batch rows naming it run from a zero state (their outputs are padding) and cost
 no state traffic, so a lone sequence padded to two rows or a part-filled batch bucket moves only its live rows.
+row_offset (static) is added to every batch row's pool row: a model layer passes its slots and its block of the
+flattened [layers * slots] pool, so a decode step computes no row indices per layer.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.errors import ShapeError
 from pallas_kernels import registry
 from pallas_kernels.ssd import process_dt
-from pallas_kernels.triton_util import (check_columns, check_floating, check_shape, columns, compiler_params,
-                                       next_pow2, softplus)
+from pallas_kernels.triton_util import (check_columns, check_floating, check_row_offset, check_shape, columns,
+                                       compiler_params, next_pow2, softplus)
 
 
 def _step(h, x, dt, A, B, C, D):
@@ -71,9 +73,11 @@ def state_update_reference(state: jax.Array, rows: jax.Array, x: jax.Array, dt: 
                            B: jax.Array, C: jax.Array, *, D: jax.Array | None = None,
                            dt_bias: jax.Array | None = None, dt_softplus: bool = True,
                            dt_limit: tuple[float, float] = (0.0, math.inf),
-                           A_log: jax.Array | None = None, skip_row: int | None = None) -> tuple[jax.Array, jax.Array]:
+                           A_log: jax.Array | None = None, skip_row: int | None = None,
+                           row_offset: int = 0) -> tuple[jax.Array, jax.Array]:
     """One token per batch row.  state [R, H, P, N], rows [Bt], x [Bt, H, P], dt [Bt, H], B/C [Bt, G, N].
     Returns (y [Bt, H, P] in x.dtype, new state)."""
+    rows = rows + check_row_offset("state_update", state, row_offset)
     dtp = process_dt(dt, dt_bias, dt_softplus, dt_limit)
     h0, keep = _live_rows(state, rows, skip_row)
     h, y = _step(h0, x, dtp, decay_rates(A, A_log), B, C, D)
@@ -84,9 +88,10 @@ def state_update_multi_reference(state: jax.Array, rows: jax.Array, x: jax.Array
                                  A: jax.Array | None, B: jax.Array, C: jax.Array, *, D: jax.Array | None = None,
                                  dt_bias: jax.Array | None = None, dt_softplus: bool = True,
                                  dt_limit: tuple[float, float] = (0.0, math.inf), A_log: jax.Array | None = None,
-                                 skip_row: int | None = None):
+                                 skip_row: int | None = None, row_offset: int = 0):
     """K tokens per batch row.  x [Bt, K, H, P], dt [Bt, K, H], B/C [Bt, K, G, N].
     Returns (y [Bt, K, H, P], step_states [Bt, K, H, P, N] (state after each token), new state)."""
+    rows = rows + check_row_offset("state_update_multi", state, row_offset)
     dtp = process_dt(dt, dt_bias, dt_softplus, dt_limit)
     A = decay_rates(A, A_log)
     h0, keep = _live_rows(state, rows, skip_row)
@@ -154,7 +159,7 @@ def default_update_blocks(P: int, N: int) -> UpdateBlocks:
 
 def _update_kernel(rows_ref, A_ref, D_ref, dtb_ref, x_ref, dt_ref, B_ref, C_ref, state_in_ref, y_ref, state_ref,
                    *steps_ref, K, P, N, rep, BP, Np, cols, has_D, has_bias, softplus_dt, dt_lo, dt_hi, clamp_dt,
-                   multi, a_is_log, skip_row):
+                   multi, a_is_log, skip_row, row_offset):
     del state_in_ref  # aliased to state_ref
     pb, h, b = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     f32 = jnp.float32
@@ -162,7 +167,7 @@ def _update_kernel(rows_ref, A_ref, D_ref, dtb_ref, x_ref, dt_ref, B_ref, C_ref,
     n = jnp.arange(Np)
     pm, nm = pc < P, n < N
     tile = pm[:, None] & nm[None, :]
-    r, g = rows_ref[b], h // rep
+    r, g = rows_ref[b] + row_offset, h // rep
     pool_tile = tile if skip_row is None else tile & (r != skip_row)     # skip_row: no state traffic
     x_col, b_col, c_col, dt_col = cols
     a = A_ref[h].astype(f32)
@@ -237,9 +242,9 @@ def _check_packed(state, rows, xbc, dt, A, D, dt_bias, dt_col, lead):
 
 
 @functools.partial(jax.jit, static_argnames=("G", "cols", "dt_softplus", "dt_limit", "interpret", "blocks",
-                                             "multi", "a_is_log", "skip_row"))
+                                             "multi", "a_is_log", "skip_row", "row_offset"))
 def _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, *, G, cols, dt_softplus, dt_limit, interpret, blocks,
-                   multi, a_is_log, skip_row):
+                   multi, a_is_log, skip_row, row_offset):
     """x, B, C, dt: [*lead, columns], read from the static column offsets cols = (x, B, C, dt); A holds A_log
     when a_is_log."""
     _, H, P, N = state.shape
@@ -256,7 +261,8 @@ def _update_pallas(state, rows, x, dt, A, B, C, D, dt_bias, *, G, cols, dt_softp
     kernel = functools.partial(
         _update_kernel, K=K, P=P, N=N, rep=H // G, BP=BP, Np=Np, cols=cols, has_D=D is not None,
         has_bias=dt_bias is not None, softplus_dt=dt_softplus, dt_lo=lo, dt_hi=hi,
-        clamp_dt=lo > 0.0 or not math.isinf(hi), multi=multi, a_is_log=a_is_log, skip_row=skip_row)
+        clamp_dt=lo > 0.0 or not math.isinf(hi), multi=multi, a_is_log=a_is_log, skip_row=skip_row,
+        row_offset=row_offset)
     return pl.pallas_call(
         kernel, out_shape=out_shape, grid=(pl.cdiv(P, BP), H, Bt), input_output_aliases={8: 1},
         compiler_params=compiler_params(blk.num_warps, 1), interpret=interpret, name="ssm_state_update",
@@ -288,8 +294,8 @@ def _limit(dt_limit):
 def state_update_pallas(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array | None,
                         B: jax.Array, C: jax.Array, *, D: jax.Array | None = None, dt_bias: jax.Array | None = None,
                         dt_softplus: bool = True, dt_limit: tuple[float, float] = (0.0, math.inf),
-                        A_log: jax.Array | None = None, skip_row: int | None = None, interpret: bool = False,
-                        blocks: UpdateBlocks | None = None) -> tuple[jax.Array, jax.Array]:
+                        A_log: jax.Array | None = None, skip_row: int | None = None, row_offset: int = 0,
+                        interpret: bool = False, blocks: UpdateBlocks | None = None) -> tuple[jax.Array, jax.Array]:
     """The Pallas one-token update; same call and results as `state_update_reference`, the pool updated in
     place when the caller donates it."""
     a, is_log = _rates(A, A_log)
@@ -297,14 +303,15 @@ def state_update_pallas(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax
     x, B, C, G, cols = _flat_operands(x, B, C, (x.shape[0],))
     return _update_pallas(state, rows, x, dt, a, B, C, D, dt_bias, G=G, cols=cols, dt_softplus=dt_softplus,
                           dt_limit=_limit(dt_limit), interpret=interpret, blocks=blocks, multi=False,
-                          a_is_log=is_log, skip_row=_skip(skip_row))
+                          a_is_log=is_log, skip_row=_skip(skip_row),
+                          row_offset=check_row_offset("state_update", state, row_offset))
 
 
 def state_update_multi_pallas(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array | None,
                               B: jax.Array, C: jax.Array, *, D: jax.Array | None = None,
                               dt_bias: jax.Array | None = None, dt_softplus: bool = True,
                               dt_limit: tuple[float, float] = (0.0, math.inf), A_log: jax.Array | None = None,
-                              skip_row: int | None = None, interpret: bool = False,
+                              skip_row: int | None = None, row_offset: int = 0, interpret: bool = False,
                               blocks: UpdateBlocks | None = None):
     """The Pallas K-token update; same call and results as `state_update_multi_reference`."""
     a, is_log = _rates(A, A_log)
@@ -312,7 +319,8 @@ def state_update_multi_pallas(state: jax.Array, rows: jax.Array, x: jax.Array, d
     x, B, C, G, cols = _flat_operands(x, B, C, x.shape[:2])
     y, state, steps = _update_pallas(state, rows, x, dt, a, B, C, D, dt_bias, G=G, cols=cols,
                                      dt_softplus=dt_softplus, dt_limit=_limit(dt_limit), interpret=interpret,
-                                     blocks=blocks, multi=True, a_is_log=is_log, skip_row=_skip(skip_row))
+                                     blocks=blocks, multi=True, a_is_log=is_log, skip_row=_skip(skip_row),
+                                     row_offset=check_row_offset("state_update", state, row_offset))
     return y, steps, state
 
 
@@ -320,7 +328,7 @@ def state_update_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Array, d
                             A: jax.Array | None = None, *, dt_col: int | None = None, D: jax.Array | None = None,
                             dt_bias: jax.Array | None = None, dt_softplus: bool = True,
                             dt_limit: tuple[float, float] = (0.0, math.inf), A_log: jax.Array | None = None,
-                            skip_row: int | None = None, interpret: bool = False,
+                            skip_row: int | None = None, row_offset: int = 0, interpret: bool = False,
                             blocks: UpdateBlocks | None = None):
     """The one-token update reading x, B, C (and dt at dt_col) in place; same call and results as
     `state_update_xbc_reference`."""
@@ -329,7 +337,8 @@ def state_update_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Array, d
     x, B, C, G, cols = _packed_operands(state, xbc, dt_col)
     return _update_pallas(state, rows, x, dt, a, B, C, D, dt_bias, G=G, cols=cols, dt_softplus=dt_softplus,
                           dt_limit=_limit(dt_limit), interpret=interpret, blocks=blocks, multi=False,
-                          a_is_log=is_log, skip_row=_skip(skip_row))
+                          a_is_log=is_log, skip_row=_skip(skip_row),
+                          row_offset=check_row_offset("state_update", state, row_offset))
 
 
 def state_update_multi_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Array, dt: jax.Array,
@@ -337,7 +346,8 @@ def state_update_multi_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Ar
                                   D: jax.Array | None = None, dt_bias: jax.Array | None = None,
                                   dt_softplus: bool = True, dt_limit: tuple[float, float] = (0.0, math.inf),
                                   A_log: jax.Array | None = None, skip_row: int | None = None,
-                                  interpret: bool = False, blocks: UpdateBlocks | None = None):
+                                  row_offset: int = 0, interpret: bool = False,
+                                  blocks: UpdateBlocks | None = None):
     """The K-token update reading its operands in place; same call and results as
     `state_update_multi_xbc_reference`."""
     a, is_log = _rates(A, A_log)
@@ -345,7 +355,8 @@ def state_update_multi_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Ar
     x, B, C, G, cols = _packed_operands(state, xbc, dt_col)
     y, state, steps = _update_pallas(state, rows, x, dt, a, B, C, D, dt_bias, G=G, cols=cols,
                                      dt_softplus=dt_softplus, dt_limit=_limit(dt_limit), interpret=interpret,
-                                     blocks=blocks, multi=True, a_is_log=is_log, skip_row=_skip(skip_row))
+                                     blocks=blocks, multi=True, a_is_log=is_log, skip_row=_skip(skip_row),
+                                     row_offset=check_row_offset("state_update", state, row_offset))
     return y, steps, state
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import jax
 import jax.numpy as jnp
 from jax.experimental.pallas import triton as plgpu
@@ -21,6 +23,18 @@ def check_shape(kernel: str, name: str, value, shape: tuple) -> None:
     if len(got) != len(shape) or any(w is not None and w != g for w, g in zip(shape, got)):
         want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
         raise ShapeError(f"{kernel}: {name} expected shape {want}, got {list(got)}")
+
+
+def check_row_offset(kernel: str, pool, row_offset) -> int:
+    """A decode kernel's static row_offset (added to every batch row's pool row) as an int in [0, pool rows);
+    else ShapeError."""
+    try:
+        offset = None if isinstance(row_offset, bool) else operator.index(row_offset)
+    except TypeError:
+        offset = None
+    if offset is None or not 0 <= offset < pool.shape[0]:
+        raise ShapeError(f"{kernel}: row_offset expected an int pool row in [0, {pool.shape[0]}), got {row_offset!r}")
+    return offset
 
 
 def columns(x, col: int | None, n: int):

@@ -3,9 +3,9 @@
 Two steps, two environments:
   1. `dump` (the project venv, CPU): every registered kernel with a Triton arm is lowered for CUDA on the operands of
      its gradient-test case (tests/kernels/test_kernel_grads.py), decode_attention also at the 8B shapes with its
-     slot whole and in pieces, the Mamba conv and state updates at the 8B shapes with a skipped (padding) row,
-     with jax's GPU query stubbed to compute capability 9.0; each pallas_call's Triton IR is written to
-     DIR/<case>.<n>.w<warps>s<stages>.ttir.
+     slot whole and in pieces, the Mamba conv and state updates at the 8B shapes with a row offset and a skipped
+     (padding) row, with jax's GPU query stubbed to compute capability 9.0; each pallas_call's Triton IR is written
+     to DIR/<case>.<n>.w<warps>s<stages>.ttir.
   2. `compile` (a venv with the `triton` package, which has its own LLVM and ptxas; no GPU needed): each .ttir is
      compiled to a cubin for sm_90; a kernel that fails prints Triton's error. Exit status 1 if any failed.
 
@@ -62,15 +62,17 @@ def dump(out: pathlib.Path) -> int:
     for tag, config in (("pieces", attention.CONFIG), ("whole", attention.DecodeAttentionConfig(split_positions=None))):
         cases[f"decode_attention_8b_{tag}"] = (attention.decode_attention_pallas, (q, pool, pool, rows, rows),
                                                dict(layer=1, scale=0.1, config=config))
-    # the 8B Mamba decode kernels with skip_row (the padding slot's row neither read nor written)
+    # the 8B Mamba decode kernels as a layer calls them: slots plus its block's row_offset, with skip_row (the
+    # padding slot's row neither read nor written)
     H, P, N, C = 128, 64, 128, 8192 + 2 * 8 * 128          # heads, head dim, state size, conv channels (8 groups)
     zxbcdt = jnp.zeros((B, 8192 + C + H), jnp.bfloat16)
     cases["causal_conv1d_update_8b_skip"] = (conv1d.causal_conv1d_update_pallas, (
-        jnp.zeros((8, C, 3), jnp.float32), rows, zxbcdt, jnp.zeros((C, 4), jnp.bfloat16)), dict(x_col=8192, skip_row=7))
+        jnp.zeros((8, C, 3), jnp.float32), rows, zxbcdt, jnp.zeros((C, 4), jnp.bfloat16)), dict(x_col=8192, skip_row=7,
+                                                                             row_offset=4))
     cases["state_update_xbc_8b_skip"] = (state_update.state_update_xbc_pallas, (
         jnp.zeros((8, H, P, N), jnp.float32), rows, zxbcdt[:, 8192:8192 + C], zxbcdt), dict(
         dt_col=8192 + C, A_log=jnp.zeros((H,), jnp.float32), D=jnp.zeros((H,), jnp.float32),
-        dt_bias=jnp.zeros((H,), jnp.float32), skip_row=7))
+        dt_bias=jnp.zeros((H,), jnp.float32), skip_row=7, row_offset=4))
     out.mkdir(parents=True, exist_ok=True)
     failed = 0
     for name, (fn, args, kwargs) in cases.items():

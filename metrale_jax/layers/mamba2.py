@@ -230,10 +230,12 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
             return hidden + reduced_linear(self.out_proj, None, g, phase, self.tp_axis)
         return hidden + self.out_proj(g, phase=phase)
 
-    def _padding_row(self, pool: SsmPool) -> int:
-        """The flattened pool row of this layer's padding slot (a lone sequence's partner, a part-filled bucket's
-        rows in the model's steps)."""
-        return self.pool_layer * pool.num_slots + pool.padding_slot
+    def _pool_rows(self, pool: SsmPool, skip_padding_slot: bool) -> dict:
+        """The decode kernels' row arguments for slots of this layer on the flattened [layers * slots] pool: the
+        layer's first row (row_offset, added in the kernels) and, with skip_padding_slot, the row of its padding
+        slot (a lone sequence's partner, a part-filled bucket's rows in the model's steps)."""
+        first = self.pool_layer * pool.num_slots
+        return dict(row_offset=first, skip_row=first + pool.padding_slot if skip_padding_slot else None)
 
     def _conv(self):
         return self.conv1d_weight[...], None if self.conv1d_bias is None else self.conv1d_bias[...]
@@ -311,11 +313,10 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         zxbcdt = self._project_in(hidden, "decode")                   # [N, I + conv_dim + H], read in place
         I, dt_col = self.config.d_inner, self.config.d_inner + self.config.conv_dim
         w, b = self._conv()
-        rows = self.pool_layer * pool.num_slots + slots
         conv, ssm = _flat(pool.conv_state), _flat(pool.ssm_state)
-        skip = self._padding_row(pool) if skip_padding_slot else None
-        xbc, conv = self._kernel("causal_conv1d_update")(conv, rows, zxbcdt, w, b, x_col=I, skip_row=skip)
-        y, ssm = self._kernel("state_update_xbc")(ssm, rows, xbc, zxbcdt, dt_col=dt_col, skip_row=skip,
+        at = self._pool_rows(pool, skip_padding_slot)                    # slots' rows of this layer's block
+        xbc, conv = self._kernel("causal_conv1d_update")(conv, slots, zxbcdt, w, b, x_col=I, **at)
+        y, ssm = self._kernel("state_update_xbc")(ssm, slots, xbc, zxbcdt, dt_col=dt_col, **at,
                                                   **self._ssm_args(a_log=True))
         pool = SsmPool(conv.reshape(pool.conv_state.shape), ssm.reshape(pool.ssm_state.shape))
         return self._project_out(y, zxbcdt, hidden, "decode", z_col=0), pool
@@ -338,14 +339,12 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         zxbcdt = self._project_in(hidden, "decode")                   # [n*k, I + conv_dim + H], read in place
         I, dt_col = self.config.d_inner, self.config.d_inner + self.config.conv_dim
         w, b = self._conv()
-        rows = self.pool_layer * pool.num_slots + slots
         conv, ssm = _flat(pool.conv_state), _flat(pool.ssm_state)
         packed = zxbcdt.reshape(n, k, -1)
-        skip = self._padding_row(pool) if skip_padding_slot else None
-        xbc, conv_steps, conv = self._kernel("causal_conv1d_update_multi")(conv, rows, packed, w, b, x_col=I,
-                                                                           skip_row=skip)
-        y, ssm_steps, ssm = self._kernel("state_update_multi_xbc")(ssm, rows, xbc, packed, dt_col=dt_col,
-                                                                   skip_row=skip, **self._ssm_args(a_log=True))
+        at = self._pool_rows(pool, skip_padding_slot)
+        xbc, conv_steps, conv = self._kernel("causal_conv1d_update_multi")(conv, slots, packed, w, b, x_col=I, **at)
+        y, ssm_steps, ssm = self._kernel("state_update_multi_xbc")(ssm, slots, xbc, packed, dt_col=dt_col, **at,
+                                                                   **self._ssm_args(a_log=True))
         pool = SsmPool(conv.reshape(pool.conv_state.shape), ssm.reshape(pool.ssm_state.shape))
         out = self._project_out(y.reshape(n * k, *y.shape[2:]), zxbcdt, hidden, "decode", z_col=0)
         return out, pool, SlotState(conv=conv_steps, ssm=ssm_steps)

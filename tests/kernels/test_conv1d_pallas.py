@@ -127,6 +127,30 @@ def test_update_skip_row_is_neither_read_nor_written(rng, interpret, multi):
 
 
 @pytest.mark.parametrize("multi", [False, True])
+def test_update_row_offset_is_added_to_every_row(rng, interpret, multi):
+    """row_offset (a layer's block of the flattened pool): (slots, offset) gives bitwise what slots + offset gives,
+    with skip_row naming an offset row, in the kernel and the reference; a row_offset outside the pool raises."""
+    R, C, K, k = 8, 24, 4, 3
+    slots, offset = jnp.asarray([0, 3, 2, 3], jnp.int32), 4              # rows 4, 7 (padding), 6, 7
+    x = jnp.asarray(rng.standard_normal((4, k, C) if multi else (4, C)), jnp.float32)
+    pool = jnp.asarray(rng.standard_normal((R, C, K - 1)), jnp.float32)
+    w, b = jnp.asarray(rng.standard_normal((C, K)), jnp.float32), jnp.asarray(rng.standard_normal(C), jnp.float32)
+    kernel, reference = ((causal_conv1d_update_multi_pallas, causal_conv1d_update_multi_reference) if multi
+                         else (causal_conv1d_update_pallas, causal_conv1d_update_reference))
+    for fn, extra in ((kernel, dict(interpret=interpret, blocks=SMALL)), (reference, {})):
+        got = fn(pool, slots, x, w, b, row_offset=offset, skip_row=R - 1, **extra)
+        want = fn(pool, slots + offset, x, w, b, skip_row=R - 1, **extra)
+        for g, v in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(v))
+        new = np.asarray(got[-1])
+        np.testing.assert_array_equal(new[[0, 1, 2, 3, 5, 7]], np.asarray(pool)[[0, 1, 2, 3, 5, 7]])
+        assert not np.array_equal(new[[4, 6]], np.asarray(pool)[[4, 6]])
+        for bad in (R, -1, 2.0, None):
+            with pytest.raises(ShapeError, match="row_offset"):
+                fn(pool, slots, x, w, b, row_offset=bad, **extra)
+
+
+@pytest.mark.parametrize("multi", [False, True])
 def test_update_reads_columns_in_place(rng, interpret, multi):
     """With x_col the update reads its channels out of a wider array (the in_proj output): the same bits as the
     update on the cut-out columns, and the reference agrees."""

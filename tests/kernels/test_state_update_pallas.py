@@ -207,3 +207,26 @@ def test_skip_row_is_neither_read_nor_written(rng, interpret, multi):
         else:                                                      # y (and the per-token states)
             assert rel_err(g[live], p[live]) <= 1e-6
             assert np.all(np.isfinite(g)) and rel_err(g[pad], z[pad]) <= 1e-4 and rel_err(g, r) <= 1e-4
+
+
+@pytest.mark.parametrize("multi", [False, True])
+def test_row_offset_is_added_to_every_row(rng, interpret, multi):
+    """row_offset (a layer's block of the flattened pool): the kernel and the reference with (slots, offset) give
+    bitwise what they give with the rows slots + offset; skip_row names the offset row; a row_offset outside the
+    pool raises."""
+    slots, offset = jnp.asarray([1, 3, 0, 3], jnp.int32), 5           # rows 6, 8 (= PAD), 5, 8
+    lead = (4, 2) if multi else (4,)
+    state, a, kw = _args(rng, lead)
+    kernel, reference = ((state_update_multi_pallas, state_update_multi_reference) if multi
+                         else (state_update_pallas, state_update_reference))
+    for fn, extra in ((kernel, dict(interpret=interpret)), (reference, {})):
+        got = fn(state, slots, **a, **kw, row_offset=offset, skip_row=PAD, **extra)
+        want = fn(state, slots + offset, **a, **kw, skip_row=PAD, **extra)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+        pool = np.asarray(got[-1] if not multi else got[2])
+        _untouched(pool, np.asarray(state), slots + offset)
+        assert not np.array_equal(pool[[6, 5]], np.asarray(state)[[6, 5]])      # the offset rows were written
+        for bad in (R, -1, 1.0, True):
+            with pytest.raises(ShapeError, match="row_offset"):
+                fn(state, slots, **a, **kw, row_offset=bad, **extra)
