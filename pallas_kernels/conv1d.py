@@ -236,27 +236,40 @@ def _conv_update_kernel(rows_ref, x_ref, w_ref, b_ref, pool_in_ref, y_ref, pool_
                         x_col, has_bias, activation, multi, skip_row, row_offset):
     del pool_in_ref  # aliased to pool_ref
     cb, b = pl.program_id(0), pl.program_id(1)
-    f32 = jnp.float32
     ch = cb * BC + jnp.arange(BC)
     cm = ch < C
     r = rows_ref[b] + row_offset
     pm = cm if skip_row is None else cm & (r != skip_row)               # skip_row: no pool traffic
-    window = [plgpu.load(pool_ref.at[r, ch, k], mask=pm, other=0.0) for k in range(K - 1)]   # oldest first
-    w = [plgpu.load(w_ref.at[ch, k], mask=cm, other=0.0).astype(f32) for k in range(K)]
-    bias = plgpu.load(b_ref.at[ch], mask=cm, other=0.0).astype(f32) if has_bias else None
+    window, w, bias = load_conv_taps(pool_ref, w_ref, b_ref, r, ch, cm, pm, K=K, has_bias=has_bias)
     for t in range(KT):
         at = (b, t) if multi else (b,)
         x = plgpu.load(x_ref.at[(*at, x_col + ch)], mask=cm, other=0.0)
-        acc = jnp.zeros((BC,), f32) if bias is None else bias
-        for k in range(K):
-            acc = acc + w[k] * (x.astype(f32) if k == K - 1 else window[k].astype(f32))
-        plgpu.store(y_ref.at[(*at, ch)], _act(acc, activation).astype(y_ref.dtype), mask=cm)
-        window = window[1:] + [x.astype(pool_ref.dtype)] if K > 1 else window
+        y, window = conv_token(window, w, bias, x, activation, pool_ref.dtype)
+        plgpu.store(y_ref.at[(*at, ch)], y.astype(y_ref.dtype), mask=cm)
         if multi:
             for k in range(K - 1):
                 plgpu.store(steps_ref[0].at[b, t, ch, k], window[k], mask=cm)
     for k in range(K - 1):
         plgpu.store(pool_ref.at[r, ch, k], window[k], mask=pm)
+
+
+def load_conv_taps(pool_ref, w_ref, b_ref, r, ch, cm, pm, *, K: int, has_bias: bool):
+    """Inside a Triton kernel: pool row r's window of channels ch (K - 1 values each, oldest first; zeros where pm
+    is off), their K taps and bias in float32 (None without one)."""
+    f32 = jnp.float32
+    window = [plgpu.load(pool_ref.at[r, ch, k], mask=pm, other=0.0) for k in range(K - 1)]
+    w = [plgpu.load(w_ref.at[ch, k], mask=cm, other=0.0).astype(f32) for k in range(K)]
+    bias = plgpu.load(b_ref.at[ch], mask=cm, other=0.0).astype(f32) if has_bias else None
+    return window, w, bias
+
+
+def conv_token(window, w, bias, x, activation, pool_dtype):
+    """One token through the causal conv: the activated float32 output (taps summed in the reference's order)
+    and the window shifted by x."""
+    acc = jnp.zeros(x.shape, jnp.float32) if bias is None else bias
+    for k in range(len(w)):
+        acc = acc + w[k] * (x.astype(jnp.float32) if k == len(w) - 1 else window[k].astype(jnp.float32))
+    return _act(acc, activation), (window[1:] + [x.astype(pool_dtype)] if window else window)
 
 
 def _check_update(kernel, pool, rows, x, weight, bias, lead, x_col, row_offset):
