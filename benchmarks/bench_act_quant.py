@@ -7,7 +7,7 @@ Then the Mosaic GEMM arms (fp8_gemm_t, w8a16_gemm_pipelined) with XLA, the defau
 quantizer, against the XLA BF16 matmul of the same shape (issue #4's prefill target: >= 1.6x).
 
     PYTHONPATH=. python benchmarks/bench_act_quant.py [--out DIR] [--interpret]
-writes DIR/act_quant_<date>.json (DIR default benchmarks/results).
+writes DIR/act_quant.json (DIR default benchmarks/results; the date is in the JSON; --interpret: act_quant_dry.json).
 """
 
 from __future__ import annotations
@@ -134,7 +134,7 @@ def main():
 
 def _save(result, out, dry):
     os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, f"act_quant_{result['date']}{'_dry' if dry else ''}.json")
+    path = os.path.join(out, f"act_quant{'_dry' if dry else ''}.json")
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print("wrote", path, flush=True)

@@ -11,8 +11,10 @@ Shapes: Nemotron-H 8B mixer, H=128, P=64, N=128, G=8, chunk 128, bf16 activation
   weight-bytes floor.
 Times: wall clock around block_until_ready; several calls queued per measurement, median of the repeats.
 
-    PYTHONPATH=. python benchmarks/bench_mamba.py --out DIR [--deadline SECONDS] [--quick]
-writes DIR/mamba_<date>.json and prints a markdown table.
+    PYTHONPATH=. python benchmarks/bench_mamba.py --out DIR [--deadline SECONDS] [--quick] [--only SECTIONS]
+writes DIR/mamba.json (every section: ceil,ssd,update,layer) or, with --only a subset, DIR/mamba_<sections>.json
+(e.g. --only ssd: mamba_ssd.json), so a partial run does not replace the other sections' latest numbers; the date
+is in the JSON. The CPU dry run (--tiny) writes mamba[_<sections>]_tiny.json. Prints a markdown table.
 """
 
 from __future__ import annotations
@@ -456,19 +458,31 @@ MOSAIC_VARIANTS = {"regs": dict(a_regs=True), "smem": dict(a_regs=False)}
 UPDATE_VARIANTS = {"default": None}
 
 
+SECTIONS = ("ceil", "ssd", "update", "layer")
+
+
+def result_name(only: set, tiny: bool) -> str:
+    """mamba.json for a run of every section, mamba_<sections>.json for a subset (mamba_ssd.json); _tiny for the
+    CPU dry run."""
+    unknown = only - set(SECTIONS)
+    if unknown:
+        raise SystemExit(f"--only: unknown sections {sorted(unknown)} (known: {','.join(SECTIONS)})")
+    subset = "" if only == set(SECTIONS) else "_" + "-".join(s for s in SECTIONS if s in only)
+    return f"mamba{subset}{'_tiny' if tiny else ''}.json"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--deadline", type=float, default=float("inf"), help="seconds; later sections are skipped")
     ap.add_argument("--quick", action="store_true", help="one SSD shape, fewer variants")
-    ap.add_argument("--only", default="ceil,ssd,update,layer")
+    ap.add_argument("--only", default=",".join(SECTIONS), help="sections to run (a subset names the JSON)")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run: small shapes, interpret mode")
     ap.add_argument("--triton-variants", default=",".join(SSD_VARIANTS),
                     help="SSD Triton variants to time (names of SSD_VARIANTS)")
     ap.add_argument("--mosaic-variants", default=",".join(MOSAIC_VARIANTS),
                     help="SSD Mosaic GPU variants to time (names of MOSAIC_VARIANTS; empty: none)")
     ap.add_argument("--no-xla-default", action="store_true", help="skip the XLA reference at DEFAULT precision")
-    ap.add_argument("--tag", default="", help="suffix of the JSON file name")
     ap.add_argument("--render", nargs="+", help="print the tables of saved JSON files and exit")
     args = ap.parse_args()
     if args.render:
@@ -493,6 +507,7 @@ def main():
     except Exception:  # noqa: BLE001
         pass
     only = set(args.only.split(","))
+    name = result_name(only, args.tiny)
     copy_bw = 4.2e12
     try:
         if "ceil" in only:
@@ -514,7 +529,7 @@ def main():
         results["deadline_hit"] = True
         log("deadline reached: later sections skipped")
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"mamba_{datetime.date.today().isoformat()}{args.tag}.json")
+    path = os.path.join(args.out, name)
     with open(path, "w") as fh:
         json.dump(results, fh, indent=1, default=str)
     log(f"wrote {path}")

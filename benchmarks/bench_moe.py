@@ -7,7 +7,7 @@ projection [E, 1856, 2688] and the down projection [E, 2688, 1856] over the toke
 touched: every expert that got a row, once). Each kernel is checked against its reference first.
 
     PYTHONPATH=. python benchmarks/bench_moe.py [--out DIR] [--tokens 1,32,4096]
-writes DIR/moe_<date>.json (DIR default benchmarks/results).
+writes DIR/moe.json (DIR default benchmarks/results; the date is in the JSON; --interpret: moe_interpret.json).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def main():
             print(f"{proj} T={T}: " + ", ".join(f"{n} {a['us']:.1f} us ({a['of_copy_bw']:.0%} of copy)"
                                                 for n, a in row["arms"].items()), flush=True)
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"moe_{datetime.date.today().isoformat()}{'_interpret' if args.interpret else ''}.json")
+    path = os.path.join(args.out, f"moe{'_interpret' if args.interpret else ''}.json")
     with open(path, "w") as fh:
         json.dump(out, fh, indent=1)
     print(f"wrote {path}", flush=True)

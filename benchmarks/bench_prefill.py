@@ -6,10 +6,11 @@ cycling through 4 activation sets and 2 weight copies (so neither sits in the 60
 before), warmed up twice, best of 3 trials of `reps` executions; the time per call includes each arm's
 activation quantization (an XLA pass), as the layer pays it. Baseline: XLA BF16 matmul in the same run.
 
-    PYTHONPATH=. python3 benchmarks/bench_prefill.py --out $OUT --tag s2_call1 [--sweep] [--deadline 150]
-writes OUT/prefill_<date>_<tag>.json and .md. `--nvfp4` runs the NVFP4 set instead (Mosaic arms on the plain and
-transposed layouts, with --sweep the plain arm's launch neighbours; Triton arm,
-dequantize-to-bf16 + XLA dot, the transposed arm's weight relayout alone).
+    PYTHONPATH=. python3 benchmarks/bench_prefill.py --out $OUT [--sweep] [--deadline 150]
+writes OUT/prefill.json and prefill.md (the date is in them). `--nvfp4` runs the NVFP4 set instead (Mosaic arms on
+the plain and transposed layouts, with --sweep the plain arm's launch neighbours; Triton arm, dequantize-to-bf16 +
+XLA dot, the transposed arm's weight relayout alone): prefill_nvfp4.*; `--quick-quant` / `--norm-fp8` name theirs
+likewise (prefill_quick-quant.*, prefill_quick-quant_norm-fp8.*). The CPU dry run (PREFILL_DRY=1) adds _dry.
 """
 
 from __future__ import annotations
@@ -126,10 +127,18 @@ def short(t: MgpuTiles | str | None) -> str:
             f"epi{t.epi_m}x{t.epi_bytes}B")
 
 
+def variant_name(args) -> str:
+    """The arm set a run times, which names its files: 'nvfp4', 'quick-quant', 'quick-quant_norm-fp8',
+    'norm-fp8' or 'default' (prefill.json)."""
+    if args.nvfp4:
+        return "nvfp4"
+    parts = (["quick-quant"] if args.quick_quant else []) + (["norm-fp8"] if args.norm_fp8 else [])
+    return "_".join(parts) or "default"
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/prefill_out")
-    ap.add_argument("--tag", default="run")
     ap.add_argument("--deadline", type=float, default=150.0, help="seconds; later arms are skipped")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--only", default="", help="comma-separated arm names to keep (default: all)")
@@ -146,9 +155,10 @@ def main():
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     date = datetime.date.today().isoformat()
-    stem = os.path.join(args.out, f"prefill_{date}_{args.tag}")
+    variant = variant_name(args)
+    stem = os.path.join(args.out, "prefill" + ("" if variant == "default" else "_" + variant) + ("_dry" if DRY else ""))
     dev = jax.devices()[0]
-    result = {"date": date, "tag": args.tag, "device": str(getattr(dev, "device_kind", dev)),
+    result = {"date": date, "variant": variant, "device": str(getattr(dev, "device_kind", dev)),
               "platform": jax.default_backend(), "M": M, "shapes": {}, "rows": [], "errors": [],
               "versions": {"jax": jax.__version__}, "method": __doc__.split("\n\n")[1]}
     try:
@@ -538,7 +548,7 @@ def torch_context(result):
 
 
 def markdown(result) -> str:
-    lines = [f"# Prefill GEMMs M={result['M']}, {result['device']}, {result['date']} ({result['tag']})", "",
+    lines = [f"# Prefill GEMMs M={result['M']}, {result['device']}, {result['date']} ({result['variant']})", "",
              f"versions: {result['versions']}", "",
              "| shape | kernel | impl | config | us | TFLOP/s | x XLA BF16 | rel err |",
              "|---|---|---|---|---|---|---|---|"]

@@ -7,12 +7,13 @@ Times: wall clock over many calls queued inside one jitted executable (dispatch 
 the profiler works, the summed GPU kernel time per call from a perfetto trace.
 
     PYTHONPATH=. python benchmarks/bench_quant.py --out DIR [--deadline SECONDS] [--sweep]
-writes DIR/quant_<date>.json and DIR/quant_<date>.md.
-    ... --decode-only --mosaic [--mosaic-sweep] [--mosaic-set grid] --tag TAG
+writes DIR/quant.json and DIR/quant.md (the date is in them; --interpret, the CPU dry run: quant_interpret.*).
+    ... --decode-only --mosaic [--mosaic-sweep] [--mosaic-set grid]
 times the decode GEMVs only: Mosaic GPU arm vs Triton arm vs XLA BF16 vs the copy ceiling (files
-quant_<date>_<tag>.*), after checking every Mosaic config it times against the reference at the real
-shapes, with batch invariance (M=1 and M=4 rows bit-identical to the same rows of M=16), and prints a short
-summary table last (gpu us per call with XLA's helper kernels, and the largest kernel alone).
+quant_decode.*, with --mosaic-set grid quant_decode_grid.*), after checking every Mosaic config it times against
+the reference at the real shapes, with batch invariance (M=1 and M=4 rows bit-identical to the same rows of
+M=16), and prints a short summary table last (gpu us per call with XLA's helper kernels, and the largest kernel
+alone).
 """
 
 from __future__ import annotations
@@ -105,7 +106,6 @@ def main():
     ap.add_argument("--mosaic-set", default="defaults", choices=("defaults", "grid"),
                     help="Mosaic GEMV configs checked and timed at M = 1, 16, 4: the registry defaults or the "
                          "launch-shape grid of both GEMVs (GEMV_GRID: CTAs per SM, split-K)")
-    ap.add_argument("--tag", default="", help="suffix of the result file names")
     ap.add_argument("--no-copy", action="store_true", help="skip the copy-bandwidth measurement (use an earlier run's)")
     ap.add_argument("--no-triton", action="store_true",
                     help="skip the Triton decode GEMV timings (use an earlier run's)")
@@ -127,7 +127,9 @@ def main():
         result["versions"]["triton(torch's)"] = triton.__version__
     except Exception:  # noqa: BLE001
         pass
-    stem = f"quant_{date}" + (f"_{args.tag}" if args.tag else "")
+    # one name per arm set: prefill and decode, decode only, the Mosaic GEMV launch grid; the dry run apart
+    stem = "_".join(["quant"] + ["decode"] * args.decode_only + ["grid"] * (args.mosaic_set == "grid")
+                    + ["interpret"] * args.interpret)
     path_json = os.path.join(args.out, f"{stem}.json")
 
     def save():

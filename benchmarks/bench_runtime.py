@@ -18,7 +18,9 @@ Times: wall clock around block_until_ready; median of repeats; compiles happen i
         [--deadline SECONDS] [--weights bf16|fp8-block|nvfp4]   (sections: prefill,ttft,spec,spec_builtin)
     CPU dry run (tiny config with every block kind, small sizes):
     JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_runtime.py --tiny --out /tmp/rt
-writes DIR/runtime_<date>.json (DIR default benchmarks/results).
+writes DIR/runtime_<weights>.json (DIR default benchmarks/results; the date is in the JSON), e.g. runtime_bf16.json;
+a model lever set away from its default (METRALE_FP8_ACTIVATIONS=bf16 ...) joins the name as _act-<mode> for the
+weights' activation lever (runtime_fp8-block_act-bf16.json) or _<lever>-<value>; --tiny adds _tiny.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from flax import nnx
 
 from benchmarks import timing
 from benchmarks.random_weights import device_tensors, matmul_params
-from metrale_jax.config import ModelConfig
+from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.layers.projection import PREFILL_ONLY_ARMS, Projection
 from metrale_jax.model import NemotronH
 from metrale_jax.runtime import Engine, Executables, SpeculativeConfig, steps
@@ -321,11 +323,31 @@ def bench_spec_builtin(sz, out):
 
 
 # ---- main -------------------------------------------------------------------------------------------
+ACTIVATION_LEVER = {"fp8-block": "fp8_activations", "nvfp4": "nvfp4_activations"}
+
+
+def result_name(weights: str, levers: ModelLevers, tiny: bool) -> str:
+    """runtime_<weights>[_act-<mode>][_<lever>-<value>...][_tiny].json: one file per weight format and lever
+    setting. Levers at their defaults stay out of the name; the weights' activation lever reads act-<mode>."""
+    act = ACTIVATION_LEVER.get(weights)
+    parts = ["runtime", weights]
+    for field in dataclasses.fields(ModelLevers):
+        value = getattr(levers, field.name)
+        if value == field.default:
+            continue
+        if field.name == act:
+            parts.append(f"act-{value}")
+        elif field.name not in ACTIVATION_LEVER.values():     # the other format's activation lever changes nothing
+            parts.append(f"{field.name}-{value}")
+    if tiny:
+        parts.append("tiny")
+    return "_".join(parts) + ".json"
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--tiny", action="store_true", help="tiny config and sizes (a CPU dry run)")
-    ap.add_argument("--tag", default="", help="appended to the JSON's name (e.g. _act-bf16)")
     ap.add_argument("--config", default=CONFIG_8B, help="HF config.json (default: Nemotron-H-8B shapes)")
     ap.add_argument("--sections", default="prefill,ttft,spec,spec_builtin")
     ap.add_argument("--deadline", type=float, default=float("inf"), help="skip sections that start after this")
@@ -371,8 +393,7 @@ def main():
     out["compiles"] = exe.stats()["compiles"]
     out["wall_s"] = time.time() - T0
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"runtime_{datetime.date.today().isoformat()}{'_tiny' if args.tiny else ''}"
-                                  f"{'' if args.weights == 'bf16' else '_' + args.weights}{args.tag}.json")
+    path = os.path.join(args.out, result_name(args.weights, model.levers, args.tiny))
     with open(path, "w") as fh:
         json.dump(out, fh, indent=1, default=str)
     log(f"wrote {path}")

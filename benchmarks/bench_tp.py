@@ -14,7 +14,8 @@ Times: wall clock around block_until_ready; median over repeats.
     CPU dry run (4 host devices, a tiny config with every block kind):
     XLA_FLAGS=--xla_force_host_platform_device_count=4 JAX_PLATFORMS=cpu PYTHONPATH=. \\
         python benchmarks/bench_tp.py --tiny --out /tmp/tp
-writes DIR/tp_<date>.json (DIR default benchmarks/results).
+writes DIR/tp.json (DIR default benchmarks/results; the date is in the JSON); --kernels other than auto adds
+_kernels-<mode>, the CPU dry run (--tiny) _tiny.
 """
 
 from __future__ import annotations
@@ -138,7 +139,6 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", default="auto", help="ModelLevers.kernels (auto | pallas | reference | interpret)")
     ap.add_argument("--deadline", type=float, default=float("inf"), help="seconds; stop starting new runs after")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
-    ap.add_argument("--tag", default="", help="suffix of the JSON file name")
     args = ap.parse_args(argv)
 
     tiny = args.tiny
@@ -209,8 +209,8 @@ def main(argv=None) -> int:
             result["errors"].append(f"tp={tp}: {type(e).__name__}: {e}"[:2000])
     result["ratios"] = _ratios(result["runs"])
     os.makedirs(args.out, exist_ok=True)
-    day = datetime.date.today().isoformat()
-    path = os.path.join(args.out, f"tp_{day}{args.tag}.json")
+    name = "tp" + ("" if args.kernels == "auto" else f"_kernels-{args.kernels}") + ("_tiny" if tiny else "")
+    path = os.path.join(args.out, f"{name}.json")
     with open(path, "w") as fh:
         json.dump(result, fh, indent=1)
     log(f"wrote {path}")

@@ -2,7 +2,7 @@
 # One device call (issue 36): gradients through the default GPU kernels against the reference path, on the built-in
 # model (tools/grad_check.py, JSON log), then the gradient and LoRA tests with the kernels compiled on the GPU.
 # Logs and the JSON go to $OUT (the device tool's folder) or ./gpu_out; copy the JSON to
-# benchmarks/results/grad_check_<date>.json to commit it.
+# benchmarks/results/grad_check.json to commit it.
 #   tools/gpu_check_grads.sh [TEST_TIMEOUT_S]
 set -o pipefail
 OUT=${OUT:-gpu_out}

@@ -15,7 +15,7 @@ METRALE_TEST_GPU=1 timeout "${PYTEST_TIMEOUT:-240}" python3 -m pytest -q -p no:c
     tests/kernels/test_mgpu_gemm_nvfp4.py tests/kernels/test_quant_kernels.py tests/weights/test_quant_formats.py \
     2>&1 | tee "$W/pytest.txt" | tail -4
 timeout 120 python3 benchmarks/probes/w4a4_decode.py --out "$W/w4a4" > "$W/w4a4/log.txt" 2>&1; tail -3 "$W/w4a4/log.txt"
-timeout 240 python3 benchmarks/bench_prefill.py --nvfp4 --no-triton --out "$W/prefill" --tag "${TAG:-nvfp4}" \
+timeout 240 python3 benchmarks/bench_prefill.py --nvfp4 --no-triton --out "$W/prefill" \
     --deadline "${PREFILL_DEADLINE:-110}" ${PREFILL_ARGS:-} > "$W/prefill/log.txt" 2>&1; grep " us x" "$W/prefill/log.txt" | cut -c1-160
 XLA_PYTHON_CLIENT_MEM_FRACTION=0.92 timeout 240 python3 benchmarks/bench_runtime.py --out "$W/runtime" \
     --weights nvfp4 --sections "${RUNTIME_SECTIONS:-prefill}" --deadline 170 > "$W/runtime/log.txt" 2>&1

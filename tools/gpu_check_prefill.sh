@@ -2,10 +2,10 @@
 # GPU check of the Mosaic GPU prefill GEMMs (one device call): tests/kernels/test_mgpu_gemm.py compiled on the
 # GPU, ptxas resources of the default kernels (registers / spills), then benchmarks/bench_prefill.py
 # (correctness at the 8B shapes, timings vs Triton arms, XLA BF16 and XLA FP8 in the same run).
-#   OUT=/tmp/p DEADLINE=120 BENCH_ARGS="--sweep --tag TAG" tools/gpu_check_prefill.sh
+#   OUT=/tmp/p DEADLINE=120 BENCH_ARGS="--sweep" tools/gpu_check_prefill.sh
 # Short follow-up call: SKIP_PYTEST=1 SKIP_PTXAS=1 PTXAS_IN_BENCH=1 BENCH_ARGS="--sweep --no-triton --no-xla-fp8 ..."
 # Fused activation quantization (XLA vs one-pass kernels, ~30 s): SKIP_PYTEST=1 SKIP_PTXAS=1 BENCH_ARGS="--quick-quant"
-# NVFP4 GEMMs (the Mosaic w4a16_gemm / w4a16_gemm_t arms): NVFP4=1 OUT=$OUT/w BENCH_ARGS="--nvfp4 --sweep --tag TAG"
+# NVFP4 GEMMs (the Mosaic w4a16_gemm / w4a16_gemm_t arms): NVFP4=1 OUT=$OUT/w BENCH_ARGS="--nvfp4 --sweep"
 #   (pytest of tests/kernels/test_mgpu_gemm_nvfp4.py, ptxas resources of the w4a16_gemm_t kernel, then the benchmark)
 set -o pipefail
 cd "$(dirname "$0")/.."

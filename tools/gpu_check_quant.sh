@@ -4,7 +4,7 @@
 # baselines from the same run). Results land in $OUT (copy them to benchmarks/results/).
 #   OUT=/tmp/q DEADLINE=150 BENCH_ARGS=--sweep tools/gpu_check_quant.sh
 # Decode GEMVs with the Mosaic GPU arms:
-#   OUT=/tmp/q DEADLINE=200 MGPU=1 BENCH_ARGS="--decode-only --mosaic --mosaic-sweep --tag TAG" tools/gpu_check_quant.sh
+#   OUT=/tmp/q DEADLINE=200 MGPU=1 BENCH_ARGS="--decode-only --mosaic --mosaic-sweep" tools/gpu_check_quant.sh
 # MGPU=1 runs tests/kernels/test_mgpu_gemv.py compiled on the GPU, the gpu-marked tests of test_quant_kernels.py
 # (QUANT_PYTEST_ARGS, default "-m gpu"), and dumps ptxas resources + SASS of the default Mosaic GEMVs (sass.txt).
 set -o pipefail

@@ -36,9 +36,9 @@ pytest_file tests/layers/test_moe_quantized.py 60
 pytest_file tests/kernels/test_mamba_layer_kernels.py 80
 fi
 case ",$STEPS," in *,prefill_quant,*) step prefill_quant 100 python3 benchmarks/bench_prefill.py --out "$W" \
-  --deadline 80 --quick-quant --tag ${TAG:-release}_quant;; esac
+  --deadline 80 --quick-quant;; esac
 case ",$STEPS," in *,norm_fp8,*) step norm_fp8 "${NORM_TIMEOUT:-170}" python3 benchmarks/bench_prefill.py --out "$W" \
-  --deadline $(( ${NORM_TIMEOUT:-170} - 30 )) --quick-quant --norm-fp8 --tag ${TAG:-release}_norm_fp8;; esac
+  --deadline $(( ${NORM_TIMEOUT:-170} - 30 )) --quick-quant --norm-fp8;; esac
 case ",$STEPS," in *,act_quant,*) step act_quant 150 python3 benchmarks/bench_act_quant.py --out "$W";; esac
 if [ "${PYTEST:-1}" = 1 ]; then
 pytest_file tests/kernels/test_mgpu_gemm.py 90
@@ -48,10 +48,9 @@ pytest_file tests/kernels/test_norm_fp8.py 90
 fi
 case ",$STEPS," in *,nvfp4,*) step nvfp4 "${NVFP4_TIMEOUT:-130}" python3 benchmarks/bench_prefill.py --out "$W" \
   --deadline $(( ${NVFP4_TIMEOUT:-130} - 30 )) --nvfp4 \
-  --sweep --no-triton --tag ${TAG:-release}_nvfp4;; esac
+  --sweep --no-triton;; esac
 case ",$STEPS," in *,spec,*) step spec 100 python3 benchmarks/bench_runtime.py --out "$W" --sections spec_builtin;; esac
 case ",$STEPS," in *,grid,*) step grid "${GRID_TIMEOUT:-200}" python3 benchmarks/bench_quant.py --out "$W" \
-  --deadline $(( ${GRID_TIMEOUT:-200} - 20 )) --decode-only --mosaic --mosaic-set grid --no-triton --no-copy \
-  --tag ${TAG:-release}_grid;; esac
+  --deadline $(( ${GRID_TIMEOUT:-200} - 20 )) --decode-only --mosaic --mosaic-set grid --no-triton --no-copy;; esac
 cat "$W/summary.txt"
 tar czf "$OUT/results.tgz" -C "$W" .

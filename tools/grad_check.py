@@ -6,7 +6,7 @@ backward pass is its reference's VJP) and with the jnp references, and compared 
 norm) and per block kind. Also a LoRA adapter's gradients (the trainable state of a fine-tune) on the same model.
 The log names the implementation each kernel resolved to, the device and the versions.
 
-    python tools/grad_check.py --out benchmarks/results/grad_check_<date>.json          # on the H200
+    python tools/grad_check.py --out benchmarks/results/grad_check.json                 # on the H200
     METRALE_KERNELS= python tools/grad_check.py --kernels interpret --rows 2 --seq-len 64  # a CPU smoke run
 
 Exit status 1 when a gradient differs by more than --tol (default 1e-5).

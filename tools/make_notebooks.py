@@ -472,28 +472,21 @@ KERNELS = [
     else wall clock.
     """),
     code("""
-    def age(fname):
-        \"\"\"Sort key, oldest first: by date, then run / call number; a file without such a suffix is a
-        day's final result.\"\"\"
-        parts = fname.removesuffix(".json").split("_", 2)            # kind, date[, runN | callN]
-        n = int("".join(ch for ch in parts[2] if ch.isdigit()) or 0) if len(parts) > 2 else 0
-        return parts[1] if len(parts) > 1 else "", len(parts) == 2, n
-
-
-    def load(pattern):
-        \"\"\"{file name: contents}, oldest first.\"\"\"
-        files = sorted(glob.glob(os.path.join(RESULTS, pattern)), key=lambda f: age(os.path.basename(f)))
-        return {os.path.basename(f): json.load(open(f)) for f in files}
+    def load(*patterns):
+        \"\"\"{file name: contents} of the files matching the patterns (one per benchmark variant), oldest first
+        by the date each holds.\"\"\"
+        files = {os.path.basename(f): json.load(open(f)) for p in patterns for f in glob.glob(os.path.join(RESULTS, p))}
+        return dict(sorted(files.items(), key=lambda item: str(item[1].get("date", ""))))
 
 
     def latest(results):
         return list(results.items())[-1] if results else ("none", {})
 
 
-    mamba = load("mamba_*.json")           # several runs of bench_mamba.py
-    quant = load("quant_*.json")
+    mamba = load("mamba.json", "mamba_*.json")  # bench_mamba.py: every section, and runs of some (--only)
+    quant = load("quant*.json")
     runtime = load("runtime_*.json")
-    tp = load("tp_*.json")
+    tp = load("tp*.json")
     for name, d in {**mamba, **quant, **runtime, **tp}.items():
         versions = d.get("versions") or {k: d[k] for k in ("jax", "triton") if k in d}
         print(f"{name:34s} {d.get('device', '?'):12s} {str(d.get('date', '?'))[:19]:20s} {versions}")
@@ -520,11 +513,11 @@ KERNELS = [
     for ax, shape in zip(axes[0], shapes):
         arms = {}
         for fname, run in runs:                                  # older first: newer runs overwrite
-            tag = fname.split("_")[-1].removesuffix(".json")
+            tag = fname.removesuffix(".json")
             for arm, v in run.get("ssd", {}).get(shape, {}).get("arms", {}).items():
                 if t_us(v):                                      # arms that failed hold an "error" instead
                     arms[arm] = (t_us(v) / 1e3, tag)
-        newest_tag = newest_name.split("_")[-1].removesuffix(".json")
+        newest_tag = newest_name.removesuffix(".json")
         keep = {a: v for a, v in arms.items() if v[1] == newest_tag or not a.startswith("pallas")}
         names = sorted(keep, key=lambda a: keep[a][0])
         colors = ["tab:blue" if a.startswith("pallas") else "tab:gray" if a.startswith("xla") else "tab:green"
@@ -555,7 +548,8 @@ KERNELS = [
     """),
     code("""
     fig, ax = plt.subplots(figsize=(6.5, 4))
-    su = newest.get("state_update", {})
+    su_name, su_run = latest({name: run for name, run in mamba.items() if run.get("state_update")})
+    su = su_run.get("state_update", {})
     by_arm = {}
     for entry in su.values():
         for arm, v in entry.get("arms", {}).items():
@@ -564,13 +558,13 @@ KERNELS = [
     for arm, pts in sorted(by_arm.items()):
         pts.sort()
         ax.plot([b for b, _ in pts], [g for _, g in pts], "o-", label=arm)
-    ceil = newest.get("ceilings", {}).get("copy_bw_Bps")
+    ceil = su_run.get("ceilings", {}).get("copy_bw_Bps")
     if ceil:
         ax.axhline(ceil / 1e9, ls=":", c="k", label=f"copy ceiling {ceil / 1e12:.2f} TB/s")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch (sequences)")
     ax.set_ylabel("GB/s (GPU time)")
-    ax.set_title(f"state_update, {newest.get('device')}")
+    ax.set_title(f"state_update, {su_run.get('device')} ({su_name})")
     ax.legend(fontsize=8)
     plt.show()
     for arm, pts in sorted(by_arm.items()):

@@ -9,7 +9,8 @@ first. Beside it, in the same interleaved rounds: XLA's BF16 GEMV (M = 1), the M
 XLA uint32 reduction of the same bytes. Wall times of queued calls carry ~10 us of per-call overhead at these sizes,
 so each arm is also timed from a profiler trace (gpu_us).
 
-    PYTHONPATH=. python3 benchmarks/probes/gmem_stream_probe.py --out $OUT --tag TAG --configs 64:256:2:1,64:256:2:4
+    PYTHONPATH=. python3 benchmarks/probes/gmem_stream_probe.py --out $OUT --configs 64:256:2:1,64:256:2:4
+writes OUT/gmem_stream.json (the date is in it).
 """
 
 from __future__ import annotations
@@ -64,13 +65,12 @@ def stream_xor_reference(w, rows: int, step: int, split: int = 1):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--tag", default="probe")
     ap.add_argument("--configs", default="64:256:2:1,64:256:2:4,64:512:2:4,128:256:2:4,64:256:4:8",
                     help="comma-separated rows:step_bytes:unroll[:split]")
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     configs = [tuple(int(v) for v in c.split(":")) + (1,) * (4 - len(c.split(":"))) for c in args.configs.split(",")]
-    result = {"date": datetime.date.today().isoformat(), "tag": args.tag, "device": str(jax.devices()[0]),
+    result = {"date": datetime.date.today().isoformat(), "device": str(jax.devices()[0]),
               "versions": {"jax": jax.__version__}, "rounds": args.rounds, "rows": []}
     for shape, (N, K) in SHAPES.items():
         ws = [jax.random.randint(k, (N, K), 0, 256, jnp.int32).astype(jnp.uint8)
@@ -116,7 +116,7 @@ def main():
             print(f"{shape:12s} {name:30s} wall {min(us):6.1f} us  gpu {gpu or float('nan'):6.1f} us "
                   f"{row['gpu_TB_per_s'] or float('nan'):.2f} TB/s  rounds {[round(u, 1) for u in us]}", flush=True)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"gmem_stream_{result['date']}_{args.tag}.json"), "w") as f:
+    with open(os.path.join(args.out, "gmem_stream.json"), "w") as f:
         json.dump(result, f, indent=1)
 
 

@@ -1,9 +1,9 @@
 """Launch configs of the NVFP4 prefill GEMM (`w4a16_gemm` Mosaic arm) at the 8B shapes, M = 4096, on the GPU:
 each config (tm<rows>:st<stages>:<grid minor><tile width>) and XLA BF16 timed in interleaved rounds, so all see
 the same clocks. Before timing, every config's bf16 output is checked against the reference.
-Writes OUT/nvfp4_probe_<date>_<tag>.json.
+Writes OUT/nvfp4_probe.json (the date is in it).
 
-    PYTHONPATH=. python3 benchmarks/probes/nvfp4_probe.py --out $OUT --tag TAG --configs tm256:st2:n8,tm128:st4:m8
+    PYTHONPATH=. python3 benchmarks/probes/nvfp4_probe.py --out $OUT --configs tm256:st2:n8,tm128:st4:m8
 
 --ref-module FILE loads another copy of the kernel module (e.g. `git show REV:pallas_kernels/mgpu_gemm_nvfp4.py`);
 configs written ref:<config> run on it, in the same rounds (an A/B against an earlier version).
@@ -46,13 +46,12 @@ def parse(cfg: str, mod=mn):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--tag", default="probe")
     ap.add_argument("--configs", required=True, help="comma-separated tm<rows>:st<stages>:<m|n><width>")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--ref-module", help="another copy of mgpu_gemm_nvfp4.py for the ref:<config> entries")
     args = ap.parse_args()
     ref_mod = load_module(args.ref_module) if args.ref_module else None
-    result = {"date": datetime.date.today().isoformat(), "tag": args.tag, "device": str(jax.devices()[0]),
+    result = {"date": datetime.date.today().isoformat(), "device": str(jax.devices()[0]),
               "ref_module": args.ref_module,
               "versions": {"jax": jax.__version__}, "M": M, "rounds": args.rounds, "rows": []}
     for shape, (N, K) in SHAPES.items():
@@ -86,7 +85,7 @@ def main():
             print(f"{shape:8s} {name:28s} {min(us):8.1f} us x{base / min(us):.2f}  rounds {[round(u, 1) for u in us]}",
                   flush=True)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"nvfp4_probe_{result['date']}_{args.tag}.json"), "w") as f:
+    with open(os.path.join(args.out, "nvfp4_probe.json"), "w") as f:
         json.dump(result, f, indent=1)
 
 

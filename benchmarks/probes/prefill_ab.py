@@ -2,12 +2,13 @@
 round after round, so a drift of the GPU's clocks between runs hits all of them alike. Each arm quantizes its
 bf16 x (the fused quantizer), as the layer's call does.
 
-    PYTHONPATH=. python3 benchmarks/probes/prefill_ab.py --out $OUT --tag TAG [--rounds 5] [--shapes in_proj,out_proj]
-writes OUT/prefill_ab_<tag>.json (per arm: the wall us of every round, min, median, median ratio vs XLA BF16)."""
+    PYTHONPATH=. python3 benchmarks/probes/prefill_ab.py --out $OUT [--rounds 5] [--shapes in_proj,out_proj]
+writes OUT/prefill_ab.json (the date; per arm: the wall us of every round, min, median, median ratio vs XLA BF16)."""
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import os
 import statistics
@@ -29,14 +30,14 @@ CANDIDATES = [MgpuTiles(128, 128, "m", stages=4), MgpuTiles(64, 256, "m", stages
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/ab")
-    ap.add_argument("--tag", default="run")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--shapes", default="in_proj,out_proj")
     ap.add_argument("--blocks", action="store_true", help="also the block-scaled arm (w8a16_gemm_pipelined) default")
     ap.add_argument("--no-candidates", action="store_true", help="the default tiles only")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    res = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__, "M": M, "rounds": args.rounds,
+    res = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": str(jax.devices()[0].device_kind),
+           "jax": jax.__version__, "M": M, "rounds": args.rounds,
            "method": __doc__.split("\n\n")[0], "shapes": {}}
     key = jax.random.key(0)
     for shape in args.shapes.split(","):
@@ -77,7 +78,7 @@ def main():
         for n, v in res["shapes"][shape].items():
             print(f"{shape:8s} {n:60s} median {v['median_us']:7.1f} us  min {v['min_us']:7.1f}  "
                   f"x{v['ratio_vs_xla_bf16_median']:.3f}", flush=True)
-        with open(os.path.join(args.out, f"prefill_ab_{args.tag}.json"), "w") as fh:
+        with open(os.path.join(args.out, "prefill_ab.json"), "w") as fh:
             json.dump(res, fh, indent=1)
 
 
