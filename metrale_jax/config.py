@@ -372,7 +372,6 @@ _FP8_SSM_MODES = ("off", "decode", "full")
 _NVFP4_ACTIVATIONS = ("bf16", "nvfp4")
 _FP8_ACTIVATIONS = ("e4m3", "bf16")
 _GATED_NORM_QUANT = ("group", "arm", "off")
-_DECODE_MIXER = ("separate", "fused")
 _KERNEL_MODES = ("auto", "pallas", "triton", "mosaic", "interpret", "reference")  # = registry.MODES
 
 
@@ -400,9 +399,6 @@ class ModelLevers:
     # block FP8; "bf16" keeps them (w8a16_gemm: weights dequantized in the kernel, bf16 matrix units), so that
     # prefill has the weight-only W8A16 numerics decode has and forward / score match the dequantized model
     fp8_activations: str = "e4m3"
-    # METRALE_DECODE_MIXER: a Mamba layer's one-token decode step runs the conv update and the SSM state update as
-    # two kernels ("separate") or as one (`mixer_update`, "fused": no xbc round trip, one launch fewer per layer)
-    decode_mixer: str = "separate"
 
     _ENV = {
         "native_fp8_ssm": "METRALE_NEMOTRON_NATIVE_FP8_SSM",
@@ -413,7 +409,6 @@ class ModelLevers:
         "nvfp4_activations": "METRALE_NVFP4_ACTIVATIONS",
         "gated_norm_quant": "METRALE_GATED_NORM_QUANT",
         "fp8_activations": "METRALE_FP8_ACTIVATIONS",
-        "decode_mixer": "METRALE_DECODE_MIXER",
     }
 
     def __post_init__(self):
@@ -428,8 +423,6 @@ class ModelLevers:
             raise ConfigError("fp8_activations", f"expected one of {_FP8_ACTIVATIONS}, got {self.fp8_activations!r}")
         if self.gated_norm_quant not in _GATED_NORM_QUANT:
             raise ConfigError("gated_norm_quant", f"expected one of {_GATED_NORM_QUANT}, got {self.gated_norm_quant!r}")
-        if self.decode_mixer not in _DECODE_MIXER:
-            raise ConfigError("decode_mixer", f"expected one of {_DECODE_MIXER}, got {self.decode_mixer!r}")
         if not isinstance(self.graphs, bool):
             raise ConfigError("graphs", f"expected a bool, got {self.graphs!r}")
         if self.chunk_size is not None:

@@ -159,16 +159,20 @@ def _decode_kernel(slots_ref, limit_ref, q_ref, k_ref, v_ref, *out_refs, layer, 
         plgpu.store(out_refs[0].at[b, h, g[:, None], d[None, :]], out, mask=rows)
     else:
         acc_ref, max_ref, total_ref = out_refs
-        plgpu.store(acc_ref.at[b, h, s_id, g[:, None], d[None, :]], acc, mask=rows)
+        # a piece past the row's held positions stores no sum (total 0 marks it for the combine): short rows in a
+        # long pool write and read back only the pieces they hold
+        plgpu.store(acc_ref.at[b, h, s_id, g[:, None], d[None, :]], acc, mask=rows & (lo < n))
         plgpu.store(max_ref.at[b, h, s_id, g], m, mask=gm)
         plgpu.store(total_ref.at[b, h, s_id, g], total, mask=gm)
 
 
 def _combine(acc, m, total):
-    """The pieces' partial softmaxes -> the row's attention.  acc [B, KVH, NS, G, hd], m / total [B, KVH, NS, G]."""
+    """The pieces' partial softmaxes -> the row's attention.  acc [B, KVH, NS, G, hd], m / total [B, KVH, NS, G];
+    an empty piece (total 0) left its acc unwritten and weighs nothing."""
     w = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))                          # [B, KVH, NS, G]; empty pieces: 0
     denom = jnp.sum(total * w, axis=2)                                          # [B, KVH, G]
-    return jnp.sum(acc * w[..., None], axis=2) / jnp.where(denom > 0, denom, 1.0)[..., None]
+    parts = jnp.where((total > 0)[..., None], acc * w[..., None], 0.0)
+    return jnp.sum(parts, axis=2) / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "scale", "interpret", "config"))

@@ -74,9 +74,7 @@ class GemvConfig:
                               # keep their bits (see resolve_k_blocks)
     reduce: str = "xla"       # split partials added by XLA, or in the kernel through the shared memory of a
                               # cluster of the split CTAs ("cluster": w4 split_k, w8 tail_split pieces; compiled
-                              # only, interpret mode adds them in XLA), or ("serial", w8) one CTA runs the split's
-                              # K pieces one after another and adds them in XLA's order: the same bits, no float32
-                              # partials in memory (a candidate for M >= 64, benchmarks/notes/gemv.md)
+                              # only, interpret mode adds them in XLA), the same bits
     tail_split: int = 0       # w8 unsplit: the row blocks past a whole number per SM (in_proj: 26 of 290) are
                               # split into this many K pieces, so every SM streams about the same bytes; the
                               # pieces' float32 partials are added in a fixed order (`tail_blocks`)
@@ -293,12 +291,10 @@ def _check_config(name: str, config: GemvConfig):
                          f"scale load for a 64-byte scale row); got {config}")
     if not 0 <= config.tail_split <= 16 or (config.tail_split and w4):
         raise ShapeError(f"{name}(mosaic): config.tail_split expects 0 (off) to 16, and only for w8; got {config}")
-    if config.reduce not in ("cluster", "xla", "serial") or (config.reduce == "cluster" and (
-            config.tail_split > 8 or config.split_k > 8 or (not w4 and config.split_k != 1))) or (
-            config.reduce == "serial" and (w4 or config.tail_split)):
-        raise ShapeError(f"{name}(mosaic): config.reduce expects 'xla', 'cluster' (a portable cluster: split_k and "
-                         f"tail_split <= 8; w8: the tail pieces of an unsplit launch, split_k=1) or 'serial' (w8, no "
-                         f"tail_split); got {config}")
+    if config.reduce not in ("cluster", "xla") or (config.reduce == "cluster" and (
+            config.tail_split > 8 or config.split_k > 8 or (not w4 and config.split_k != 1))):
+        raise ShapeError(f"{name}(mosaic): config.reduce expects 'xla' or 'cluster' (a portable cluster: split_k and "
+                         f"tail_split <= 8; w8: the tail pieces of an unsplit launch, split_k=1); got {config}")
 
 
 def _check_x_bf16(name: str, x):

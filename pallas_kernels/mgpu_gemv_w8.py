@@ -33,7 +33,7 @@ def _widen8(w_ref):
 
 
 def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, *t_gmem, o_smem, a_smem, ready=None, red_bar=None, bn, steps, stages,
-               direct, xr, kb, epilogue=None, dp=0, tail=0, cluster=0, serial=0):
+               direct, xr, kb, epilogue=None, dp=0, tail=0, cluster=0):
     """One wgmma per 128-wide K block over all m_tiles 16-row x tiles of the CTA (the weight tile is read and
     widened once) into a fresh accumulator, waited for before the block scale is applied; a pipeline step holds
     kb blocks, whose wgmmas are all issued before the wait. A wgmma computes each output column the same way
@@ -41,18 +41,10 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, *t_gmem, o_smem, a_smem, ready=No
     on M. tail > 0: CTAs n < dp take row block n whole; the others piece (n - dp) % tail of the K range of row
     block dp + (n - dp) // tail, as float32 partials into t_gmem [tail, tail rows, Mp]. cluster > 0: the tail
     pieces of one output tile form a cluster and add their partials in the kernel (`_w8_tail_cluster`). A direct
-    store puts the complete sums through `epilogue` first (`_store_out`). serial > 1: the CTA runs `serial` K pieces
-    of `steps` steps one after another, each into fresh accumulators, and adds them in order: `_finish`'s sum of
-    split partials, so the same bits as the split launch, with no float32 partials in memory."""
+    store puts the complete sums through `epilogue` first (`_store_out`)."""
     n, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
     run = functools.partial(_w8_blocks, x_gmem, w_gmem, s_gmem, a_smem, bn=bn, stages=stages, xr=xr, kb=kb)
     store = lambda acc, n_blk: _store_out(acc, o_smem, o_gmem, 0, m_blk, n_blk, bn, direct, xr, epilogue)
-    if serial:
-        def piece(j, acc):
-            return tuple(a + p for a, p in zip(acc, run(n, m_blk, j * steps, steps=steps)))
-        acc = lax.fori_loop(1, serial, piece, run(n, m_blk, 0, steps=steps))
-        _store_out(acc, o_smem, o_gmem, 0, m_blk, n, bn, direct, xr, epilogue)
-        return
     if not tail:
         _store_out(run(n, m_blk, split * steps, steps=steps), o_smem, o_gmem, split, m_blk, n, bn, direct, xr,
                    epilogue)
@@ -130,11 +122,9 @@ def _w8_call(x, w, scale, *, out_dtype, epilogue, config: GemvConfig, interpret:
     dp, nt = tail_blocks(nb, config.tail_split) if split == 1 else (nb, 0)
     tail = config.tail_split
     size = tail if nt and config.reduce == "cluster" and not interpret else 0
-    serial = split if config.reduce == "serial" and split > 1 else 0
-    split = 1 if serial else split                   # the pieces run inside each CTA: one output, no partials
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype, xr)
     kernel = functools.partial(_w8_kernel, bn=bn, steps=steps, stages=stages, direct=direct, xr=xr,
-                               kb=config.k_blocks, epilogue=epilogue, serial=serial)
+                               kb=config.k_blocks, epilogue=epilogue)
     scratch = dict(o_smem=o_smem, a_smem=plgpu.SMEM((ROWS, W8_BK), jnp.bfloat16, transforms=_tf(2 * W8_BK, 2))
                    if interpret else None)
     grid = (nb, pl.cdiv(mb, mt), split)

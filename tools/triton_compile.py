@@ -3,9 +3,9 @@
 Two steps, two environments:
   1. `dump` (the project venv, CPU): every registered kernel with a Triton arm is lowered for CUDA on the operands of
      its gradient-test case (tests/kernels/test_kernel_grads.py), decode_attention also at the 8B shapes with its
-     slot whole and in pieces, the Mamba conv and state updates (and both in one, mixer_update) at the 8B shapes
-     with a row offset and a skipped (padding) row, with jax's GPU query stubbed to compute capability 9.0; each
-     pallas_call's Triton IR is written to DIR/<case>.<n>.w<warps>s<stages>.ttir.
+     slot whole and in pieces, the Mamba conv and state updates at the 8B shapes with a row offset and a
+     skipped (padding) row, with jax's GPU query stubbed to compute capability 9.0; each pallas_call's Triton IR is
+     written to DIR/<case>.<n>.w<warps>s<stages>.ttir.
   2. `compile` (a venv with the `triton` package, which has its own LLVM and ptxas; no GPU needed): each .ttir is
      compiled to a cubin for sm_90; a kernel that fails prints Triton's error. Exit status 1 if any failed.
 
@@ -36,7 +36,7 @@ def dump(out: pathlib.Path) -> int:
     import numpy as np
     from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration
 
-    from pallas_kernels import attention, conv1d, mixer_update, registry, state_update
+    from pallas_kernels import attention, conv1d, registry, state_update
     from tests.kernels.test_kernel_grads import CASES
 
     gpu_info.get_gpu_info = lambda *a, **k: types.SimpleNamespace(compute_capability=90)
@@ -72,11 +72,6 @@ def dump(out: pathlib.Path) -> int:
     cases["state_update_xbc_8b_skip"] = (state_update.state_update_xbc_pallas, (
         jnp.zeros((8, H, P, N), jnp.float32), rows, zxbcdt[:, 8192:8192 + C], zxbcdt), dict(
         dt_col=8192 + C, A_log=jnp.zeros((H,), jnp.float32), D=jnp.zeros((H,), jnp.float32),
-        dt_bias=jnp.zeros((H,), jnp.float32), skip_row=7, row_offset=4))
-    cases["mixer_update_8b_skip"] = (mixer_update.mixer_update_pallas, (
-        jnp.zeros((8, C, 3), jnp.bfloat16), jnp.zeros((8, H, P, N), jnp.float32), rows, zxbcdt,
-        jnp.zeros((C, 4), jnp.bfloat16), jnp.zeros((C,), jnp.bfloat16)), dict(
-        x_col=8192, dt_col=8192 + C, A_log=jnp.zeros((H,), jnp.float32), D=jnp.zeros((H,), jnp.float32),
         dt_bias=jnp.zeros((H,), jnp.float32), skip_row=7, row_offset=4))
     out.mkdir(parents=True, exist_ok=True)
     failed = 0

@@ -33,7 +33,7 @@ def nvfp4_rows(key, N, K):
 
 
 SUFFIXES = {"x16": {"small_m": False}, "k1": {"k_blocks": 1}, "k2": {"k_blocks": 2}, "k4": {"k_blocks": 4},
-            "tx": {"reduce": "xla"}, "tc": {"reduce": "cluster"}, "ts": {"reduce": "serial"},
+            "tx": {"reduce": "xla"}, "tc": {"reduce": "cluster"},
             **{f"t{n}": {"tail_split": n} for n in (0, 2, 4, 8, 16)}}   # launch-spec suffixes
 KERNELS = {"w8": (mgpu_gemv_w8.w8a16_gemv_mosaic, mgpu_gemv_w8.w8a16_gemv_blocks, w8a16.w8a16_reference),
            "w4": (mgpu_gemv_w4.w4a16_gemv_mosaic, mgpu_gemv_w4.w4a16_gemv_blocks, w4a16.w4a16_reference)}
@@ -50,8 +50,8 @@ def main():
                     "[/m_tiles][/x16][/k2] or d[/...] (the default launch) comma-separated (e.g."
                     " 128/4/2,64/2/0/8,d/x16;"
                     " split 0 = the default launch's split; x16: 16-row x tiles at M <= 8 too; k1 / k2 / k4: K"
-                    " blocks per pipeline step; t0 .. t16: w8 tail_split; tx / tc / ts: split partials added by XLA /"
-                    " in a cluster / w8's pieces run one after another in each CTA)")
+                    " blocks per pipeline step; t0 .. t16: w8 tail_split; tx / tc: split partials added by XLA / in"
+                    " a cluster)")
     ap.add_argument("--shapes", default="in_proj,out_proj", help="names of bench_prefill.SHAPES or NAME=NxK")
     ap.add_argument("--gpu-time", action="store_true", help="also GPU kernel us per call from a profiler trace")
     args = ap.parse_args()

@@ -76,7 +76,6 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         self.chunk_size = levers.ssm_chunk_size(config)
         self.kernels = levers.kernels
         self.gated_norm_quant = levers.gated_norm_quant
-        self.decode_mixer = levers.decode_mixer
         c = config
         name = f"backbone.layers.{layer_idx}"
         H, I, C, K, D = c.mamba_num_heads, c.d_inner, c.conv_dim, c.conv_kernel, c.hidden_size
@@ -316,13 +315,9 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         w, b = self._conv()
         conv, ssm = _flat(pool.conv_state), _flat(pool.ssm_state)
         at = self._pool_rows(pool, skip_padding_slot)                    # slots' rows of this layer's block
-        if self.decode_mixer == "fused":                                 # conv + state update in one kernel
-            y, conv, ssm = self._kernel("mixer_update")(conv, ssm, slots, zxbcdt, w, b, x_col=I, dt_col=dt_col,
-                                                        **at, **self._ssm_args(a_log=True))
-        else:
-            xbc, conv = self._kernel("causal_conv1d_update")(conv, slots, zxbcdt, w, b, x_col=I, **at)
-            y, ssm = self._kernel("state_update_xbc")(ssm, slots, xbc, zxbcdt, dt_col=dt_col, **at,
-                                                      **self._ssm_args(a_log=True))
+        xbc, conv = self._kernel("causal_conv1d_update")(conv, slots, zxbcdt, w, b, x_col=I, **at)
+        y, ssm = self._kernel("state_update_xbc")(ssm, slots, xbc, zxbcdt, dt_col=dt_col, **at,
+                                                  **self._ssm_args(a_log=True))
         pool = SsmPool(conv.reshape(pool.conv_state.shape), ssm.reshape(pool.ssm_state.shape))
         return self._project_out(y, zxbcdt, hidden, "decode", z_col=0), pool
 

@@ -100,3 +100,32 @@ def test_limits_past_the_pool_read_the_whole_slot_and_nothing_beyond(rng, interp
     assert np.all(np.isfinite(np.asarray(out)))
     want = _numpy(q, k, v, slots, np.minimum(np.asarray(limit), 40), 1, 0.4)
     assert rel_err(np.asarray(out), want) <= 1e-5
+
+
+def test_pieces_past_a_rows_held_positions_store_no_sum(rng, interpret, monkeypatch):
+    """A row's pieces past its held positions write no partial sum (short rows in a long pool move only what they
+    hold): the partials the combine receives are untouched there (poisoned with NaN beforehand here), written for
+    every piece a row holds, and the combined output is the float64 attention all the same."""
+    from pallas_kernels import attention
+
+    q, k, v, slots, limit = _case(rng, jnp.float32)                 # limits 1, 32, 45, 19 of 45; pieces of 16
+    seen = {}
+    real = attention._combine
+
+    def poisoned(acc, m, total):
+        seen.update(acc=np.asarray(acc), total=np.asarray(total))
+        return real(acc, m, total)
+
+    monkeypatch.setattr(attention, "_combine", poisoned)
+    config = DecodeAttentionConfig(block_k=16, split_positions=16)
+    out = attention._decode_call.__wrapped__(q, k, v, slots, limit, layer=1, scale=0.3, interpret=interpret,
+                                             config=config)                # unjitted: the partials are concrete
+    held = np.arange(3)[None, :] * 16 < np.asarray(limit)[:, None]        # [B, pieces]: a piece holds positions
+    assert (~held).sum() == 4                                            # rows 0 (2), 1 and 3 leave pieces empty
+    acc, total = seen["acc"], seen["total"]
+    assert np.all(np.isfinite(acc.transpose(0, 2, 1, 3, 4)[held]))       # [B, pieces, KVH, G, hd] where held
+    assert np.all(total.transpose(0, 2, 1, 3)[~held] == 0)
+    if interpret:                                                        # interpret mode's outputs start as NaN
+        assert np.all(np.isnan(acc.transpose(0, 2, 1, 3, 4)[~held]))
+    assert np.all(np.isfinite(np.asarray(out)))
+    assert rel_err(np.asarray(out), _numpy(q, k, v, slots, limit, 1, 0.3)) <= 1e-5
