@@ -124,7 +124,7 @@ def causal_conv1d_update_multi_reference(pool: jax.Array, rows: jax.Array, x: ja
     """k consecutive tokens per batch row (speculative verify).  x [B, k, C] -> (y [B, k, C],
     step_states [B, k, C, K-1] (the conv state after each token), pool with the rows at their last token)."""
     x = columns(x, x_col, weight.shape[0])
-    rows = rows + check_row_offset("causal_conv1d_update", pool, row_offset)
+    rows = rows + check_row_offset("causal_conv1d_update_multi", pool, row_offset)
     window, keep = _live_windows(pool, rows, skip_row)
 
     def body(window, xk):
@@ -236,16 +236,22 @@ def _conv_update_kernel(rows_ref, x_ref, w_ref, b_ref, pool_in_ref, y_ref, pool_
                         x_col, has_bias, activation, multi, skip_row, row_offset):
     del pool_in_ref  # aliased to pool_ref
     cb, b = pl.program_id(0), pl.program_id(1)
+    f32 = jnp.float32
     ch = cb * BC + jnp.arange(BC)
     cm = ch < C
     r = rows_ref[b] + row_offset
     pm = cm if skip_row is None else cm & (r != skip_row)               # skip_row: no pool traffic
-    window, w, bias = load_conv_taps(pool_ref, w_ref, b_ref, r, ch, cm, pm, K=K, has_bias=has_bias)
+    window = [plgpu.load(pool_ref.at[r, ch, k], mask=pm, other=0.0) for k in range(K - 1)]   # oldest first
+    w = [plgpu.load(w_ref.at[ch, k], mask=cm, other=0.0).astype(f32) for k in range(K)]
+    bias = plgpu.load(b_ref.at[ch], mask=cm, other=0.0).astype(f32) if has_bias else None
     for t in range(KT):
         at = (b, t) if multi else (b,)
         x = plgpu.load(x_ref.at[(*at, x_col + ch)], mask=cm, other=0.0)
-        y, window = conv_token(window, w, bias, x, activation, pool_ref.dtype)
-        plgpu.store(y_ref.at[(*at, ch)], y.astype(y_ref.dtype), mask=cm)
+        acc = jnp.zeros((BC,), f32) if bias is None else bias
+        for k in range(K):
+            acc = acc + w[k] * (x.astype(f32) if k == K - 1 else window[k].astype(f32))
+        plgpu.store(y_ref.at[(*at, ch)], _act(acc, activation).astype(y_ref.dtype), mask=cm)
+        window = window[1:] + [x.astype(pool_ref.dtype)] if K > 1 else window
         if multi:
             for k in range(K - 1):
                 plgpu.store(steps_ref[0].at[b, t, ch, k], window[k], mask=cm)
@@ -253,26 +259,8 @@ def _conv_update_kernel(rows_ref, x_ref, w_ref, b_ref, pool_in_ref, y_ref, pool_
         plgpu.store(pool_ref.at[r, ch, k], window[k], mask=pm)
 
 
-def load_conv_taps(pool_ref, w_ref, b_ref, r, ch, cm, pm, *, K: int, has_bias: bool):
-    """Inside a Triton kernel: pool row r's window of channels ch (K - 1 values each, oldest first; zeros where pm
-    is off), their K taps and bias in float32 (None without one)."""
-    f32 = jnp.float32
-    window = [plgpu.load(pool_ref.at[r, ch, k], mask=pm, other=0.0) for k in range(K - 1)]
-    w = [plgpu.load(w_ref.at[ch, k], mask=cm, other=0.0).astype(f32) for k in range(K)]
-    bias = plgpu.load(b_ref.at[ch], mask=cm, other=0.0).astype(f32) if has_bias else None
-    return window, w, bias
-
-
-def conv_token(window, w, bias, x, activation, pool_dtype):
-    """One token through the causal conv: the activated float32 output (taps summed in the reference's order)
-    and the window shifted by x."""
-    acc = jnp.zeros(x.shape, jnp.float32) if bias is None else bias
-    for k in range(len(w)):
-        acc = acc + w[k] * (x.astype(jnp.float32) if k == len(w) - 1 else window[k].astype(jnp.float32))
-    return _act(acc, activation), (window[1:] + [x.astype(pool_dtype)] if window else window)
-
-
-def _check_update(kernel, pool, rows, x, weight, bias, lead, x_col, row_offset):
+def _check_update(kernel, pool, rows, x, weight, bias, lead, x_col, row_offset) -> int:
+    """The update's arguments; returns row_offset as the int the kernel adds."""
     check_shape(kernel, "x", x, (*lead, None))
     check_floating(kernel, "x", x)
     check_shape(kernel, "weight", weight, (None, None))
@@ -280,10 +268,11 @@ def _check_update(kernel, pool, rows, x, weight, bias, lead, x_col, row_offset):
     check_columns(kernel, "x", x, lead, x_col, C)
     check_shape(kernel, "weight", weight, (C, None))
     check_shape(kernel, "pool", pool, (None, C, weight.shape[1] - 1))
-    check_row_offset(kernel, pool, row_offset)
+    offset = check_row_offset(kernel, pool, row_offset)
     check_shape(kernel, "rows", rows, (x.shape[0],))
     if bias is not None:
         check_shape(kernel, "bias", bias, (C,))
+    return offset
 
 
 def causal_conv1d_update_pallas(pool: jax.Array, rows: jax.Array, x: jax.Array, weight: jax.Array,
@@ -292,10 +281,9 @@ def causal_conv1d_update_pallas(pool: jax.Array, rows: jax.Array, x: jax.Array, 
                                 interpret: bool = False, blocks: ConvBlocks | None = None):
     """The Pallas conv decode step; same call and results as `causal_conv1d_update_reference`, the pool
     updated in place when the caller donates it; with x_col the input columns are read in place."""
-    _check_update("causal_conv1d_update", pool, rows, x, weight, bias, (None,), x_col, row_offset)
+    offset = _check_update("causal_conv1d_update", pool, rows, x, weight, bias, (None,), x_col, row_offset)
     return _conv_update(pool, rows, x, weight, bias, activation=_checked(activation), interpret=interpret,
-                        blocks=blocks, multi=False, x_col=x_col, skip_row=_skip(skip_row),
-                        row_offset=check_row_offset("causal_conv1d_update", pool, row_offset))
+                        blocks=blocks, multi=False, x_col=x_col, skip_row=_skip(skip_row), row_offset=offset)
 
 
 def causal_conv1d_update_multi_pallas(pool: jax.Array, rows: jax.Array, x: jax.Array, weight: jax.Array,
@@ -304,10 +292,11 @@ def causal_conv1d_update_multi_pallas(pool: jax.Array, rows: jax.Array, x: jax.A
                                       row_offset: int = 0, interpret: bool = False,
                                       blocks: ConvBlocks | None = None):
     """The Pallas k-token conv update; same call and results as `causal_conv1d_update_multi_reference`."""
-    _check_update("causal_conv1d_update_multi", pool, rows, x, weight, bias, (None, None), x_col, row_offset)
+    offset = _check_update("causal_conv1d_update_multi", pool, rows, x, weight, bias, (None, None), x_col,
+                           row_offset)
     y, pool, steps = _conv_update(pool, rows, x, weight, bias, activation=_checked(activation),
                                   interpret=interpret, blocks=blocks, multi=True, x_col=x_col,
-                                  skip_row=_skip(skip_row), row_offset=check_row_offset("causal_conv1d_update", pool, row_offset))
+                                  skip_row=_skip(skip_row), row_offset=offset)
     return y, steps, pool
 
 

@@ -177,12 +177,22 @@ def _update_kernel(rows_ref, A_ref, D_ref, dtb_ref, x_ref, dt_ref, B_ref, C_ref,
 
     def token(k, state):
         at = (b, k) if multi else (b,)
-        dt = head_dt(dt_ref[(*at, dt_col + h)], dtb_ref[h] if has_bias else None, softplus_dt,
-                     (dt_lo, dt_hi) if clamp_dt else None)
+        dt = dt_ref[(*at, dt_col + h)].astype(f32)
+        if has_bias:
+            dt = dt + dtb_ref[h].astype(f32)
+        if softplus_dt:
+            dt = softplus(dt)
+        if clamp_dt:
+            dt = jnp.minimum(jnp.maximum(dt, dt_lo), dt_hi)
         x = plgpu.load(x_ref.at[(*at, x_col + h * P + pc)], mask=pm, other=0.0).astype(f32)       # [BP]
         Bv = plgpu.load(B_ref.at[(*at, b_col + g * N + n)], mask=nm, other=0.0).astype(f32)       # [Np]
         Cv = plgpu.load(C_ref.at[(*at, c_col + g * N + n)], mask=nm, other=0.0).astype(f32)
-        state, y = advance(state, x, dt, a, Bv, Cv, D_ref[h] if has_D else None, state_ref.dtype)
+        dA = jnp.exp(jnp.minimum(dt * a, 0.0))
+        state = state * dA + (dt * x)[:, None] * Bv[None, :]
+        y = jnp.sum(state * Cv[None, :], axis=1)
+        state = state.astype(state_ref.dtype).astype(f32)          # the state is stored between tokens
+        if has_D:
+            y = y + D_ref[h].astype(f32) * x
         plgpu.store(y_ref.at[(*at, h, pc)], y.astype(y_ref.dtype), mask=pm)
         if multi:
             plgpu.store(steps_ref[0].at[b, k, h, pc[:, None], n[None, :]], state.astype(state_ref.dtype), mask=tile)
@@ -190,28 +200,6 @@ def _update_kernel(rows_ref, A_ref, D_ref, dtb_ref, x_ref, dt_ref, B_ref, C_ref,
 
     state = jax.lax.fori_loop(0, K, token, state) if multi else token(0, state)
     plgpu.store(state_ref.at[r, h, pc[:, None], n[None, :]], state.astype(state_ref.dtype), mask=pool_tile)
-
-
-def head_dt(dt, dt_bias, softplus_dt: bool, clamp):
-    """A head's time step in float32: + dt_bias, softplus, clamped to clamp = (lo, hi) (None: no clamp)."""
-    dt = dt.astype(jnp.float32)
-    if dt_bias is not None:
-        dt = dt + dt_bias.astype(jnp.float32)
-    if softplus_dt:
-        dt = softplus(dt)
-    return dt if clamp is None else jnp.minimum(jnp.maximum(dt, clamp[0]), clamp[1])
-
-
-def advance(state, x, dt, a, Bv, Cv, d, state_dtype):
-    """One token on a [BP, Np] float32 state tile: x [BP], B / C [Np] and dt, a (the head's decay rate), d (D or
-    None) in float32. Returns (the state as stored, rounded to state_dtype, in float32; y [BP] float32)."""
-    dA = jnp.exp(jnp.minimum(dt * a, 0.0))
-    state = state * dA + (dt * x)[:, None] * Bv[None, :]
-    y = jnp.sum(state * Cv[None, :], axis=1)
-    state = state.astype(state_dtype).astype(jnp.float32)          # the state is stored between tokens
-    if d is not None:
-        y = y + d.astype(jnp.float32) * x
-    return state, y
 
 
 def _check_update(state, rows, x, dt, A, B, C, D, dt_bias, lead):
