@@ -13,6 +13,7 @@ Nemotron-H-8B shapes with random weights (64-token prompts, 64 new tokens, greed
 
     PYTHONPATH=. python benchmarks/bench_e2e_decode.py [--weights bf16,fp8-block,nvfp4] [--states float32,bfloat16]
         [--batches 1,8,32,64,256] [--out benchmarks/results/e2e_decode.json] [--update]
+        [--fp8-decode-activations e4m3]   (the FP8 decode on the FP8 matrix units: e2e_decode_fp8-decode-e4m3.json)
     CPU dry run: JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_e2e_decode.py --tiny --out /tmp/e2e.json
 The JSON holds the rows of this run (`rows`), and the date, device and copy bandwidth. With --update, the rows of
 --out that this run did not measure are kept (a full table takes longer than one device call allows): each row
@@ -135,12 +136,20 @@ def row_key(row: dict) -> tuple:
     return row["weights"], row["state_dtype"], row["batch"]
 
 
-def read_previous(path: str, device: str, config: str) -> dict | None:
-    """The table at path to update, or None (no file, or another device's or model's table: this run starts anew)."""
+DEFAULT_LEVERS = {"fp8_decode_activations": "bf16"}
+
+
+def read_previous(path: str, device: str, config: str, levers: dict | None = None) -> dict | None:
+    """The table at path to update, or None (no file, or another device's, model's or levers' table: this run
+    starts anew)."""
     if not os.path.exists(path):
         return None
     with open(path) as fh:
         previous = json.load(fh)
+    if previous.get("levers", DEFAULT_LEVERS) != (levers or DEFAULT_LEVERS):
+        log(f"--update: {path} holds rows of levers {previous.get('levers', DEFAULT_LEVERS)}; this run writes a new "
+            "table")
+        return None
     if (previous.get("device"), previous.get("config")) != (device, config):
         log(f"--update: {path} holds {previous.get('device')} / {previous.get('config')} rows; this {device} / "
             f"{config} run writes a new table")
@@ -171,13 +180,20 @@ SIZES = {"full": dict(prompt=64, new=64, chain=16, profile=True),
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "e2e_decode.json"))
+    ap.add_argument("--out", default=None, help="default benchmarks/results/e2e_decode[_<variant>].json")
     ap.add_argument("--tiny", action="store_true", help="tiny config and sizes (a CPU dry run)")
     ap.add_argument("--weights", default="bf16,fp8-block,nvfp4")
     ap.add_argument("--states", default="float32,bfloat16")
     ap.add_argument("--batches", default=None, help="default 1,8,32,64,256 (tiny: 1,4,8)")
     ap.add_argument("--update", action="store_true", help="keep the rows of --out that this run does not measure")
+    ap.add_argument("--fp8-decode-activations", default="bf16", choices=("bf16", "e4m3"),
+                    help="ModelLevers.fp8_decode_activations of the FP8 models (e4m3: w8a8_gemv; the default --out "
+                         "becomes e2e_decode_fp8-decode-e4m3.json)")
     args = ap.parse_args()
+    os.environ["METRALE_FP8_DECODE_ACTIVATIONS"] = args.fp8_decode_activations     # every model of this run
+    if args.out is None:
+        variant = "" if args.fp8_decode_activations == "bf16" else "_fp8-decode-e4m3"
+        args.out = os.path.join(ROOT, "benchmarks", "results", f"e2e_decode{variant}.json")
     sz = SIZES["tiny" if args.tiny else "full"]
     config = ModelConfig.from_hf(TINY if args.tiny else CONFIG_8B)
     batches = tuple(int(b) for b in (args.batches or ("1,4,8" if args.tiny else "1,8,32,64,256")).split(","))
@@ -186,10 +202,11 @@ def main():
     out = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "device": jax.devices()[0].device_kind,
            "jax": jax.__version__, "python": platform.python_version(), "copy_bytes_per_s": bw,
            "xla_flags": os.environ.get("XLA_FLAGS", ""),
-           "config": "tiny" if args.tiny else "nemotron_h_8b", "sizes": sz, "rows": [], "errors": {}}
+           "config": "tiny" if args.tiny else "nemotron_h_8b", "sizes": sz,
+           "levers": {"fp8_decode_activations": args.fp8_decode_activations}, "rows": [], "errors": {}}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
-    previous = read_previous(args.out, out["device"], out["config"]) if args.update else None
+    previous = read_previous(args.out, out["device"], out["config"], out["levers"]) if args.update else None
 
     def save():
         out["wall_s"] = time.time() - T0

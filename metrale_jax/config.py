@@ -371,6 +371,7 @@ def _coerce(name: str, field: dataclasses.Field, value: Any) -> Any:
 _FP8_SSM_MODES = ("off", "decode", "full")
 _NVFP4_ACTIVATIONS = ("bf16", "nvfp4")
 _FP8_ACTIVATIONS = ("e4m3", "bf16")
+_FP8_DECODE_ACTIVATIONS = ("bf16", "e4m3")
 _GATED_NORM_QUANT = ("group", "arm", "off")
 _KERNEL_MODES = ("auto", "pallas", "triton", "mosaic", "interpret", "reference")  # = registry.MODES
 
@@ -399,6 +400,11 @@ class ModelLevers:
     # block FP8; "bf16" keeps them (w8a16_gemm: weights dequantized in the kernel, bf16 matrix units), so that
     # prefill has the weight-only W8A16 numerics decode has and forward / score match the dequantized model
     fp8_activations: str = "e4m3"
+    # METRALE_FP8_DECODE_ACTIVATIONS: what FP8 weights' decode GEMV does with the activations: "bf16" keeps them
+    # (w8a16_gemv, weights widened to bf16 in the kernel: the dequantized model's numbers), "e4m3" rounds them per
+    # row per 128 columns as the prefill arms do and runs on the FP8 matrix units (w8a8_gemv). Rows stay
+    # batch-invariant either way; a tensor-parallel share keeps w8a16_gemv. benchmarks/notes/gemv.md
+    fp8_decode_activations: str = "bf16"
 
     _ENV = {
         "native_fp8_ssm": "METRALE_NEMOTRON_NATIVE_FP8_SSM",
@@ -409,6 +415,7 @@ class ModelLevers:
         "nvfp4_activations": "METRALE_NVFP4_ACTIVATIONS",
         "gated_norm_quant": "METRALE_GATED_NORM_QUANT",
         "fp8_activations": "METRALE_FP8_ACTIVATIONS",
+        "fp8_decode_activations": "METRALE_FP8_DECODE_ACTIVATIONS",
     }
 
     def __post_init__(self):
@@ -421,6 +428,9 @@ class ModelLevers:
                                                    f"got {self.nvfp4_activations!r}")
         if self.fp8_activations not in _FP8_ACTIVATIONS:
             raise ConfigError("fp8_activations", f"expected one of {_FP8_ACTIVATIONS}, got {self.fp8_activations!r}")
+        if self.fp8_decode_activations not in _FP8_DECODE_ACTIVATIONS:
+            raise ConfigError("fp8_decode_activations", f"expected one of {_FP8_DECODE_ACTIVATIONS}, "
+                                                        f"got {self.fp8_decode_activations!r}")
         if self.gated_norm_quant not in _GATED_NORM_QUANT:
             raise ConfigError("gated_norm_quant", f"expected one of {_GATED_NORM_QUANT}, got {self.gated_norm_quant!r}")
         if not isinstance(self.graphs, bool):

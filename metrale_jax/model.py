@@ -164,10 +164,11 @@ class NemotronH(nnx.Module):
             self.mtp = NemotronMTP(config, *mtp_weights(config, t), levers=self.levers)
         else:
             self.mtp = nnx.data(None)              # no MTP head: MTP drafting raises ConfigError
-        if self.levers.fp8_activations != "e4m3":
+        if self.levers.fp8_activations != "e4m3" or self.levers.fp8_decode_activations != "bf16":
             for _, module in nnx.iter_modules(self):   # every projection (blocks, lm_head, MTP head)
                 if isinstance(module, Projection):
                     module.set_fp8_activations(self.levers.fp8_activations)
+                    module.set_fp8_decode_activations(self.levers.fp8_decode_activations)
         if self.tp is not None:
             sharding.check_placement(self)
 

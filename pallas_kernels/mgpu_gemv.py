@@ -236,7 +236,7 @@ def _grid(name: str, M: int, N: int, K: int, bk: int, config: GemvConfig):
 
 
 # the most x tiles per CTA an auto launch takes (the fastest on the H200, benchmarks/notes/gemv.md)
-M_TILES_AUTO = {"w8a16_gemv": 8, "w4a16_gemv": 4}
+M_TILES_AUTO = {"w8a16_gemv": 8, "w8a8_gemv": 8, "w4a16_gemv": 4}
 TILES_STAGES = 2       # pipeline stages of a multi-tile launch: two CTAs per SM
 GEMV_SMEM = 220 * 1024  # pipeline stages + output staging of a GEMV CTA (of 227 KB; the rest: barriers)
 
@@ -245,13 +245,14 @@ def launch_tiles(name: str, M: int, N: int, K: int, config: GemvConfig, out_dtyp
     """(16-row x tiles per CTA, pipeline stages) of a launch. config.m_tiles as given, or (0) up to
     M_TILES_AUTO[name] of the m-blocks at no more than TILES_STAGES stages, as fit in GEMV_SMEM (the stages' weight and
     x tiles, the output staging), spread evenly over the fewest CTAs."""
-    w8 = name == "w8a16_gemv"
+    w8 = name != "w4a16_gemv"
+    x_bytes = 1 if name == "w8a8_gemv" else 2               # E4M3 or bf16 x
     bk = (W8_BK if w8 else W4_BK) * config.k_blocks
     bn, _, mb, split, steps = _grid(name, M, N, K, bk, config)
     stages = min(config.stages, steps) if w8 else config.stages
     w_bytes = bn * (bk if w8 else bk // 2 + bk // 16)       # per stage
     out_bytes = 2 if _direct(split, out_dtype) else 4
-    smem = lambda mt, st: st * w_bytes + (st * 2 * bk + out_bytes * bn) * BM * mt
+    smem = lambda mt, st: st * w_bytes + (st * x_bytes * bk + out_bytes * bn) * BM * mt
     if config.m_tiles:
         if smem(config.m_tiles, stages) > GEMV_SMEM:
             raise ShapeError(f"{name}(mosaic): config.m_tiles={config.m_tiles} needs {smem(config.m_tiles, stages)} "

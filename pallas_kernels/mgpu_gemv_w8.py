@@ -1,8 +1,13 @@
-"""W8A16 decode GEMV on Hopper, the Mosaic GPU arm of `w8a16_gemv` (design: pallas_kernels/mgpu_gemv.py).
+"""E4M3-weight decode GEMVs on Hopper, the Mosaic GPU arms of `w8a16_gemv` and `w8a8_gemv` (design:
+pallas_kernels/mgpu_gemv.py).
 
-E4M3 weight tiles [64, 128] are widened to bf16 in registers (exact) as the wgmma A operand against x^T; each
-128-wide K block's product is scaled by its block scale in float32. Unsplit launches (in_proj) split only the
-row blocks past a whole number per SM into K pieces (`tail_split`), added by XLA or by 2-CTA clusters.
+w8a16_gemv: E4M3 weight tiles [64, 128] are widened to bf16 in registers (exact) as the wgmma A operand against
+x^T (bf16); each 128-wide K block's product is scaled by its block scale in float32.
+w8a8_gemv: x is E4M3 too (per row per 128 columns, quantized by its producer or here), and both operands go to the
+FP8 matrix units straight from shared memory (no widening); each 128-wide K block's product is a fresh float32
+accumulator, scaled by the weight block's scale and each x row's scale of that block, then added in K order.
+Both share the launch: unsplit launches (in_proj) split only the row blocks past a whole number per SM into K
+pieces (`tail_split`), added by XLA or by 2-CTA clusters.
 """
 
 from __future__ import annotations
@@ -18,12 +23,12 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import epilogues, registry
 from pallas_kernels.errors import ShapeError
-from pallas_kernels.formats import FP8_BLOCK
+from pallas_kernels.formats import FP8_BLOCK, Fp8Activations
 from pallas_kernels.mgpu_gemv import (ROWS, W8_BK, GemvConfig, _check_config, _check_dims, _check_x_bf16,
                                       _cluster_launch, _cluster_sum, _finish, _grid, _interpret_kw, _mma_values,
                                       _out_spec, _pad_rows, _store_out, _tf, auto_split, launch_tiles,
                                       resolve_k_blocks, supports, x_rows)
-from pallas_kernels.w8a16 import H200_SMS, _check_w8a16, w8a16_reference
+from pallas_kernels.w8a16 import H200_SMS, _check_w8a16, w8a16_reference, w8a8_gemv_reference
 
 
 def _widen8(w_ref):
@@ -32,8 +37,8 @@ def _widen8(w_ref):
     return w.astype(jnp.float32).astype(jnp.bfloat16)      # exact; ptxas 13.0 has no direct e4m3->bf16 cvt
 
 
-def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, *t_gmem, o_smem, a_smem, ready=None, red_bar=None, bn, steps, stages,
-               direct, xr, kb, epilogue=None, dp=0, tail=0, cluster=0):
+def _w8_kernel(*refs, n_in, o_smem, a_smem, ready=None, red_bar=None, bn, steps, stages, direct, xr, kb, epilogue=None,
+               dp=0, tail=0, cluster=0):
     """One wgmma per 128-wide K block over all m_tiles 16-row x tiles of the CTA (the weight tile is read and
     widened once) into a fresh accumulator, waited for before the block scale is applied; a pipeline step holds
     kb blocks, whose wgmmas are all issued before the wait. A wgmma computes each output column the same way
@@ -41,9 +46,12 @@ def _w8_kernel(x_gmem, w_gmem, s_gmem, o_gmem, *t_gmem, o_smem, a_smem, ready=No
     on M. tail > 0: CTAs n < dp take row block n whole; the others piece (n - dp) % tail of the K range of row
     block dp + (n - dp) // tail, as float32 partials into t_gmem [tail, tail rows, Mp]. cluster > 0: the tail
     pieces of one output tile form a cluster and add their partials in the kernel (`_w8_tail_cluster`). A direct
-    store puts the complete sums through `epilogue` first (`_store_out`)."""
+    store puts the complete sums through `epilogue` first (`_store_out`). refs: the n_in inputs (x, w, scale and,
+    with E4M3 x, its scales: `_w8a8_blocks`), the output, the tail partials if any."""
+    ins, (o_gmem, *t_gmem) = refs[:n_in], refs[n_in:]
     n, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
-    run = functools.partial(_w8_blocks, x_gmem, w_gmem, s_gmem, a_smem, bn=bn, stages=stages, xr=xr, kb=kb)
+    blocks = _w8a8_blocks if n_in == 4 else _w8_blocks
+    run = functools.partial(blocks, *ins, a_smem, bn=bn, stages=stages, xr=xr, kb=kb)
     store = lambda acc, n_blk: _store_out(acc, o_smem, o_gmem, 0, m_blk, n_blk, bn, direct, xr, epilogue)
     if not tail:
         _store_out(run(n, m_blk, split * steps, steps=steps), o_smem, o_gmem, split, m_blk, n, bn, direct, xr,
@@ -111,26 +119,74 @@ def _w8_blocks(x_gmem, w_gmem, s_gmem, a_smem, n_blk, m_blk, k_first, *, bn, ste
                                init_carry=(zero,) * groups)(w_gmem, x_gmem)
 
 
+def _w8a8_blocks(x_gmem, w_gmem, s_gmem, xs_gmem, a_smem, n_blk, m_blk, k_first, *, bn, steps, stages, xr, kb):
+    """`_w8_blocks` with E4M3 x and its scales xs_gmem [K/128, Mx] (x rows along the minor axis): per 64-row group,
+    the [64, xr] float32 sum over K blocks of (E4M3 weight tile @ E4M3 x tile^T) * weight block scale * x row scale,
+    both operands read by the wgmma from shared memory (a_smem unused)."""
+    s_row = n_blk * bn // FP8_BLOCK
+    groups = bn // ROWS
+
+    def body(idx, w_smem, x_smem, xs_smem, acc):
+        (k,) = idx
+        blocks = range(kb)
+        ws = [s_gmem[s_row, (k_first + k) * kb + j] for j in blocks]
+        xs = [lax.broadcast_in_dim(plgpu.load(xs_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(0)), (ROWS, xr), [1])
+              for j in blocks]                                                           # [64, xr]: x row j's scale
+        xt = [x_smem.at[:, pl.ds(j * W8_BK, W8_BK)].transpose((1, 0)) for j in blocks]  # [128, xr]: K-major B
+        out = []
+        for g in range(groups):
+            rows = pl.ds(g * ROWS, ROWS)
+            tiles = [w_smem.at[rows, pl.ds(j * W8_BK, W8_BK)] for j in blocks]          # [64, 128]: K-major A
+            part = acc[g]
+            for prod, wj, xj in zip(_mma_smem(tiles, xt, xr), ws, xs):
+                part = part + prod * wj * xj
+            out.append(part)
+        return tuple(out)
+
+    zero = plgpu.layout_cast(jnp.zeros((ROWS, xr), jnp.float32), plgpu.Layout.WGMMA)
+    specs = [plgpu.BlockSpec((bn, kb * W8_BK), lambda k: (n_blk, k_first + k), transforms=_tf(W8_BK, 1)),
+             plgpu.BlockSpec((xr, kb * W8_BK), lambda k: (m_blk, k_first + k), transforms=_tf(W8_BK, 1)),
+             plgpu.BlockSpec((kb, xr), lambda k: (k_first + k, m_blk))]
+    return plgpu.emit_pipeline(body, grid=(steps,), in_specs=specs, max_concurrent_steps=stages,
+                               init_carry=(zero,) * groups)(w_gmem, x_gmem, xs_gmem)
+
+
+def _mma_smem(a_refs, b_refs, n: int):
+    """Fresh [64, n] float32 products a_refs[j] @ b_refs[j], both operands in shared memory, all issued before one
+    wait."""
+    def run(*acc_refs):
+        for a, b, acc_ref in zip(a_refs, b_refs, acc_refs):
+            plgpu.wgmma(acc_ref, a, b)
+        return [acc_ref[...] for acc_ref in acc_refs]
+    return pl.run_scoped(run, *[plgpu.ACC((ROWS, n), jnp.float32) for _ in a_refs])
+
+
 @functools.partial(jax.jit, static_argnames=("out_dtype", "epilogue", "config", "interpret"))
-def _w8_call(x, w, scale, *, out_dtype, epilogue, config: GemvConfig, interpret: bool):
+def _w8_call(x, w, scale, x_scales=None, *, out_dtype, epilogue, config: GemvConfig, interpret: bool):
+    """x bf16 [M, K] (w8a16_gemv), or E4M3 with x_scales f32 [M, K/128] (w8a8_gemv)."""
     M, K = x.shape
     N = w.shape[0]
-    bn, nb, mb, split, steps = _grid("w8a16_gemv", M, N, K, W8_BK * config.k_blocks, config)
+    name = "w8a16_gemv" if x_scales is None else "w8a8_gemv"
+    bn, nb, mb, split, steps = _grid(name, M, N, K, W8_BK * config.k_blocks, config)
     xp = _pad_rows(x)
-    mt, stages = launch_tiles("w8a16_gemv", M, N, K, config, out_dtype)
+    mt, stages = launch_tiles(name, M, N, K, config, out_dtype)
     xr = x_rows(M, mt, config.small_m)
+    ins = (xp, w, scale)
+    if x_scales is not None:          # [K/128, Mx]: one column per x row of every CTA's tile (TMA: 16-byte rows)
+        mx = pl.cdiv(M, xr) * xr
+        ins += (jnp.pad(x_scales.T, ((0, 0), (0, mx - M)), constant_values=1.0),)
     dp, nt = tail_blocks(nb, config.tail_split) if split == 1 else (nb, 0)
     tail = config.tail_split
     size = tail if nt and config.reduce == "cluster" and not interpret else 0
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, split, out_dtype, xr)
-    kernel = functools.partial(_w8_kernel, bn=bn, steps=steps, stages=stages, direct=direct, xr=xr,
+    kernel = functools.partial(_w8_kernel, n_in=len(ins), bn=bn, steps=steps, stages=stages, direct=direct, xr=xr,
                                kb=config.k_blocks, epilogue=epilogue)
     scratch = dict(o_smem=o_smem, a_smem=plgpu.SMEM((ROWS, W8_BK), jnp.bfloat16, transforms=_tf(2 * W8_BK, 2))
-                   if interpret else None)
+                   if interpret and x_scales is None else None)
     grid = (nb, pl.cdiv(mb, mt), split)
     if nt:
         if steps % tail or (size and dp % tail):
-            raise ShapeError(f"w8a16_gemv(mosaic): tail_split={tail} does not divide the {steps} K steps of "
+            raise ShapeError(f"{name}(mosaic): tail_split={tail} does not divide the {steps} K steps of "
                              f"{W8_BK * config.k_blocks}" + (f" or the {dp} whole row blocks" if size else ""))
         kernel = functools.partial(kernel, dp=dp, tail=tail)
         grid = (dp // tail + nt if size else dp + nt * tail, *grid[1:])
@@ -139,12 +195,12 @@ def _w8_call(x, w, scale, *, out_dtype, epilogue, config: GemvConfig, interpret:
     launch = dict(grid=grid, grid_names=("n", "m", "s"))
     if size:              # the tail pieces meet in CTA 0 of each cluster (interpret mode: XLA adds them)
         kernel = functools.partial(kernel, cluster=size)
-        launch, barriers = _cluster_launch("w8a16_gemv", size, bn, xr, o_smem, grid)
+        launch, barriers = _cluster_launch(name, size, bn, xr, o_smem, grid)
         scratch.update(barriers)
     f = plgpu.kernel(kernel, out_type=out_type, **launch, scratch_types=scratch, **_interpret_kw(interpret))
     if not nt or size:
-        return _finish(f(xp, w, scale), direct, M, out_dtype, epilogue)
-    out, parts = f(xp, w, scale)
+        return _finish(f(*ins), direct, M, out_dtype, epilogue)
+    out, parts = f(*ins)
     y = _finish(out, direct, M, out_dtype, epilogue)
     return jnp.concatenate([y[:, :dp * bn], _finish(parts, False, M, out_dtype, epilogue)], axis=1)
 
@@ -185,7 +241,37 @@ def w8a16_gemv_mosaic(x, w, scale, *, out_dtype=None, epilogue: str | None = Non
                     interpret=interpret)
 
 
+def w8a8_gemv_mosaic(x, w, scale, *, out_dtype=None, epilogue: str | None = None, interpret: bool = False,
+                     config: GemvConfig | None = None):
+    """Decode GEMV on the FP8 matrix units, Mosaic GPU arm of `w8a8_gemv`; same call and result as
+    `w8a8_gemv_reference` (x bf16 [M, K], quantized here per row per 128 columns, or Fp8Activations from its
+    producer per row per a multiple of 128 columns; N % 64 == 0, K % 128 == 0). The launch is w8a16_gemv's (from
+    (N, K) only) and x's scales are per row, so a row's result does not depend on M."""
+    from pallas_kernels.mgpu_gemm import _quantized_x      # the prefill arms' quantizers (same bits as the reference)
+    _check_w8a16("w8a8_gemv", x, w, scale)
+    epilogues.check("w8a8_gemv", epilogue)
+    N, K = w.shape
+    _check_dims("w8a8_gemv", N, K, W8_BK)
+    M = x.shape[0]
+    xq, xs, width = _quantized_x(x, FP8_BLOCK, M, K, interpret, "fused", None)
+    if width != FP8_BLOCK:         # a producer's per-group scales, one per 128 columns
+        xs = jnp.repeat(xs, width // FP8_BLOCK, axis=1)[:, :K // FP8_BLOCK]
+    config = resolve_k_blocks(config or w8a16_gemv_blocks(N, K), M)
+    _check_config("w8a8_gemv", config)
+    return _w8_call(xq, w, scale, xs, out_dtype=jnp.dtype(out_dtype or x.dtype), epilogue=epilogue, config=config,
+                    interpret=interpret)
+
+
+def w8a8_supports(x, w) -> bool:
+    """Whether the Mosaic arm of w8a8_gemv takes these shapes (else ShapeError); x bf16 or Fp8Activations."""
+    N, K = w.shape
+    return N % ROWS == 0 and K % W8_BK == 0 and (isinstance(x, Fp8Activations)
+                                                 or jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16))
+
+
 # Registered beside the Triton arm; shapes the Mosaic arm does not take go to the Triton arm (registry). Mosaic is
 # the GPU default: faster than the Triton arm at the 8B shapes on the H200 (benchmarks/notes/gemv.md).
 registry.register("w8a16_gemv", reference=w8a16_reference, mosaic=w8a16_gemv_mosaic, gpu_default="mosaic",
                   mosaic_supports=lambda x, w, scale, **_: supports("w8a16_gemv", *w.shape, x.dtype))
+registry.register("w8a8_gemv", reference=w8a8_gemv_reference, mosaic=w8a8_gemv_mosaic, gpu_default="mosaic",
+                  mosaic_supports=lambda x, w, scale, **_: w8a8_supports(x, w))

@@ -9,6 +9,8 @@ Kernels (registry names):
   w8a16_gemm_pipelined  prefill on the FP8 matrix units: activations are quantized per row per
                         128 columns to E4M3 first (pallas_kernels.fp8_gemm), so the result is that of
                         the quantized activations (its reference does the same quantization).
+  w8a8_gemv             decode on the FP8 matrix units, the same quantization of the activations (the Mosaic
+                        arm: pallas_kernels/mgpu_gemv_w8.py; the Triton arm is w8a16_gemm_pipelined's).
 Tile configs depend on (N, K) only, never on M, so a row's result does not depend on the batch.
 Shared tile helpers of the quantized kernels live here too.
 """
@@ -249,8 +251,23 @@ def w8a16_gemm_pipelined_pallas(x, w, scale, *, out_dtype=None, interpret: bool 
     return fp8_block_gemm(x, w, scale, out_dtype=out_dtype, interpret=interpret, blocks=blocks)
 
 
+def w8a8_gemv_reference(x, w, scale, *, out_dtype=None, epilogue: str | None = None):
+    """Decode on the FP8 matrix units: x quantized per row per 128 columns to E4M3 (or Fp8Activations as their
+    producer quantized them), both operands dequantized, matmul in float32, then the epilogue."""
+    _check_w8a16("w8a8_gemv", x, w, scale)
+    return w8a16_reference(fp8_dequantized(x, FP8_BLOCK), w, scale, out_dtype=out_dtype or x.dtype, epilogue=epilogue)
+
+
+def w8a8_gemv_pallas(x, w, scale, *, out_dtype=None, epilogue: str | None = None, interpret: bool = False):
+    """Triton arm of w8a8_gemv: w8a16_gemm_pipelined's block-scaled FP8 GEMM, the epilogue on its float32 output."""
+    epilogues.check("w8a8_gemv", epilogue)
+    y = w8a16_gemm_pipelined_pallas(x, w, scale, out_dtype=jnp.float32, interpret=interpret)
+    return epilogues.apply(y, epilogue).astype(out_dtype or x.dtype)
+
+
 registry.register("w8a16_gemv", reference=w8a16_reference, pallas=w8a16_gemv_pallas)
 registry.register("w8a16_gemm", reference=w8a16_reference, pallas=w8a16_gemm_pallas)
 registry.register("w8a16_gemm_pipelined", reference=w8a16_pipelined_reference, pallas=w8a16_gemm_pipelined_pallas)
-for _name in ("w8a16_gemv", "w8a16_gemm", "w8a16_gemm_pipelined"):   # gradients to the activations only
+registry.register("w8a8_gemv", reference=w8a8_gemv_reference, pallas=w8a8_gemv_pallas)
+for _name in ("w8a16_gemv", "w8a16_gemm", "w8a16_gemm_pipelined", "w8a8_gemv"):   # gradients to the activations only
     registry.register(_name, grad_wrt=registry.ACTIVATIONS)

@@ -3,7 +3,8 @@
 Each installed copy is an *arm*; a call takes the first arm of its phase's fixed order that is installed
 (DESIGN.md, "Projection arms"):
 
-  decode:  dense > fp8_native (w8a16_gemv) > w4a4 > nvfp4 (w4a16_gemv, the default)
+  decode:  dense > fp8_native (w8a16_gemv; w8a8_gemv with fp8_decode_activations "e4m3") > w4a4 > nvfp4
+           (w4a16_gemv, the default)
   prefill: dense > fp8_native (only if installed with prefill=True: w8a16_gemm_pipelined, else
            w8a16_gemm) > w4a4 > fp8_prefill (fp8_gemm_t) > nvfp4_t (w4a16_gemm_t, or w4a16_gemm_t_m128
            above 128 tokens when it resolved) > nvfp4 (w4a16_gemm)
@@ -45,8 +46,8 @@ ARM_KERNELS = {
     "nvfp4": ("w4a16_gemv", "w4a16_gemm"),
 }
 # kernels that quantize their activations to E4M3 (and so also take Fp8Activations): how
-INPUT_QUANT = {"fp8_gemm_t": "rows", "w8a16_gemm_pipelined": "blocks"}
-EPILOGUE_KERNELS = ("w8a16_gemv", "w4a16_gemv")   # kernels that take `epilogue` (every arm of theirs)
+INPUT_QUANT = {"fp8_gemm_t": "rows", "w8a16_gemm_pipelined": "blocks", "w8a8_gemv": "blocks"}
+EPILOGUE_KERNELS = ("w8a16_gemv", "w8a8_gemv", "w4a16_gemv")   # kernels that take `epilogue` (every arm of theirs)
 PREFILL_ONLY_ARMS = ("fp8_prefill", "nvfp4_t")   # copies no decode call reads
 M128_ABOVE = 128   # prefill tokens above which the transposed NVFP4 arm takes w4a16_gemm_t_m128
 # the layer's own ("base") weights: the first installed of these (what ssm_weights() reports)
@@ -66,6 +67,7 @@ class Projection(nnx.Module):
         self.in_features = in_features
         self.kernels = kernels
         self.fp8_activations = "e4m3"        # ModelLevers.fp8_activations, set by set_fp8_activations
+        self.fp8_decode_activations = "bf16"  # ModelLevers.fp8_decode_activations (set_fp8_decode_activations)
         self.fp8_prefill_enabled = False
         for arm in ARMS:
             setattr(self, arm, nnx.data(None))
@@ -203,6 +205,16 @@ class Projection(nnx.Module):
                                          f"which does not resolve here (kernels={self.kernels!r})")
         self.fp8_activations = mode
 
+    def set_fp8_decode_activations(self, mode: str) -> None:
+        """ModelLevers.fp8_decode_activations for this projection: "bf16" (w8a16_gemv) or "e4m3" (FP8 weights decode
+        through w8a8_gemv, which must then resolve: KernelUnavailableError here otherwise)."""
+        if mode not in ("bf16", "e4m3"):
+            raise ConfigError("fp8_decode_activations", f"{self.name}: expected 'bf16' or 'e4m3', got {mode!r}")
+        if mode == "e4m3" and self.fp8_native is not None and not registry.resolved("w8a8_gemv", self.kernels):
+            raise KernelUnavailableError(f"{self.name}: fp8_decode_activations 'e4m3' decodes FP8 weights with "
+                                         f"w8a8_gemv, which does not resolve here (kernels={self.kernels!r})")
+        self.fp8_decode_activations = mode
+
     # ---- dispatch ------------------------------------------------------------------------------------
     def active_arm(self, phase: str, tokens: int) -> str:
         """The arm that serves a call of `tokens` rows in `phase` ('decode' or 'prefill')."""
@@ -226,7 +238,8 @@ class Projection(nnx.Module):
             return "dense_matmul"
         if arm == "fp8_native":
             if decode:
-                return "w8a16_gemv"
+                e4m3 = self.fp8_decode_activations == "e4m3" and not isinstance(self.arm_weight(arm), Fp8Share)
+                return "w8a8_gemv" if e4m3 else "w8a16_gemv"
             if self.fp8_activations == "bf16":
                 return "w8a16_gemm"            # weight-only: the activations stay as they come
             return "w8a16_gemm_pipelined" if registry.resolved("w8a16_gemm_pipelined", self.kernels) else "w8a16_gemm"

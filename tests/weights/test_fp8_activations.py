@@ -79,3 +79,52 @@ def test_the_lever_from_the_environment_and_its_errors(ckpts):
         NemotronH.from_pretrained(ckpts["fp8"], dtype=F32)             # e4m3 does not need it
         with pytest.raises(KernelUnavailableError, match="w8a16_gemm"):
             NemotronH.from_pretrained(ckpts["fp8"], dtype=F32, levers=ModelLevers(fp8_activations="bf16"))
+
+
+def _decode_after_prefill(model, ids, start: int) -> np.ndarray:
+    """Logits [B, T - start, V] of tokens start.. decoded one step at a time after a prefill of ids[:, :start]."""
+    B, T = ids.shape
+    cache = model.new_cache(B, T)
+    slots = np.arange(B)
+    _, cache = model.prefill(cache, slots, ids[:, :start])
+    steps = []
+    for t in range(start, T):
+        logits, cache = model.decode(cache, slots, ids[:, t])
+        steps.append(np.asarray(logits))
+    return np.stack(steps, axis=1)
+
+
+def test_e4m3_decode_rounds_activations_as_prefill_does(ckpts, rng):
+    """fp8_decode_activations "e4m3": every whole FP8 projection decodes through w8a8_gemv, its activations rounded
+    to E4M3 per row per 128 columns (the Mamba norms hand them over quantized, as in prefill), so decoded logits
+    equal the E4M3 prefill's (forward) to float32 summation order, except in a row where that order moved a value
+    across an E4M3 rounding boundary (then ~1e-3 from there on: measured in about one row of four); the default
+    "bf16" decode differs in every row."""
+    d = ckpts["fp8-block"]
+    model = NemotronH.from_pretrained(d, dtype=F32, levers=ModelLevers(fp8_decode_activations="e4m3"))
+    fp8 = [p for p in _projections(model) if p.fp8_native is not None]
+    assert len(fp8) >= 8
+    for p in fp8:
+        assert (p.active_kernel("decode", 1), p.input_quant("decode", 1)) == ("w8a8_gemv", "blocks")
+        assert p.active_kernel("prefill", 64) != "w8a8_gemv"
+    ids = rng.integers(3, model.config.vocab_size, (6, 12)).astype(np.int32)
+    want = np.asarray(model.forward(ids))[:, 8:]
+    row_errs = lambda got: [rel_err(got[b], want[b]) for b in range(len(ids))]
+    assert sum(e <= TOL for e in row_errs(_decode_after_prefill(model, ids, 8))) >= 3
+    default = NemotronH.from_pretrained(d, dtype=F32)
+    assert all(p.active_kernel("decode", 1) == "w8a16_gemv" for p in _projections(default) if p.fp8_native is not None)
+    assert min(row_errs(_decode_after_prefill(default, ids, 8))) > 1e-3
+
+
+def test_the_decode_lever_from_the_environment_and_its_errors(ckpts):
+    assert ModelLevers.from_env({"METRALE_FP8_DECODE_ACTIVATIONS": "E4M3"}).fp8_decode_activations == "e4m3"
+    assert ModelLevers.from_env({}).fp8_decode_activations == "bf16"
+    with pytest.raises(ConfigError) as e:
+        ModelLevers.from_env({"METRALE_FP8_DECODE_ACTIVATIONS": "fp4"})
+    assert e.value.field == "METRALE_FP8_DECODE_ACTIVATIONS"
+    with pytest.raises(ConfigError, match="fp8_decode_activations"):
+        ModelLevers(fp8_decode_activations="int8")
+    with registry.disabled("w8a8_gemv"):                                # the arm must resolve at load
+        NemotronH.from_pretrained(ckpts["fp8"], dtype=F32)
+        with pytest.raises(KernelUnavailableError, match="w8a8_gemv"):
+            NemotronH.from_pretrained(ckpts["fp8"], dtype=F32, levers=ModelLevers(fp8_decode_activations="e4m3"))
