@@ -121,7 +121,7 @@ def _w8_blocks(x_gmem, w_gmem, s_gmem, a_smem, n_blk, m_blk, k_first, *, bn, ste
 
 def _w8a8_blocks(x_gmem, w_gmem, s_gmem, xs_gmem, a_smem, n_blk, m_blk, k_first, *, bn, steps, stages, xr, kb):
     """`_w8_blocks` with E4M3 x and its scales xs_gmem [K/128, Mx] (x rows along the minor axis): per 64-row group,
-    the [64, xr] float32 sum over K blocks of (E4M3 weight tile @ E4M3 x tile^T) * weight block scale * x row scale,
+    the [64, xr] float32 sum over K blocks of (E4M3 weight tile @ E4M3 x tile^T) * (x row scale * weight block scale),
     both operands read by the wgmma from shared memory (a_smem unused)."""
     s_row = n_blk * bn // FP8_BLOCK
     groups = bn // ROWS
@@ -129,17 +129,17 @@ def _w8a8_blocks(x_gmem, w_gmem, s_gmem, xs_gmem, a_smem, n_blk, m_blk, k_first,
     def body(idx, w_smem, x_smem, xs_smem, acc):
         (k,) = idx
         blocks = range(kb)
-        ws = [s_gmem[s_row, (k_first + k) * kb + j] for j in blocks]
-        xs = [lax.broadcast_in_dim(plgpu.load(xs_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(0)), (ROWS, xr), [1])
-              for j in blocks]                                                           # [64, xr]: x row j's scale
+        # block j's scale of each column (x row) of the [64, xr] product: the x row's times the weight block's
+        scales = [lax.broadcast_in_dim(plgpu.load(xs_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(0))
+                                       * s_gmem[s_row, (k_first + k) * kb + j], (ROWS, xr), [1]) for j in blocks]
         xt = [x_smem.at[:, pl.ds(j * W8_BK, W8_BK)].transpose((1, 0)) for j in blocks]  # [128, xr]: K-major B
         out = []
         for g in range(groups):
             rows = pl.ds(g * ROWS, ROWS)
             tiles = [w_smem.at[rows, pl.ds(j * W8_BK, W8_BK)] for j in blocks]          # [64, 128]: K-major A
             part = acc[g]
-            for prod, wj, xj in zip(_mma_smem(tiles, xt, xr), ws, xs):
-                part = part + prod * wj * xj
+            for prod, sj in zip(_mma_smem(tiles, xt, xr), scales):
+                part = part + prod * sj
             out.append(part)
         return tuple(out)
 

@@ -19,7 +19,7 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import ShapeError, WeightFormatError
-from metrale_jax.layers.blocks import linear, optional_param, param, reduced_linear, value_of
+from metrale_jax.layers.blocks import input_rmsnorm, linear, optional_param, param, reduced_linear, value_of
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import check_array, check_layer_index, check_slots
 from metrale_jax.layers.projection import Projection
@@ -131,8 +131,8 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
         c = self.config
         B, T, D = hidden.shape
         H, KVH, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        x = registry.get("rmsnorm", self.kernels)(hidden.reshape(B * T, D), self.input_norm[...],
-                                                   eps=c.layer_norm_epsilon)
+        x = input_rmsnorm(hidden.reshape(B * T, D), self.input_norm[...], eps=c.layer_norm_epsilon,
+                          projections=(self.q_proj, self.k_proj, self.v_proj), phase=phase, kernels=self.kernels)
         q = linear(self.q_proj, self.q_bias, x, phase).reshape(B, T, KVH, H // KVH, hd)
         k = linear(self.k_proj, self.k_bias, x, phase).reshape(B, T, KVH, hd).astype(pool.k.dtype)
         v = linear(self.v_proj, self.v_bias, x, phase).reshape(B, T, KVH, hd).astype(pool.v.dtype)

@@ -9,6 +9,7 @@ from flax import nnx
 from metrale_jax.errors import ShapeError
 from metrale_jax.layers.projection import Projection
 from metrale_jax.weights.containers import DenseWeight, as_dense
+from pallas_kernels import norm_fp8, registry
 from pallas_kernels.triton_util import columns
 
 
@@ -18,6 +19,20 @@ def linear(proj: Projection, bias, x: jax.Array, phase: str) -> jax.Array:
         return proj(x, phase=phase)
     y = proj(x, phase=phase, out_dtype=jnp.float32) + bias[...].astype(jnp.float32)
     return y.astype(x.dtype)
+
+
+def input_rmsnorm(hidden: jax.Array, weight: jax.Array, *, eps: float, projections: tuple[Projection, ...],
+                  phase: str, kernels: str | None):
+    """A block's input RMSNorm in front of `projections` (which all read its output). In decode, where each of
+    them rounds its activations to E4M3 per 128 columns itself (w8a8_gemv) and the fused norm takes the width, the
+    norm hands them over quantized (norm_fp8): the same bits, one quantization fewer per step. Prefill and LoRA
+    overlays (their low-rank term reads the unquantized rows) keep the bf16 norm."""
+    width = hidden.shape[-1]
+    if (phase == "decode" and all(p.input_quant(phase, hidden.shape[0]) == "blocks" and p.lora is None
+                                  for p in projections)
+            and registry.resolved("rmsnorm_fp8", kernels) and norm_fp8.supports(width, width, per_block=True)):
+        return registry.get("rmsnorm_fp8", kernels)(hidden, weight, eps=eps, per_block=True)
+    return registry.get("rmsnorm", kernels)(hidden, weight, eps=eps)
 
 
 def reduced_linear(proj: Projection, bias, x: jax.Array, phase: str, axis: str) -> jax.Array:

@@ -15,11 +15,11 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import WeightFormatError
-from metrale_jax.layers.blocks import StatelessRows, linear, optional_param, param, plus_bias, value_of
+from metrale_jax.layers.blocks import (StatelessRows, input_rmsnorm, linear, optional_param, param, plus_bias,
+                                      value_of)
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import check_array, check_layer_index
 from metrale_jax.layers.projection import Projection
-from pallas_kernels import registry
 from pallas_kernels.epilogues import relu2
 
 
@@ -107,7 +107,8 @@ class NemotronMLPLayer(StatelessRows, LayerCapabilities, nnx.Module):
     def __call__(self, hidden: jax.Array, *, phase: str = "prefill") -> jax.Array:
         """hidden [T, D] -> hidden + mlp(norm(hidden)), rows independent."""
         check_array("hidden", hidden, (None, self.config.hidden_size), floating=True)
-        x = registry.get("rmsnorm", self.kernels)(hidden, self.input_norm[...], eps=self.config.layer_norm_epsilon)
+        x = input_rmsnorm(hidden, self.input_norm[...], eps=self.config.layer_norm_epsilon,
+                          projections=(self.mlp.up_proj,), phase=phase, kernels=self.kernels)
         if self.tp_axis is not None:
             y = jax.lax.psum(self.mlp.partial_sum(x, phase=phase), self.tp_axis)
             return hidden + plus_bias(y, self.mlp.down_bias).astype(hidden.dtype)

@@ -16,27 +16,15 @@ from pallas_kernels import epilogues, registry, w8a16
 from pallas_kernels import mgpu_gemv_w8 as w8m
 from pallas_kernels.formats import Fp8Activations
 from pallas_kernels.mgpu_gemv import GemvConfig
+from tests.kernels.test_mgpu_gemv import _fp8, _reset_interpreter  # noqa: F401 (an autouse fixture)
 from tests.numpy_refs import rel_err
 
 F32 = jnp.float32
 
 
-@pytest.fixture(autouse=True)
-def _reset_interpreter():
-    """The GPU interpreter keeps global state that an exception leaves dirty."""
-    yield
-    if jax.default_backend() != "gpu":
-        from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
-        reset_gpu_interpret_mode_state()
-
-
 def _x(rng, m, k):
+    """bf16 rows of different magnitudes (each row gets its own E4M3 scales)."""
     return jnp.asarray(rng.standard_normal((m, k)) * rng.uniform(0.05, 20.0, (m, 1)), jnp.bfloat16)
-
-
-def _fp8(rng, n, k):
-    w = (rng.standard_normal((n, k)) * rng.uniform(0.1, 3.0, (n, 1))).astype(np.float32)
-    return tuple(jnp.asarray(a) for a in qf.quantize_fp8_block(w))
 
 
 def _group_quantized(x, group: int) -> Fp8Activations:

@@ -128,3 +128,36 @@ def test_the_decode_lever_from_the_environment_and_its_errors(ckpts):
         NemotronH.from_pretrained(ckpts["fp8"], dtype=F32)
         with pytest.raises(KernelUnavailableError, match="w8a8_gemv"):
             NemotronH.from_pretrained(ckpts["fp8"], dtype=F32, levers=ModelLevers(fp8_decode_activations="e4m3"))
+
+
+def test_e4m3_decode_norms_hand_over_the_same_bits(rng):
+    """With fp8_decode_activations "e4m3" a block's input norm emits E4M3 in decode where every projection reading
+    it quantizes per 128 columns (norm_fp8, one quantization fewer per step) and the fused norm takes the width
+    (a power of two: not the built-in model's 192): the projection's output equals, bit for bit, the bf16 norm's
+    with the projection quantizing; prefill, a LoRA overlay or a bf16-decode projection keep the bf16 norm."""
+    from metrale_jax.layers.blocks import input_rmsnorm
+    from metrale_jax.weights.containers import Fp8Weight
+    from pallas_kernels.formats import Fp8Activations
+    from tests.kernels.test_mgpu_gemv_w8a8 import _fp8
+    N, K, eps = 384, 256, 1e-5
+    projs = []
+    for name in ("up_proj", "gate"):
+        p = Projection(name, N, K)
+        p.set_fp8(Fp8Weight(*_fp8(rng, N, K)), prefill=True)
+        projs.append(p)
+    projs[0].set_fp8_decode_activations("e4m3")
+    h = jnp.asarray(rng.standard_normal((3, K)) * 4, jnp.bfloat16)
+    w = jnp.asarray(rng.uniform(0.5, 1.5, K), F32)
+    norm = lambda phase, ps: input_rmsnorm(h, w, eps=eps, projections=ps, phase=phase, kernels=None)
+    x = norm("decode", projs[:1])
+    assert isinstance(x, Fp8Activations)
+    assert not isinstance(norm("prefill", projs[:1]), Fp8Activations)
+    assert not isinstance(norm("decode", projs), Fp8Activations)          # the second decodes with w8a16_gemv
+    projs[0].lora = nnx.data("an overlay")                                 # its term reads the bf16 rows
+    assert not isinstance(norm("decode", projs[:1]), Fp8Activations)
+    projs[0].lora = nnx.data(None)
+    fused = np.asarray(projs[0](x, phase="decode", epilogue="relu2"))
+    with registry.disabled("rmsnorm_fp8"):
+        plain = norm("decode", projs[:1])
+    assert not isinstance(plain, Fp8Activations)
+    np.testing.assert_array_equal(np.asarray(projs[0](plain, phase="decode", epilogue="relu2")), fused)
