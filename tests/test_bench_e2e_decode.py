@@ -37,3 +37,16 @@ def test_update_starts_a_new_table_over_another_devices(tmp_path):
     assert read_previous(str(path), "H100", "nemotron_h_8b")["rows"][0]["device_tok_s"] == 1.0
     assert read_previous(str(path), "H200", "nemotron_h_8b") is None
     assert read_previous(str(path), "H100", "tiny") is None
+
+
+def test_update_starts_a_new_table_over_other_levers(tmp_path):
+    """A table of the e4m3 decode (fp8_decode_activations) never joins the default's, and the reverse; a table
+    without the field is the default's."""
+    path = tmp_path / "e2e.json"
+    e4m3 = {"fp8_decode_activations": "e4m3"}
+    path.write_text(json.dumps(_doc("d1", "H100", [("fp8-block", "float32", 1, 1.0)])))
+    assert read_previous(str(path), "H100", "nemotron_h_8b", {"fp8_decode_activations": "bf16"}) is not None
+    assert read_previous(str(path), "H100", "nemotron_h_8b", e4m3) is None
+    path.write_text(json.dumps({**_doc("d1", "H100", [("fp8-block", "float32", 1, 1.0)]), "levers": e4m3}))
+    assert read_previous(str(path), "H100", "nemotron_h_8b", e4m3)["rows"][0]["device_tok_s"] == 1.0
+    assert read_previous(str(path), "H100", "nemotron_h_8b") is None
