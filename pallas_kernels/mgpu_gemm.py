@@ -385,6 +385,44 @@ def quantize_blocks_fused_t(x, *, interpret: bool = False, qb: ActQuantBlocks | 
         name="quantize_rows_fp8_blocks")(x)
 
 
+def _quant_blocks_masked_kernel(x_ref, q_ref, s_ref, *, M: int, R: int, NB: int):
+    """Rows [R] x NB whole 128-column blocks of any M (rows past M masked): the blocks kernel's formulas."""
+    from jax.experimental.pallas import triton as pltr
+    rows = pl.program_id(0) * R + jnp.arange(R)
+    cols = pl.program_id(1) * NB * TILE_K + jnp.arange(NB * TILE_K)
+    rm = (rows < M)[:, None]
+    x = pltr.load(x_ref.at[rows[:, None], cols[None, :]], mask=rm, other=0.0).astype(jnp.float32)   # [R, NB*128]
+    xb = x.reshape(R, NB, TILE_K)
+    amax = jnp.max(jnp.abs(xb), axis=2)                                                              # [R, NB]
+    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
+    q = jnp.clip(xb / scale[:, :, None], -E4M3_MAX, E4M3_MAX).reshape(R, NB * TILE_K).astype(E4M3)
+    pltr.store(q_ref.at[rows[:, None], cols[None, :]], q, mask=rm)
+    blocks = pl.program_id(1) * NB + jnp.arange(NB)
+    pltr.store(s_ref.at[rows[:, None], blocks[None, :]], scale, mask=rm)
+
+
+MASKED_QUANT_COLS = 1024        # columns per program of the any-M quantizer (8 blocks of 128)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def quantize_blocks_any_rows(x, *, interpret: bool = False):
+    """x [M, K] (any M, K a multiple of 128) -> (E4M3 [M, K], f32 scale [M, K/128]): formats.quantize_rows_fp8_blocks
+    in one pass, for the row counts the fused blocks kernel does not take (decode's M < 64)."""
+    from jax.experimental.pallas import triton as pltr
+    M, K = x.shape
+    if K % TILE_K:
+        raise ShapeError(f"E4M3 block quantization: x [{M}, {K}] needs K a multiple of {TILE_K}")
+    kb = K // TILE_K
+    NB = max(d for d in (8, 4, 2, 1) if kb % d == 0 and d * TILE_K <= MASKED_QUANT_COLS)
+    R = min(8, 1 << (M - 1).bit_length())
+    kernel = functools.partial(_quant_blocks_masked_kernel, M=M, R=R, NB=NB)
+    return pl.pallas_call(
+        kernel, grid=(pl.cdiv(M, R), kb // NB),
+        out_shape=[jax.ShapeDtypeStruct((M, K), E4M3), jax.ShapeDtypeStruct((M, kb), jnp.float32)],
+        compiler_params=pltr.CompilerParams(num_warps=4, num_stages=1), interpret=interpret,
+        name="quantize_rows_fp8_blocks_any")(x)
+
+
 def _pad_rows(a, rows: int):
     return a if a.shape[0] == rows else jnp.pad(a, ((0, rows - a.shape[0]),) + ((0, 0),) * (a.ndim - 1))
 
@@ -392,7 +430,8 @@ def _pad_rows(a, rows: int):
 def _quantized_x(x, group: int | None, M: int, K: int, interpret: bool, act_quant: str,
                  qb: ActQuantBlocks | None):
     """(E4M3 [M, K], f32 scales [M, K/width], width): x as its producer quantized it, or quantized here per
-    row (group None) or per row per 128 columns, by the fused kernels where they take the shape."""
+    row (group None) or per row per 128 columns, by the fused kernels where they take the shape (per 128 columns
+    below 64 rows: `quantize_blocks_any_rows`, any K multiple of 128), else by XLA; the same bits every way."""
     if not isinstance(x, Fp8Activations) and act_quant == "fused" and fused_quant_ok(M, K, qb):
         if group is None:
             xq, xs = quantize_rows_fused(x, interpret=interpret, qb=qb)
@@ -400,6 +439,10 @@ def _quantized_x(x, group: int | None, M: int, K: int, interpret: bool, act_quan
         else:
             xq, xs_t = quantize_blocks_fused_t(x, interpret=interpret, qb=qb)
             xs, width = xs_t.T, TILE_K
+    elif (not isinstance(x, Fp8Activations) and act_quant == "fused" and group is not None and K % TILE_K == 0
+          and M < (qb or ACT_QUANT_BLOCKS).blocks_rows):          # decode's row counts (prefill's: XLA, as timed)
+        xq, xs = quantize_blocks_any_rows(x, interpret=interpret)
+        width = TILE_K
     else:
         xq, xs, width = fp8_groups(x, group)
     return xq, xs, width

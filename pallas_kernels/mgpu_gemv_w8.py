@@ -253,11 +253,11 @@ def w8a8_gemv_mosaic(x, w, scale, *, out_dtype=None, epilogue: str | None = None
     N, K = w.shape
     _check_dims("w8a8_gemv", N, K, W8_BK)
     M = x.shape[0]
+    config = resolve_k_blocks(config or w8a16_gemv_blocks(N, K), M)
+    _check_config("w8a8_gemv", config)
     xq, xs, width = _quantized_x(x, FP8_BLOCK, M, K, interpret, "fused", None)
     if width != FP8_BLOCK:         # a producer's per-group scales, one per 128 columns
         xs = jnp.repeat(xs, width // FP8_BLOCK, axis=1)[:, :K // FP8_BLOCK]
-    config = resolve_k_blocks(config or w8a16_gemv_blocks(N, K), M)
-    _check_config("w8a8_gemv", config)
     return _w8_call(xq, w, scale, xs, out_dtype=jnp.dtype(out_dtype or x.dtype), epilogue=epilogue, config=config,
                     interpret=interpret)
 

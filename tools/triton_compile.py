@@ -4,8 +4,8 @@ Two steps, two environments:
   1. `dump` (the project venv, CPU): every registered kernel with a Triton arm is lowered for CUDA on the operands of
      its gradient-test case (tests/kernels/test_kernel_grads.py), decode_attention also at the 8B shapes with its
      slot whole and in pieces, the Mamba conv and state updates at the 8B shapes with a row offset and a
-     skipped (padding) row, with jax's GPU query stubbed to compute capability 9.0; each pallas_call's Triton IR is
-     written to DIR/<case>.<n>.w<warps>s<stages>.ttir.
+     skipped (padding) row, decode's any-M E4M3 quantizer, with jax's GPU query stubbed to compute capability
+     9.0; each pallas_call's Triton IR is written to DIR/<case>.<n>.w<warps>s<stages>.ttir.
   2. `compile` (a venv with the `triton` package, which has its own LLVM and ptxas; no GPU needed): each .ttir is
      compiled to a cubin for sm_90; a kernel that fails prints Triton's error. Exit status 1 if any failed.
 
@@ -36,7 +36,7 @@ def dump(out: pathlib.Path) -> int:
     import numpy as np
     from jax._src.pallas.triton import gpu_info, lowering, pallas_call_registration
 
-    from pallas_kernels import attention, conv1d, registry, state_update
+    from pallas_kernels import attention, conv1d, mgpu_gemm, registry, state_update
     from tests.kernels.test_kernel_grads import CASES
 
     gpu_info.get_gpu_info = lambda *a, **k: types.SimpleNamespace(compute_capability=90)
@@ -73,6 +73,10 @@ def dump(out: pathlib.Path) -> int:
         jnp.zeros((8, H, P, N), jnp.float32), rows, zxbcdt[:, 8192:8192 + C], zxbcdt), dict(
         dt_col=8192 + C, A_log=jnp.zeros((H,), jnp.float32), D=jnp.zeros((H,), jnp.float32),
         dt_bias=jnp.zeros((H,), jnp.float32), skip_row=7, row_offset=4))
+    # decode's per-128-column E4M3 quantizer (w8a8_gemv below 64 rows): down_proj's 21504 columns, 1 and 8 rows
+    for m in (1, 8):
+        cases[f"quantize_blocks_any_rows_m{m}"] = (mgpu_gemm.quantize_blocks_any_rows,
+                                                   (jnp.zeros((m, 21504), jnp.bfloat16),), {})
     out.mkdir(parents=True, exist_ok=True)
     failed = 0
     for name, (fn, args, kwargs) in cases.items():

@@ -102,6 +102,7 @@ CASES = {
     "w8a16_gemv": lambda r: ((_a(r, 3, 320), *fp8_block(r, 200, 320)), {}),
     "w8a16_gemm": lambda r: ((_a(r, 5, 320), *fp8_block(r, 200, 320)), {}),
     "w8a16_gemm_pipelined": lambda r: ((_a(r, 5, 320), *fp8_block(r, 200, 320)), dict(out_dtype=F32)),
+    "w8a8_gemv": lambda r: ((_a(r, 3, 320), *fp8_block(r, 200, 320)), dict(out_dtype=F32)),
     "fp8_gemm_t": lambda r: ((_a(r, 5, 320), *fp8_rows(r, 200, 320)), dict(out_dtype=F32)),
     "w4a16_gemv": lambda r: ((_a(r, 3, 320), *nvfp4(r, 200, 320)), {}),
     "w4a16_gemm": lambda r: ((_a(r, 5, 320), *nvfp4(r, 200, 320)), {}),

@@ -221,6 +221,25 @@ def test_fused_activation_quantization(rng, interpret):
     assert not mgpu_gemm.fused_quant_ok(100, 512) and not mgpu_gemm.fused_quant_ok(128, 384)
 
 
+@pytest.mark.parametrize("m,k", [(1, 384), (5, 1280), (33, 1024)])
+def test_any_rows_block_quantization(rng, interpret, m, k):
+    """Below 64 rows (decode) the per-128-column quantization is one Triton pass for any K multiple of 128 (rows
+    past M masked): quant_formats' numbers, an all-zero block (scale 1) included; `_quantized_x` takes it there,
+    with the bits of the XLA path."""
+    x = _x(rng, m, k).at[0, 128:256].set(0)
+    q, s = mgpu_gemm.quantize_blocks_any_rows(x, interpret=interpret)
+    q0, s0 = qf.quantize_rows_fp8_blocks(x)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(s0))
+    assert np.asarray(s)[0, 1] == 1.0
+    assert np.mean(np.asarray(q.view(jnp.uint8)) != np.asarray(q0.view(jnp.uint8))) <= 1e-4
+    fused = mgpu_gemm._quantized_x(x, 128, m, k, interpret, "fused", None)
+    xla = mgpu_gemm._quantized_x(x, 128, m, k, interpret, "xla", None)
+    for a, b in zip(fused, xla):
+        np.testing.assert_array_equal(np.asarray(a).astype(np.float32), np.asarray(b).astype(np.float32))
+    with pytest.raises(ShapeError, match="K a multiple of 128"):
+        mgpu_gemm.quantize_blocks_any_rows(x[:, :200], interpret=interpret)
+
+
 @pytest.mark.parametrize("name", ["fp8_gemm_t", "w8a16_gemm_pipelined"])
 def test_mosaic_arms_with_fused_quantization(rng, interpret, name):
     m, n, k = 128, 128, 256
