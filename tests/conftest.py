@@ -49,6 +49,16 @@ def _release_compiled_programs():
     gc.collect()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """With -n and no --dist: xdist's work-stealing schedule instead of its default 'load'. 'load' deals the first
+    quarter of the tests out one at a time, alternating workers, so nearly every module ran on both workers and
+    both built its module fixtures and compiled its shared programs; worksteal gives each worker a contiguous half
+    and moves tests only when one runs dry (tests/model + tests/weights on 2 cores: 351 -> 335 CPU-s)."""
+    if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", None) == "no":
+        config.option.dist = "worksteal"
+
+
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="run tests marked slow")
 
