@@ -59,6 +59,16 @@ def pytest_cmdline_main(config):
         config.option.dist = "worksteal"
 
 
+def pytest_collection_finish(session):
+    """Python's cyclic GC, tuned for this suite: the objects imported and collected so far are frozen (never scanned
+    again) and the youngest generation is collected every 20,000 net allocations instead of 700. JAX's tracing
+    allocates heavily; with the defaults the collector ran ~3,000 times in 80 s of tests and took 4-5% of the time
+    (0.7 s with these settings). Each module's end still collects everything (_release_compiled_programs)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 10, 10)
+
+
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="run tests marked slow")
 
