@@ -49,6 +49,26 @@ def _release_compiled_programs():
     gc.collect()
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config):
+    """With -n and no --dist: xdist's work-stealing schedule instead of its default 'load'. 'load' deals the first
+    quarter of the tests out one at a time, alternating workers, so nearly every module ran on both workers and
+    both built its module fixtures and compiled its shared programs; worksteal gives each worker a contiguous half
+    and moves tests only when one runs dry (tests/model + tests/weights on 2 cores: 351 -> 335 CPU-s)."""
+    if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", None) == "no":
+        config.option.dist = "worksteal"
+
+
+def pytest_collection_finish(session):
+    """Python's cyclic GC, tuned for this suite: the objects imported and collected so far are frozen (never scanned
+    again) and the youngest generation is collected every 20,000 net allocations instead of 700. JAX's tracing
+    allocates heavily; with the defaults the collector ran ~3,000 times in 80 s of tests and took 4-5% of the time
+    (0.7 s with these settings). Each module's end still collects everything (_release_compiled_programs)."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(20_000, 10, 10)
+
+
 def pytest_addoption(parser):
     parser.addoption("--run-slow", action="store_true", help="run tests marked slow")
 

@@ -256,18 +256,22 @@ def test_score_context_continuation_per_token_windows_and_progress_lines(capsys,
     assert rows[3]["windows"] == 1 + -(-(300 - 128) // 64) and rows[3]["tokens"] == 299
     assert sum("scoring: " in x and " rows (" in x for x in err.splitlines()) >= 2
     pairs = [(context, greedy), (context, other)]
-    for r, (c, x) in zip(rows, pairs):
-        ctx, cont = tok.encode(c.rstrip()), tok.encode(c + x)[len(tok.encode(c.rstrip())):]
+    splits = [(tok.encode(c.rstrip()), tok.encode(c + x)[len(tok.encode(c.rstrip())):]) for c, x in pairs]
+    # the references from one forward over the four rows, right-padded (causal: the padding reaches no earlier
+    # logit): the two pairs, the ids pair and the last 128 tokens of the windowed line (one compile, not four)
+    seqs = [ctx + cont for ctx, cont in splits] + [lines[2]["context"] + lines[2]["continuation"], long_ids[-128:]]
+    padded = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+    for i, seq in enumerate(seqs):
+        padded[i, :len(seq)] = seq
+    lps = [ref.log_softmax(z[:len(seq)]) for z, seq in zip(np.asarray(model.forward(padded)), seqs)]
+    for r, (ctx, cont), lp in zip(rows, splits, lps):
         ids = ctx + cont
-        lp = ref.log_softmax(np.asarray(model.forward(np.asarray([ids], np.int32)))[0])
         want = lp[np.arange(len(ctx) - 1, len(ids) - 1), cont]
         assert r["token_ids"] == cont and r["tokens"] == len(cont)
         np.testing.assert_allclose(r["token_logprobs"], want, atol=2e-5)
         assert abs(r["sum_logprob"] - want.sum()) < 1e-4
-    ids = lines[2]["context"] + lines[2]["continuation"]
-    lp = ref.log_softmax(np.asarray(model.forward(np.asarray([ids], np.int32)))[0])
-    np.testing.assert_allclose(rows[2]["token_logprobs"], lp[np.arange(2, len(ids) - 1), ids[3:]], atol=2e-5)
+    ids = seqs[2]
+    np.testing.assert_allclose(rows[2]["token_logprobs"], lps[2][np.arange(2, len(ids) - 1), ids[3:]], atol=2e-5)
     # the windowed line: its last 63 tokens come from the row of the last 128 tokens
-    tail = long_ids[-128:]
-    lp = ref.log_softmax(np.asarray(model.forward(np.asarray([tail], np.int32)))[0])
-    np.testing.assert_allclose(rows[3]["token_logprobs"][-43:], lp[np.arange(84, 127), tail[85:]], atol=2e-5)
+    tail = seqs[3]
+    np.testing.assert_allclose(rows[3]["token_logprobs"][-43:], lps[3][np.arange(84, 127), tail[85:]], atol=2e-5)

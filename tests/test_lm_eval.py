@@ -17,6 +17,7 @@ from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
 from metrale_jax.builtin import builtin_model_dir, load_builtin
+from metrale_jax.runtime import SamplingParams
 from metrale_jax.eval.lm_eval_adapter import MetraleLM
 from metrale_jax.scoring import windows
 from tests import numpy_refs_model as ref
@@ -63,14 +64,24 @@ def test_loglikelihood_is_model_score_and_the_forward_reference(model, rng):
     pairs = [("And God said", greedy), ("And God said ", noise), ("", "In the beginning"), ("Jesus", " wept.")]
     got = lm.loglikelihood(_requests("loglikelihood", pairs))
     assert got[0][1] is True and got[1][1] is False                # the model's own continuation is greedy
-    for (ctx, cont), (ll, is_greedy) in zip(pairs, got):
+    rows = []
+    for ctx, cont in pairs:
         c = ctx.rstrip()
         cids = tok.encode(c) if c else [tok.bos_id]
-        ids = cids + (tok.encode(c + ctx[len(c):] + cont)[len(cids):] if c else tok.encode(cont, add_bos=False))
+        rows.append((cids, cids + (tok.encode(c + ctx[len(c):] + cont)[len(cids):] if c else
+                                   tok.encode(cont, add_bos=False))))
+    # the float64 reference from one forward over the right-padded rows (causal: the padding reaches no earlier
+    # logit), one compile instead of one per length
+    padded = np.zeros((len(rows), max(len(ids) for _, ids in rows)), np.int32)
+    for i, (_, ids) in enumerate(rows):
+        padded[i, :len(ids)] = ids
+    all_logits = np.asarray(model.forward(padded))
+    for (cids, ids), (ll, is_greedy), logits in zip(rows, got, all_logits):
         n = len(ids) - len(cids)
         score = np.asarray(model.score(np.asarray([ids], np.int32)))[0]
         assert ll == float(np.sum(score[-n:], dtype=np.float64))        # the library's score, exactly
-        lp, logits = _forward_logprobs(model, ids)
+        logits = logits[:len(ids)]
+        lp = ref.log_softmax(logits)
         pos = np.arange(len(cids) - 1, len(ids) - 1)
         assert ll == pytest.approx(lp[pos, ids[len(cids):]].sum(), abs=2e-4)
         assert is_greedy == bool((logits[pos].argmax(-1) == ids[len(cids):]).all())
@@ -99,13 +110,18 @@ def test_generate_until_is_the_engine_cut_at_until(model, lm):
             ("Blessed are the", {"until": ["."], "max_gen_toks": 12, "do_sample": False}),
             ("Jesus", {"until": ["<|endoftext|>"], "max_gen_toks": 5, "do_sample": True, "temperature": 0.8})]
     got = lm.generate_until(_requests("generate_until", args))
-    free = model.generate([a[0] for a in args[:2]], max_new_tokens=40)
-    for (ctx, kw), g, f in zip(args, got, free):
+    # the references in one model.generate call (one engine to compile, not four): a row's tokens do not depend on
+    # the rows beside it (tests/model/test_model.py) and each request samples its own seeded stream, so each row is
+    # what its prompt alone gives. The two greedy prompts run for 40 tokens: where the `until` strings fall, and,
+    # cut to max_gen_toks tokens, the greedy continuation of that length (a byte tokenizer: one character a token).
+    free = model.generate([a[0] for a in args], [SamplingParams(max_new_tokens=40), SamplingParams(max_new_tokens=40),
+                                                 SamplingParams(max_new_tokens=5, temperature=0.8, seed=0)])
+    for (ctx, kw), g, f in zip(args, got, free[:2]):
         cut = min([f.text.find(u) for u in kw["until"] if u in f.text] or [len(f.text)])
-        want = model.generate([ctx], max_new_tokens=kw["max_gen_toks"])[0].text
+        want = model.tokenizer.decode(f.tokens[:kw["max_gen_toks"]])
+        assert len(want) <= kw["max_gen_toks"] and f.text.startswith(want)
         assert g == want[:min(cut, len(want))]
-    sampled = model.generate(["Jesus"], max_new_tokens=5, temperature=0.8, seed=0)[0].text
-    assert got[2] == sampled                                           # sampled as the task asks, seed 0
+    assert got[2] == free[2].text                                      # sampled as the task asks, seed 0
 
 
 def _write_tasks(d):
@@ -158,8 +174,10 @@ def _mc_accuracy(lm):
 def test_simple_evaluate_runs_a_local_multiple_choice_and_generate_task(model, lm, tmp_path, offline):
     _write_tasks(tmp_path)
     assert get_model("metrale-jax") is MetraleLM                          # registered on import
+    # include_defaults=False: only the two local tasks are indexed (indexing the harness's thousands of built-in task
+    # YAMLs took 6.6 s and none of them runs here; the command-line test below goes through the default index)
     out = simple_evaluate(model=lm, tasks=["metrale_mc", "metrale_gen"], task_manager=TaskManager(
-        include_path=str(tmp_path)), log_samples=True)
+        include_path=str(tmp_path), include_defaults=False), log_samples=True)
     assert out["results"]["metrale_mc"]["acc,none"] == pytest.approx(_mc_accuracy(lm))
     gens = [s["resps"][0][0] for s in sorted(out["samples"]["metrale_gen"], key=lambda s: s["doc_id"])]
     want = [g.text for g in model.generate([d["prompt"] for d in GEN], max_new_tokens=24, stop=[","])]

@@ -61,6 +61,10 @@ def test_notebook_runs_top_to_bottom(path, monkeypatch):
     monkeypatch.setenv("METRALE_NOTEBOOK_CHECKPOINT", str(metrale_jax.builtin_model_dir()))
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     monkeypatch.delenv("METRALE_KERNELS", raising=False)
+    # the LoRA notebook's fine-tune: 10 optax steps instead of its default 30 (about 7 s less on 2 CPU cores). Every
+    # cell still runs, and the training cell still asserts that the held-out loss went down (1.686 -> 1.605 bits/byte
+    # after 10 steps, 1.58 after 30: the notebook draws its batches from a fixed seed)
+    monkeypatch.setenv("LORA_STEPS", "10")
     nb = nbformat.read(path, as_version=4)
     km = KernelManager(kernel_name="python3", kernel_spec_manager=_ThisPython())
     client = NotebookClient(nb, km=km, timeout=CELL_TIMEOUT_S, resources={"metadata": {"path": str(ROOT)}})

@@ -503,12 +503,22 @@ def test_w4a16_mosaic_8b_shapes_on_gpu(rng, N, K, cfg):
                                       np.asarray(y16[:m]))
 
 
-@pytest.mark.parametrize("kernel,config", [("w8a16", GemvConfig()), ("w4a16", GemvConfig()),
-                                           ("w8a16", GemvConfig(k_blocks=2)), ("w8a16", GemvConfig(k_blocks=4)),
-                                           ("w4a16", GemvConfig(k_blocks=2))], ids=str)
-@pytest.mark.parametrize("split", [1, 2])
-@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, F32], ids=lambda d: jnp.dtype(d).name)
-@pytest.mark.parametrize("epilogue", [None, "relu2"])
+def _lowering_cases():
+    """Every (split, output dtype, epilogue) for one K block per step; with 2 or 4 K blocks (a change to the K loop,
+    not to the stores) both splits with the direct bf16 store + relu^2 and the float32 output, the other two output
+    combinations with --run-slow."""
+    for kernel, config in [("w8a16", GemvConfig()), ("w4a16", GemvConfig()), ("w8a16", GemvConfig(k_blocks=2)),
+                           ("w8a16", GemvConfig(k_blocks=4)), ("w4a16", GemvConfig(k_blocks=2))]:
+        for split in (1, 2):
+            for out_dtype in (jnp.bfloat16, F32):
+                for epilogue in (None, "relu2"):
+                    more = config.k_blocks > 1 and (out_dtype, epilogue) not in ((jnp.bfloat16, "relu2"), (F32, None))
+                    yield pytest.param(kernel, config, split, out_dtype, epilogue,
+                                       marks=pytest.mark.slow if more else (),
+                                       id=f"{epilogue}-{jnp.dtype(out_dtype).name}-{split}-{kernel}-{config}")
+
+
+@pytest.mark.parametrize("kernel,config,split,out_dtype,epilogue", list(_lowering_cases()))
 def test_lowers_for_cuda_on_every_output_path(kernel, config, split, out_dtype, epilogue):
     """Lower for CUDA on the CPU (layout inference included; interpret mode cannot see these errors), with the direct
     bf16 store (unsplit; relu^2 on the accumulator's registers first) and the float32 partials."""

@@ -222,7 +222,8 @@ def test_layer_runs_on_quantized_weights_close_to_dense(rng):
         k: C.DenseWeight(v.dequantize(jnp.float32)) for k, v in nv.items()}}), CFG, 1, levers=lev)
     x = jnp.asarray(rng.standard_normal((6, CFG.hidden_size)), jnp.float32)
     pool = SsmPool.for_config(CFG, 2)
+    run = jax.jit(lambda layer, pool, x: layer.prefill(pool, 0, x, 0))   # jitted: eager ran ~250 small compiles
     with jax.default_matmul_precision("highest"):         # XLA:GPU runs float32 dots in TF32 otherwise
-        yq, _ = q.prefill(pool, 0, x, 0)
-        yt, _ = twin.prefill(pool, 0, x, 0)
+        yq, _ = run(q, pool, x)
+        yt, _ = run(twin, pool, x)
     assert rel_err(yq, yt) < 1e-4                      # same dequantized numbers; f32 accumulation only

@@ -28,7 +28,11 @@ def _inputs(rng, T, S=1):
     return x, dt, A, B, C, D, dt_bias, h0
 
 
-@pytest.mark.parametrize("T", [1, 37, 128, 300, 513])
+# T = 1 (one token, one part-filled chunk), 37 (a tail after whole chunks of 16, less than one chunk of 48 / 100)
+# and 128 (whole chunks of 16, a tail after chunks of 48 and of 100) cover every chunking path of the reference at
+# each chunk size; 300 and 513 (more and longer chunks of the same paths) run with --run-slow.
+@pytest.mark.parametrize("T", [1, 37, 128, pytest.param(300, marks=pytest.mark.slow),
+                               pytest.param(513, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("chunk", [16, 48, 100])
 @pytest.mark.parametrize("with_init", [False, True])
 def test_chunked_matches_float64_recurrence(rng, T, chunk, with_init):

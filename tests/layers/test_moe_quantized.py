@@ -37,9 +37,10 @@ def test_quantized_experts_match_the_dequantized_twin(rng, fmt, kernels):
     got = quant.moe_weights()
     assert isinstance(got.experts_up, C.StackedExperts) and got.experts_up.shape == up.shape
     x = jnp.asarray(rng.standard_normal((11, D)), jnp.float32)
+    run = jax.jit(lambda l, v: l(v))
     with jax.default_matmul_precision("highest"):   # f32 matmuls, not TF32 on a GPU, in every call below
-        y, y_twin = jax.jit(lambda l, v: l(v))(quant, x), jax.jit(lambda l, v: l(v))(twin, x)
-        alone = quant(x[3:4])
+        y, y_twin = run(quant, x), run(twin, x)
+        alone = run(quant, x[3:4])                   # jitted too: the eager call compiled ~100 single ops
     assert np.all(np.isfinite(np.asarray(y)))
     assert rel_err(y, y_twin) < 1e-6
     # a token alone gets what it gets in the batch, up to f32 summation order (XLA:CPU sums a lone row differently)
