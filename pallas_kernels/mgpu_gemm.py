@@ -319,19 +319,20 @@ class ActQuantBlocks:
 ACT_QUANT_BLOCKS = ActQuantBlocks()
 
 
-def _quant_rows_kernel(x_ref, q_ref, s_ref):
-    x = x_ref[...].astype(jnp.float32)                                         # [R, K]
-    amax = jnp.max(jnp.abs(x), axis=1)
+def _e4m3_last_axis(x):
+    """float32 x [..., W] -> (E4M3 [..., W], scale [...]): formats' formulas, one scale over the last axis."""
+    amax = jnp.max(jnp.abs(x), axis=-1)
     scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-    q_ref[...] = jnp.clip(x / scale[:, None], -E4M3_MAX, E4M3_MAX).astype(E4M3)
-    s_ref[...] = scale
+    return jnp.clip(x / scale[..., None], -E4M3_MAX, E4M3_MAX).astype(E4M3), scale
+
+
+def _quant_rows_kernel(x_ref, q_ref, s_ref):
+    q_ref[...], s_ref[...] = _e4m3_last_axis(x_ref[...].astype(jnp.float32))      # [R, K], [R]
 
 
 def _quant_blocks_kernel(x_ref, q_ref, s_ref):
-    x = x_ref[...].astype(jnp.float32)                                         # [R, 128]
-    amax = jnp.max(jnp.abs(x), axis=1)
-    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-    q_ref[...] = jnp.clip(x / scale[:, None], -E4M3_MAX, E4M3_MAX).astype(E4M3)
+    q, scale = _e4m3_last_axis(x_ref[...].astype(jnp.float32))                     # [R, 128], [R]
+    q_ref[...] = q
     s_ref[...] = scale[None, :]
 
 
@@ -392,11 +393,8 @@ def _quant_blocks_masked_kernel(x_ref, q_ref, s_ref, *, M: int, R: int, NB: int)
     cols = pl.program_id(1) * NB * TILE_K + jnp.arange(NB * TILE_K)
     rm = (rows < M)[:, None]
     x = pltr.load(x_ref.at[rows[:, None], cols[None, :]], mask=rm, other=0.0).astype(jnp.float32)   # [R, NB*128]
-    xb = x.reshape(R, NB, TILE_K)
-    amax = jnp.max(jnp.abs(xb), axis=2)                                                              # [R, NB]
-    scale = jnp.where(amax > 0, amax / E4M3_MAX, 1.0)
-    q = jnp.clip(xb / scale[:, :, None], -E4M3_MAX, E4M3_MAX).reshape(R, NB * TILE_K).astype(E4M3)
-    pltr.store(q_ref.at[rows[:, None], cols[None, :]], q, mask=rm)
+    q, scale = _e4m3_last_axis(x.reshape(R, NB, TILE_K))                                          # scale [R, NB]
+    pltr.store(q_ref.at[rows[:, None], cols[None, :]], q.reshape(R, NB * TILE_K), mask=rm)
     blocks = pl.program_id(1) * NB + jnp.arange(NB)
     pltr.store(s_ref.at[rows[:, None], blocks[None, :]], scale, mask=rm)
 
@@ -432,15 +430,16 @@ def _quantized_x(x, group: int | None, M: int, K: int, interpret: bool, act_quan
     """(E4M3 [M, K], f32 scales [M, K/width], width): x as its producer quantized it, or quantized here per
     row (group None) or per row per 128 columns, by the fused kernels where they take the shape (per 128 columns
     below 64 rows: `quantize_blocks_any_rows`, any K multiple of 128), else by XLA; the same bits every way."""
-    if not isinstance(x, Fp8Activations) and act_quant == "fused" and fused_quant_ok(M, K, qb):
+    fused = not isinstance(x, Fp8Activations) and act_quant == "fused"
+    if fused and fused_quant_ok(M, K, qb):
         if group is None:
             xq, xs = quantize_rows_fused(x, interpret=interpret, qb=qb)
             xs, width = xs[:, None], K
         else:
             xq, xs_t = quantize_blocks_fused_t(x, interpret=interpret, qb=qb)
             xs, width = xs_t.T, TILE_K
-    elif (not isinstance(x, Fp8Activations) and act_quant == "fused" and group is not None and K % TILE_K == 0
-          and M < (qb or ACT_QUANT_BLOCKS).blocks_rows):          # decode's row counts (prefill's: XLA, as timed)
+    elif fused and group is not None and K % TILE_K == 0 and M < (qb or ACT_QUANT_BLOCKS).blocks_rows:
+        # decode's row counts (prefill's ragged ones stay on XLA, as timed)
         xq, xs = quantize_blocks_any_rows(x, interpret=interpret)
         width = TILE_K
     else:

@@ -154,8 +154,9 @@ def _pad_rows(x):
 
 
 def supports(kernel: str, N: int, K: int, x_dtype) -> bool:
-    """Whether the Mosaic arm of `kernel` ("w8a16_gemv" / "w4a16_gemv") takes these shapes (else ShapeError)."""
-    k_multiple = {"w8a16_gemv": W8_BK, "w4a16_gemv": W4_K}[kernel]
+    """Whether the Mosaic arm of `kernel` ("w8a16_gemv" / "w8a8_gemv" / "w4a16_gemv") takes these shapes (else
+    ShapeError); x_dtype: bf16 (w8a8_gemv's Fp8Activations carry their unquantized dtype, bf16)."""
+    k_multiple = {"w8a16_gemv": W8_BK, "w8a8_gemv": W8_BK, "w4a16_gemv": W4_K}[kernel]
     return N % ROWS == 0 and K % k_multiple == 0 and jnp.dtype(x_dtype) == jnp.dtype(jnp.bfloat16)
 
 

@@ -23,7 +23,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import epilogues, registry
 from pallas_kernels.errors import ShapeError
-from pallas_kernels.formats import FP8_BLOCK, Fp8Activations
+from pallas_kernels.formats import FP8_BLOCK
 from pallas_kernels.mgpu_gemv import (ROWS, W8_BK, GemvConfig, _check_config, _check_dims, _check_x_bf16,
                                       _cluster_launch, _cluster_sum, _finish, _grid, _interpret_kw, _mma_values,
                                       _out_spec, _pad_rows, _store_out, _tf, auto_split, launch_tiles,
@@ -138,7 +138,7 @@ def _w8a8_blocks(x_gmem, w_gmem, s_gmem, xs_gmem, a_smem, n_blk, m_blk, k_first,
             rows = pl.ds(g * ROWS, ROWS)
             tiles = [w_smem.at[rows, pl.ds(j * W8_BK, W8_BK)] for j in blocks]          # [64, 128]: K-major A
             part = acc[g]
-            for prod, sj in zip(_mma_smem(tiles, xt, xr), scales):
+            for prod, sj in zip(_mma_values([lambda t=t: t for t in tiles], xt, None, xr), scales):
                 part = part + prod * sj
             out.append(part)
         return tuple(out)
@@ -149,16 +149,6 @@ def _w8a8_blocks(x_gmem, w_gmem, s_gmem, xs_gmem, a_smem, n_blk, m_blk, k_first,
              plgpu.BlockSpec((kb, xr), lambda k: (k_first + k, m_blk))]
     return plgpu.emit_pipeline(body, grid=(steps,), in_specs=specs, max_concurrent_steps=stages,
                                init_carry=(zero,) * groups)(w_gmem, x_gmem, xs_gmem)
-
-
-def _mma_smem(a_refs, b_refs, n: int):
-    """Fresh [64, n] float32 products a_refs[j] @ b_refs[j], both operands in shared memory, all issued before one
-    wait."""
-    def run(*acc_refs):
-        for a, b, acc_ref in zip(a_refs, b_refs, acc_refs):
-            plgpu.wgmma(acc_ref, a, b)
-        return [acc_ref[...] for acc_ref in acc_refs]
-    return pl.run_scoped(run, *[plgpu.ACC((ROWS, n), jnp.float32) for _ in a_refs])
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "epilogue", "config", "interpret"))
@@ -262,16 +252,9 @@ def w8a8_gemv_mosaic(x, w, scale, *, out_dtype=None, epilogue: str | None = None
                     interpret=interpret)
 
 
-def w8a8_supports(x, w) -> bool:
-    """Whether the Mosaic arm of w8a8_gemv takes these shapes (else ShapeError); x bf16 or Fp8Activations."""
-    N, K = w.shape
-    return N % ROWS == 0 and K % W8_BK == 0 and (isinstance(x, Fp8Activations)
-                                                 or jnp.dtype(x.dtype) == jnp.dtype(jnp.bfloat16))
-
-
 # Registered beside the Triton arm; shapes the Mosaic arm does not take go to the Triton arm (registry). Mosaic is
 # the GPU default: faster than the Triton arm at the 8B shapes on the H200 (benchmarks/notes/gemv.md).
 registry.register("w8a16_gemv", reference=w8a16_reference, mosaic=w8a16_gemv_mosaic, gpu_default="mosaic",
                   mosaic_supports=lambda x, w, scale, **_: supports("w8a16_gemv", *w.shape, x.dtype))
 registry.register("w8a8_gemv", reference=w8a8_gemv_reference, mosaic=w8a8_gemv_mosaic, gpu_default="mosaic",
-                  mosaic_supports=lambda x, w, scale, **_: w8a8_supports(x, w))
+                  mosaic_supports=lambda x, w, scale, **_: supports("w8a8_gemv", *w.shape, x.dtype))

@@ -4,7 +4,7 @@ Two steps, two environments:
   1. `dump` (the project venv, CPU): every registered kernel with a Triton arm is lowered for CUDA on the operands of
      its gradient-test case (tests/kernels/test_kernel_grads.py), decode_attention also at the 8B shapes with its
      slot whole and in pieces, the Mamba conv and state updates at the 8B shapes with a row offset and a
-     skipped (padding) row, decode's any-M E4M3 quantizer, with jax's GPU query stubbed to compute capability
+     skipped (padding) row, the E4M3 activation quantizers, with jax's GPU query stubbed to compute capability
      9.0; each pallas_call's Triton IR is written to DIR/<case>.<n>.w<warps>s<stages>.ttir.
   2. `compile` (a venv with the `triton` package, which has its own LLVM and ptxas; no GPU needed): each .ttir is
      compiled to a cubin for sm_90; a kernel that fails prints Triton's error. Exit status 1 if any failed.
@@ -73,10 +73,13 @@ def dump(out: pathlib.Path) -> int:
         jnp.zeros((8, H, P, N), jnp.float32), rows, zxbcdt[:, 8192:8192 + C], zxbcdt), dict(
         dt_col=8192 + C, A_log=jnp.zeros((H,), jnp.float32), D=jnp.zeros((H,), jnp.float32),
         dt_bias=jnp.zeros((H,), jnp.float32), skip_row=7, row_offset=4))
-    # decode's per-128-column E4M3 quantizer (w8a8_gemv below 64 rows): down_proj's 21504 columns, 1 and 8 rows
+    # the E4M3 activation quantizers of the FP8-matrix-unit arms: decode's any-M one at down_proj's 21504 columns (1
+    # and 8 rows), the fused per-row and per-block ones at a prefill shape
     for m in (1, 8):
         cases[f"quantize_blocks_any_rows_m{m}"] = (mgpu_gemm.quantize_blocks_any_rows,
                                                    (jnp.zeros((m, 21504), jnp.bfloat16),), {})
+    for fn in (mgpu_gemm.quantize_rows_fused, mgpu_gemm.quantize_blocks_fused_t):
+        cases[fn.__name__] = (fn, (jnp.zeros((256, 4096), jnp.bfloat16),), {})
     out.mkdir(parents=True, exist_ok=True)
     failed = 0
     for name, (fn, args, kwargs) in cases.items():

@@ -69,18 +69,6 @@ def test_lm_eval_loglikelihood_of_bf16_fp8_equals_the_dense_twin(ckpts):
     assert max(abs(o - w) for (o, _), (w, _) in zip(off, want)) > 1e-3
 
 
-def test_the_lever_from_the_environment_and_its_errors(ckpts):
-    assert ModelLevers.from_env({"METRALE_FP8_ACTIVATIONS": "BF16"}).fp8_activations == "bf16"
-    assert ModelLevers.from_env({}).fp8_activations == "e4m3"
-    with pytest.raises(ConfigError) as e:
-        ModelLevers.from_env({"METRALE_FP8_ACTIVATIONS": "fp4"})
-    assert e.value.field == "METRALE_FP8_ACTIVATIONS"
-    with registry.disabled("w8a16_gemm"):                               # the weight-only arm must resolve at load
-        NemotronH.from_pretrained(ckpts["fp8"], dtype=F32)             # e4m3 does not need it
-        with pytest.raises(KernelUnavailableError, match="w8a16_gemm"):
-            NemotronH.from_pretrained(ckpts["fp8"], dtype=F32, levers=ModelLevers(fp8_activations="bf16"))
-
-
 def _decode_after_prefill(model, ids, start: int) -> np.ndarray:
     """Logits [B, T - start, V] of tokens start.. decoded one step at a time after a prefill of ids[:, :start]."""
     B, T = ids.shape
@@ -116,18 +104,21 @@ def test_e4m3_decode_rounds_activations_as_prefill_does(ckpts, rng):
     assert min(row_errs(_decode_after_prefill(default, ids, 8))) > 1e-3
 
 
-def test_the_decode_lever_from_the_environment_and_its_errors(ckpts):
-    assert ModelLevers.from_env({"METRALE_FP8_DECODE_ACTIVATIONS": "E4M3"}).fp8_decode_activations == "e4m3"
-    assert ModelLevers.from_env({}).fp8_decode_activations == "bf16"
+@pytest.mark.parametrize("field,var,default,other,kernel", [
+    ("fp8_activations", "METRALE_FP8_ACTIVATIONS", "e4m3", "bf16", "w8a16_gemm"),          # the weight-only prefill arm
+    ("fp8_decode_activations", "METRALE_FP8_DECODE_ACTIVATIONS", "bf16", "e4m3", "w8a8_gemv")])  # the E4M3 decode arm
+def test_the_levers_from_the_environment_and_their_errors(ckpts, field, var, default, other, kernel):
+    assert getattr(ModelLevers.from_env({var: other.upper()}), field) == other
+    assert getattr(ModelLevers.from_env({}), field) == default
     with pytest.raises(ConfigError) as e:
-        ModelLevers.from_env({"METRALE_FP8_DECODE_ACTIVATIONS": "fp4"})
-    assert e.value.field == "METRALE_FP8_DECODE_ACTIVATIONS"
-    with pytest.raises(ConfigError, match="fp8_decode_activations"):
-        ModelLevers(fp8_decode_activations="int8")
-    with registry.disabled("w8a8_gemv"):                                # the arm must resolve at load
-        NemotronH.from_pretrained(ckpts["fp8"], dtype=F32)
-        with pytest.raises(KernelUnavailableError, match="w8a8_gemv"):
-            NemotronH.from_pretrained(ckpts["fp8"], dtype=F32, levers=ModelLevers(fp8_decode_activations="e4m3"))
+        ModelLevers.from_env({var: "fp4"})
+    assert e.value.field == var
+    with pytest.raises(ConfigError, match=field):
+        ModelLevers(**{field: "int8"})
+    with registry.disabled(kernel):                                      # the other value's arm must resolve at load
+        NemotronH.from_pretrained(ckpts["fp8"], dtype=F32)               # the default does not need it
+        with pytest.raises(KernelUnavailableError, match=kernel):
+            NemotronH.from_pretrained(ckpts["fp8"], dtype=F32, levers=ModelLevers(**{field: other}))
 
 
 def test_e4m3_decode_norms_hand_over_the_same_bits(rng):
