@@ -1085,14 +1085,17 @@ LORA = [
     md("""
     ## 3. Samples before and after
 
-    `set_adapter(None)` serves the base model (the overlay adds nothing); `set_adapter(name)` the fine-tune.
+    `set_adapter(None)` serves the base model (the overlay adds nothing); `set_adapter(name)` the fine-tune. An
+    `Engine` takes the adapter per request (`submit(..., adapter=name)`, None: the base), so the base and the
+    fine-tune sample side by side in one batch, one compiled program for both.
     """),
     code("""
     prompt = "The LORD is my"
-    for name in (None, BOOK.lower()):
-        model.set_adapter(name)
-        text = model.generate([prompt], max_new_tokens=120)[0].text
-        print(f"--- {name or 'base'} ---\\n{prompt}{text}\\n")
+    engine = mj.Engine(model, max_slots=2, max_len=144)
+    rids = {name: engine.submit(tok.encode(prompt), max_new_tokens=120, adapter=name) for name in (None, BOOK.lower())}
+    engine.run()
+    for name, rid in rids.items():
+        print(f"--- {name or 'base'} ---\\n{prompt}{tok.decode(engine.pop(rid).tokens)}\\n")
     """),
     md("""
     ## 4. A PEFT adapter on disk
@@ -1108,7 +1111,7 @@ LORA = [
     print({k: v for k, v in json.loads((out / "adapter_config.json").read_text()).items()
            if k in ("peft_type", "r", "lora_alpha", "target_modules")})
     fresh = mj.load_builtin(dtype=jnp.float32)
-    print("loaded as", fresh.load_adapter(out))
+    print("loaded as", fresh.load_adapter(out, name=BOOK.lower()))    # the trained model's adapter name
     model.set_adapter(BOOK.lower())
     diff = np.abs(np.asarray(fresh.forward(held[:2])) - np.asarray(model.forward(held[:2]))).max()
     print(f"largest logit difference, reloaded vs trained: {diff:.2e}")

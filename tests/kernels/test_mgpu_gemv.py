@@ -51,13 +51,14 @@ def _finite(y):
     assert np.all(np.isfinite(np.asarray(y, np.float32)))
 
 
-# (M, N, K, config): N = 192 with 128-row tiles leaves a half-empty last tile; M = 17 pads x rows to 24;
+# (M, N, K, config): N = 192 with 128-row tiles leaves a half-empty last tile (64-row tiles: N = 128, two row
+# blocks, is enough); M = 17 pads x rows to 24; K = 384 with 2 stages reuses a stage's buffers;
 # split_k=2 takes the float32-partials output path, bf16 outputs the direct (transposed-store) path.
-W8_CASES = [(3, 192, 384, GemvConfig(64, 2)),
+W8_CASES = [(3, 128, 384, GemvConfig(64, 2)),
             (5, 192, 512, GemvConfig(128, 3, 2)),
             (17, 128, 256, GemvConfig(64, 4)),
             # several 16-row x tiles per CTA: auto (M = 40: three, the last one part-filled) and a fixed 2 of 5
-            (40, 192, 384, GemvConfig(64, 2)),
+            (40, 128, 384, GemvConfig(64, 2)),
             (70, 128, 512, GemvConfig(128, 2, 2, m_tiles=2)),
             # several 128-wide K blocks per pipeline step, split and unsplit
             (5, 128, 1024, GemvConfig(64, 2, 2, k_blocks=2)),
@@ -100,9 +101,9 @@ def test_w4a16_mosaic_matches_reference(rng, interpret, M, N, K, config):
 
 # (kernel, M, N, K, config): the direct bf16 store (relu^2 in the kernel), split-K partials (relu^2 after XLA's sum),
 # several x tiles per CTA, and w4's split halves
-EPILOGUE_CASES = [("w8a16", 3, 192, 384, GemvConfig(64, 2)),
+EPILOGUE_CASES = [("w8a16", 3, 128, 384, GemvConfig(64, 2)),
                   ("w8a16", 5, 192, 512, GemvConfig(128, 3, 2)),
-                  ("w8a16", 40, 192, 384, GemvConfig(64, 2)),
+                  ("w8a16", 40, 128, 384, GemvConfig(64, 2)),
                   ("w4a16", 3, 192, 1024, GemvConfig(128, 2)),
                   ("w4a16", 6, 128, 1024, GemvConfig(64, 2, 2))]
 
@@ -160,7 +161,10 @@ def test_every_e2m1_code_and_scale_decodes(rng, interpret):
     np.testing.assert_array_equal(np.asarray(y), want)
 
 
-@pytest.mark.parametrize("kernel,config", [("w8a16", None), ("w4a16", None), ("w4a16", GemvConfig(64, 2))],
+# w4 with 2 stages (instead of the shape's default 3) changes the pipeline depth, not a row's arithmetic: --run-slow
+# (the 2-stage w4 pipeline runs in W4_CASES and EPILOGUE_CASES, w4 batch invariance in the default-config case)
+@pytest.mark.parametrize("kernel,config", [("w8a16", None), ("w4a16", None),
+                                           pytest.param("w4a16", GemvConfig(64, 2), marks=pytest.mark.slow)],
                          ids=str)
 def test_rows_are_batch_invariant(rng, interpret, kernel, config):
     """Row i of an M=16 (and M=8) batch is bit-identical to the same row computed alone. M <= 8 runs one 8-row x
