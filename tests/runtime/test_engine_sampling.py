@@ -56,8 +56,10 @@ def test_top_k_1_and_min_p_1_are_greedy_with_and_without_speculation_and_a_huge_
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "speculative"])
 def test_logprobs_are_the_raw_log_softmax_of_forward_and_its_top_n(model, make_engine, rng, speculative):
-    """Sampled at temperature 0.05 (near greedy: the greedy drafts are often accepted) with top-k: the log-probs are those of the untempered, unfiltered distribution;
-    one per kept token (an eos that ends a request has none); a request that asks for none gets None."""
+    """Sampled at temperature 0.05 with top-k (the last request greedy, so that its greedy drafts are accepted
+    whatever the seed: a sampled row's drafts stop matching after its first non-greedy token): the log-probs are
+    those of the untempered, unfiltered distribution; one per kept token (an eos that ends a request has none); a
+    request that asks for none gets None."""
     prompts = _prompts(rng, [5, 12, 9, 14])
     kw = {}
     if speculative:
@@ -65,8 +67,8 @@ def test_logprobs_are_the_raw_log_softmax_of_forward_and_its_top_n(model, make_e
         drafter = _Oracle({tuple(p): g.tokens for p, g in zip(prompts, greedy)})
         kw = dict(speculative=SpeculativeConfig(num_draft=2), drafter=drafter)
     eng = make_engine(prefill_token_budget=8, **kw)
-    params = [SamplingParams(max_new_tokens=12, temperature=0.05, top_k=20, seed=i, logprobs=n)
-              for i, n in enumerate([3, 0, None, 5])]
+    params = [SamplingParams(max_new_tokens=12, temperature=t, top_k=20, seed=i, logprobs=n)
+              for i, (t, n) in enumerate([(0.05, 3), (0.05, 0), (0.05, None), (0.0, 5)])]
     gens = eng.generate(prompts, params)
     lp = _forward_logprobs(model, [p + g.tokens for p, g in zip(prompts, gens)])
     for b, (p, g, sp) in enumerate(zip(prompts, gens, params)):
