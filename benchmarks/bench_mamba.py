@@ -252,10 +252,12 @@ def bench_ssd(results: dict, shapes, variants: dict, quick: bool, mosaic_variant
 
 
 # ---- decode state update ------------------------------------------------------------------------------------
-def bench_state_update(results: dict, batches, variants: dict, copy_bw: float) -> None:
+def bench_state_update(results: dict, batches, variants: dict, copy_bw: float, state_dtype=jnp.float32) -> None:
+    """One row per batch (key B<batch>, with the state dtype's name after it when it is not float32)."""
     slots = SLOTS
     k = jax.random.split(jax.random.key(7), 6)
-    pool0 = jax.random.normal(k[0], (slots, H, P, N), jnp.float32)
+    pool0 = jax.random.normal(k[0], (slots, H, P, N), jnp.float32).astype(state_dtype)
+    suffix = "" if state_dtype == jnp.float32 else "_" + jnp.dtype(state_dtype).name
     rng = np.random.default_rng(1)
     n_rot = 8
     for Bt in batches:
@@ -267,9 +269,9 @@ def bench_state_update(results: dict, batches, variants: dict, copy_bw: float) -
         C = jax.random.normal(k[4], (n_rot, Bt, G, N), jnp.bfloat16)
         A = -jnp.exp(jax.random.uniform(k[5], (H,), jnp.float32, 0.0, 2.7))
         D, bias = jnp.ones((H,), jnp.float32), jnp.full((H,), -2.0, jnp.float32)
-        nbytes = Bt * H * P * N * 4 * 2
-        row = dict(batch=Bt, bytes=nbytes, arms={})
-        results["state_update"][f"B{Bt}"] = row
+        nbytes = Bt * H * P * N * jnp.dtype(state_dtype).itemsize * 2
+        row = dict(batch=Bt, state_dtype=jnp.dtype(state_dtype).name, bytes=nbytes, arms={})
+        results["state_update"][f"B{Bt}{suffix}"] = row
         # correctness once, on a copy of the pool
         y_ref, s_ref = su_mod.state_update_reference(pool0, rows[0], x[0], dt[0], A, B[0], C[0], D=D, dt_bias=bias)
         ref_rows = s_ref[rows[0]]
@@ -304,7 +306,7 @@ def bench_state_update(results: dict, batches, variants: dict, copy_bw: float) -
                                          GBps=nbytes / us * 1e-3, frac_copy_bw=nbytes / (us * 1e-6) / copy_bw)
                 if gus:
                     row["arms"][name]["frac_copy_bw_gpu"] = nbytes / (gus * 1e-6) / copy_bw
-                log(f"state_update B={Bt:4d} {name:26s} {us:9.2f} us (gpu {gus}) {nbytes / us * 1e-3:8.1f} GB/s "
+                log(f"state_update B={Bt:4d}{suffix} {name:26s} {us:9.2f} us (gpu {gus}) {nbytes / us * 1e-3:8.1f} GB/s "
                     f"({nbytes / (us * 1e-6) / copy_bw:5.1%} of copy)  err={err:.1e}/{err_s:.1e}")
             except Deadline:
                 raise
@@ -426,14 +428,15 @@ def table(results: dict) -> str:
         out.append(f"| ({row['B']}, {row['T']}) | {targets.get((row['B'], row['T']), '-')} | "
                    f"{mos or '-'}: {cell(mos) if mos else 'failed'} | {cell('pallas:default')} | "
                    f"{cell('xla_ref:HIGHEST')} | {cell('jla.mamba2_ssd')} |")
-    out += ["", "| state update (f32 state, 512 slots) | arm | wall (us) | GPU (us) | GPU GB/s | of copy (GPU) |",
+    out += ["", "| state update (512 slots) | arm | wall (us) | GPU (us) | GPU GB/s | of copy (GPU) |",
             "|---|---|---|---|---|---|"]
     for key, row in results["state_update"].items():
         for arm, r in row["arms"].items():
             g = r.get("gpu_us")
             rate = f"{row['bytes'] / g * 1e-3:.0f}" if g else "-"
             frac = f"{row['bytes'] / (g * 1e-6) / bw:.1%}" if g else "-"
-            out.append(f"| batch {row['batch']} | {arm} | {_t(r)} | {_t(r, 'gpu_us')} | {rate} | {frac} |")
+            out.append(f"| batch {row['batch']}, {row.get('state_dtype', 'float32')} state | {arm} | {_t(r)} | "
+                       f"{_t(r, 'gpu_us')} | {rate} | {frac} |")
     out += ["", "| layer decode step (bf16 weights) | arm | wall (us) | GPU (us) | weight floor (us) | of floor (wall) |",
             "|---|---|---|---|---|---|"]
     for key, row in results["layer_decode"].items():
@@ -454,8 +457,18 @@ SSD_VARIANTS = {   # run 3's sweep, renamed for the default it led to (q64 p64 w
 }
 # the Mosaic GPU arm: left operands of the y and state products from registers (default) or via SMEM
 MOSAIC_VARIANTS = {"regs": dict(a_regs=True), "smem": dict(a_regs=False)}
-# run 2 swept UpdateBlocks(block_p 4..32, 2..8 warps): all within 1% in GPU time, so only the default is timed
+# run 2 swept UpdateBlocks(block_p 4..32, 2..8 warps) on the f32 state: all within 1% in GPU time, so only the
+# default is timed unless --update-blocks names others (block_p x num_warps, e.g. 32x4,32x8)
 UPDATE_VARIANTS = {"default": None}
+
+
+def update_variants(spec: str) -> dict:
+    """{"default": None} plus one UpdateBlocks per 'BPxW' item of spec."""
+    variants = dict(UPDATE_VARIANTS)
+    for item in filter(None, spec.split(",")):
+        bp, w = (int(v) for v in item.split("x"))
+        variants[f"p{bp}w{w}"] = su_mod.UpdateBlocks(block_p=bp, num_warps=w)
+    return variants
 
 
 SECTIONS = ("ceil", "ssd", "update", "layer")
@@ -482,6 +495,9 @@ def main():
                     help="SSD Triton variants to time (names of SSD_VARIANTS)")
     ap.add_argument("--mosaic-variants", default=",".join(MOSAIC_VARIANTS),
                     help="SSD Mosaic GPU variants to time (names of MOSAIC_VARIANTS; empty: none)")
+    ap.add_argument("--state-dtypes", default="float32", help="update section: the pool dtypes, e.g. float32,bfloat16")
+    ap.add_argument("--update-blocks", default="", help="update section: block_p x num_warps variants beside the "
+                    "default, e.g. 32x4,32x8,64x8")
     ap.add_argument("--no-xla-default", action="store_true", help="skip the XLA reference at DEFAULT precision")
     ap.add_argument("--render", nargs="+", help="print the tables of saved JSON files and exit")
     args = ap.parse_args()
@@ -515,7 +531,8 @@ def main():
             copy_bw = results["ceilings"]["copy_bw_Bps"]
             log(f"copy {copy_bw / 1e12:.2f} TB/s, bf16 matmul {results['ceilings']['bf16_flops'] / 1e12:.0f} TF/s")
         if "update" in only:
-            bench_state_update(results, batches, UPDATE_VARIANTS, copy_bw)
+            for dtype in args.state_dtypes.split(","):
+                bench_state_update(results, batches, update_variants(args.update_blocks), copy_bw, jnp.dtype(dtype))
         if "layer" in only:
             bench_layer_decode(results, batches[:1] + batches[2:3], copy_bw)
         if "ssd" in only:
