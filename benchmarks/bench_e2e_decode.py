@@ -9,7 +9,9 @@ Nemotron-H-8B shapes with random weights (64-token prompts, 64 new tokens, greed
 - floor_tok_s: batch / (bytes a step must read and write / the copy bandwidth measured in this run). Bytes:
   every weight a decode step reads (prefill-only copies left out; of the embedding table one row per sequence),
   each sequence's Mamba state read and written, its keys/values read (the positions it holds) and written;
-- kernels_per_step: GPU kernels per chained step, from a profiler trace (GPU only).
+- kernels_per_step: GPU kernels per chained step, from a profiler trace (GPU only);
+- chained_tokens_sha256: a digest of the tokens the first chained steps sampled: two runs of the same weights
+  (levers that must keep the bits, e.g. METRALE_GEMV_PDL=1, or XLA flags) agree on it.
 
     PYTHONPATH=. python benchmarks/bench_e2e_decode.py [--weights bf16,fp8-block,nvfp4] [--states float32,bfloat16]
         [--batches 1,8,32,64,256] [--out benchmarks/results/e2e_decode.json] [--update]
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import hashlib
 import json
 import os
 import platform
@@ -110,13 +113,14 @@ def bench_rows(model, weights: str, state: str, batches, sz, bw, exe, rows: list
     for B in batches:
         engine_tok_s, steady_tok_s = engine_rates(eng, B, prompt, new, rng)
         run = chained_steps(eng, B, chain)
-        block(run())                                     # the slots' lengths now run past the prompts
+        tokens = np.asarray(run())                       # the slots' lengths now run past the prompts
+        digest = hashlib.sha256(tokens.tobytes()).hexdigest()[:16]    # same model, flags that keep the bits: same
         dev_s = median_time(run, reps=3) / chain
         floor_s = step_bytes(model, eng.cache, B, prompt + new + chain) / bw
         prof = decode_profile(chained_steps(eng, B, 2), 2, dev_s) if sz["profile"] else {"error": "off"}
         row = {"weights": weights, "state_dtype": state, "batch": B, "device_tok_s": B / dev_s,
                "engine_tok_s": engine_tok_s, "engine_steady_tok_s": steady_tok_s, "floor_tok_s": B / floor_s,
-               "kernels_per_step": prof.get("kernels_per_step"),
+               "kernels_per_step": prof.get("kernels_per_step"), "chained_tokens_sha256": digest,
                "engine_vs_device": engine_tok_s * dev_s / B, "device_vs_floor": floor_s / dev_s,
                "step_bytes": int(floor_s * bw), "idle_us_per_step": prof.get("idle_us_per_step"),
                "by_class_us": {k: round(v["us_per_step"], 1) for k, v in prof.get("by_class", {}).items()},

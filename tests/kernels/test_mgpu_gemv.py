@@ -584,3 +584,80 @@ def test_up_proj_relu2_epilogue_lowers_for_cuda(kernel, M):
         fn = lambda x, p, s, g: w4m.w4a16_gemv_mosaic(x, p, s, g, epilogue="relu2")
     text = jax.jit(fn).trace(x, *args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+# ---- programmatic dependent launch (GemvConfig.pdl) ---------------------------------------------------------------
+def _pdl_arm(kernel, rng, N, K, pdl: bool):
+    """(weights, fn(x) with the shape's default launch and pdl set) of w8a16 / w8a8 / w4a16."""
+    if kernel == "w4a16":
+        args = _nvfp4(rng, N, K)
+        cfg = dataclasses.replace(w4m.w4a16_gemv_blocks(N, K), pdl=pdl)
+        return lambda x: w4m.w4a16_gemv_mosaic(x, *args, out_dtype=F32, config=cfg)
+    args = _fp8(rng, N, K)
+    cfg = dataclasses.replace(w8m.w8a16_gemv_blocks(N, K), pdl=pdl)
+    fn = w8m.w8a16_gemv_mosaic if kernel == "w8a16" else w8m.w8a8_gemv_mosaic
+    return lambda x: fn(x, *args, out_dtype=F32, config=cfg)
+
+
+@pytest.mark.parametrize("kernel", ["w8a16", "w8a8", "w4a16"])
+@pytest.mark.parametrize("N,K", SHAPES_8B)
+def test_pdl_launch_lowers_for_cuda(kernel, N, K):
+    """With pdl the kernel waits on the previous grid (griddepcontrol.wait: Mosaic marks the module uses_pdl and
+    launches it with programmatic stream serialization); without, it does not. in_proj's default is the unsplit
+    launch with tail pieces in clusters, out_proj's the split-K partials. w8a8's x comes producer-quantized
+    (lowering the Triton quantizer needs a GPU)."""
+    from pallas_kernels.formats import Fp8Activations
+
+    sd = jax.ShapeDtypeStruct
+    M = 1
+    x = (Fp8Activations(sd((M, K), jnp.float8_e4m3fn), sd((M, K // 128), F32)) if kernel == "w8a8"
+         else sd((M, K), jnp.bfloat16))
+    if kernel == "w4a16":
+        args = (sd((N, K // 2), jnp.uint8), sd((N, K // 16), jnp.float8_e4m3fn), sd((), F32))
+        base, fn = w4m.w4a16_gemv_blocks(N, K), w4m.w4a16_gemv_mosaic
+    else:
+        args = (sd((N, K), jnp.float8_e4m3fn), sd((N // 128, K // 128), F32))
+        base = w8m.w8a16_gemv_blocks(N, K)
+        fn = w8m.w8a16_gemv_mosaic if kernel == "w8a16" else w8m.w8a8_gemv_mosaic
+    for pdl in (False, True):
+        cfg = dataclasses.replace(base, pdl=pdl)
+        text = jax.jit(lambda x, *a: fn(x, *a, config=cfg)).trace(x, *args).lower(
+            lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text and ("mosaic_gpu.uses_pdl" in text) == pdl
+
+
+def test_pdl_is_ignored_in_interpret_mode(rng, interpret):
+    """The interpreter has no grid dependencies: a pdl launch there runs as the plain one, same bits."""
+    x = _x(rng, 3, 384)
+    q, s = _fp8(rng, 128, 384)
+    cfg = GemvConfig(64, 2)
+    y = w8m.w8a16_gemv_mosaic(x, q, s, out_dtype=F32, interpret=interpret, config=cfg)
+    y_pdl = w8m.w8a16_gemv_mosaic(x, q, s, out_dtype=F32, interpret=interpret,
+                                  config=dataclasses.replace(cfg, pdl=True))
+    _finite(y)
+    np.testing.assert_array_equal(np.asarray(y_pdl), np.asarray(y))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["w8a16", "w8a8", "w4a16"])
+@pytest.mark.parametrize("N,K", SHAPES_8B)
+def test_pdl_keeps_the_bits_behind_a_producer_on_gpu(rng, kernel, N, K):
+    """Eight GEMVs in one program, each reading an x that an XLA kernel writes just before it (the kernel a pdl
+    CTA overlaps): a CTA that read x before waiting on its producer would see the previous x. The outputs equal
+    the plain launch's bit for bit, at M = 1 and 16."""
+    for m in (1, 16):
+        x0 = _x(rng, m, K)
+        ys = {}
+        for pdl in (False, True):
+            fn = _pdl_arm(kernel, np.random.default_rng(7), N, K, pdl)
+
+            @jax.jit
+            def chain(x0):
+                out, x = [], x0
+                for i in range(8):
+                    x = (jnp.sin(x.astype(F32) * (i + 2)) * 3).astype(jnp.bfloat16)   # [m, K], a fresh x
+                    out.append(fn(x))
+                return jnp.stack(out)
+            ys[pdl] = np.asarray(chain(x0))
+        assert np.isfinite(ys[False]).all()
+        np.testing.assert_array_equal(ys[True], ys[False])
