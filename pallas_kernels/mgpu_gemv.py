@@ -108,8 +108,10 @@ def pdl_prologue(w_gmem, rows, k_first, step_cols: int, steps: int):
     pipeline steps from step k_first are prefetched to L2 (weights never depend on the previous kernel), then the
     CTA waits for the previous kernel's completion and memory (griddepcontrol.wait) before anything reads x or
     writes an output. The pipeline's own loads of those tiles then hit L2."""
+    box = min(step_cols, 256)                     # a TMA box spans at most 256 elements per dimension
     for s in range(steps):
-        plgpu.async_prefetch(w_gmem.at[rows, pl.ds((k_first + s) * step_cols, step_cols)])
+        for c in range(0, step_cols, box):
+            plgpu.async_prefetch(w_gmem.at[rows, pl.ds((k_first + s) * step_cols + c, box)])
     plgpu.griddepcontrol_wait()
 
 
