@@ -84,7 +84,7 @@ class GemvConfig:
     tail_split: int = 0       # w8 unsplit: the row blocks past a whole number per SM (in_proj: 26 of 290) are
                               # split into this many K pieces, so every SM streams about the same bytes; the
                               # pieces' float32 partials are added in a fixed order (`tail_blocks`)
-    pdl: bool = PDL           # programmatic dependent launch (`pdl_prologue`): the CTA may start while the
+    pdl: bool = PDL           # programmatic dependent launch (`pdl_framed`): the CTA may start while the
                               # previous kernel runs, prefetches its first weight tiles to L2 and only then waits
                               # for it; compiled only (interpret mode runs without it); the same bits
 
@@ -103,22 +103,24 @@ def auto_split(n_blocks: int, k_steps: int, target: int = 2 * H200_SMS) -> int:
     return split
 
 
-def pdl_prologue(w_gmem, rows, k_first, step_cols: int, steps: int):
-    """The start of a CTA launched early (GemvConfig.pdl): the weight tiles [rows, step_cols] of its first `steps`
-    pipeline steps from step k_first are prefetched to L2 (weights never depend on the previous kernel), then the
-    CTA waits for the previous kernel's completion and memory (griddepcontrol.wait) before anything reads x or
-    writes an output. The pipeline's own loads of those tiles then hit L2."""
+def pdl_framed(pipeline, w_gmem, rows, k_first, step_cols: int, steps: int, stages: int):
+    """`pipeline` (a CTA's K pipeline over `steps` steps from k_first) launched early (GemvConfig.pdl): first the
+    weight tiles [rows, step_cols] of its first `stages` steps are prefetched to L2 (weights never depend on the
+    previous kernel), then the CTA waits for the previous kernel's completion and memory (griddepcontrol.wait)
+    before anything reads x or writes an output; the pipeline's own loads of those tiles then hit L2. After the
+    pipeline the next kernel, if launched with PDL, may start (it waits for this one's completion itself before
+    reading what this one writes)."""
     box = min(step_cols, 256)                     # a TMA box spans at most 256 elements per dimension
-    for s in range(steps):
-        for c in range(0, step_cols, box):
-            plgpu.async_prefetch(w_gmem.at[rows, pl.ds((k_first + s) * step_cols + c, box)])
-    plgpu.griddepcontrol_wait()
 
-
-def pdl_release():
-    """After a CTA's pipeline (GemvConfig.pdl): the next kernel, if launched with PDL, may start (it waits for this
-    one's completion itself before reading what this one writes)."""
-    plgpu.griddepcontrol_launch_dependents()
+    def framed(*refs):
+        for s in range(min(stages, steps)):
+            for c in range(0, step_cols, box):
+                plgpu.async_prefetch(w_gmem.at[rows, pl.ds((k_first + s) * step_cols + c, box)])
+        plgpu.griddepcontrol_wait()
+        out = pipeline(*refs)
+        plgpu.griddepcontrol_launch_dependents()
+        return out
+    return framed
 
 
 def _mma(acc_ref, a, b_ref, a_smem):

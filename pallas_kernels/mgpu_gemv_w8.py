@@ -27,7 +27,7 @@ from pallas_kernels.formats import FP8_BLOCK
 from pallas_kernels.mgpu_gemv import (ROWS, W8_BK, GemvConfig, _check_config, _check_dims, _check_x_bf16,
                                       _cluster_launch, _cluster_sum, _finish, _grid, _interpret_kw, _mma_values,
                                       _out_spec, _pad_rows, _store_out, _tf, auto_split, launch_tiles,
-                                      pdl_prologue, pdl_release, resolve_k_blocks, supports, x_rows)
+                                      pdl_framed, resolve_k_blocks, supports, x_rows)
 from pallas_kernels.w8a16 import H200_SMS, _check_w8a16, w8a16_reference, w8a8_gemv_reference
 
 
@@ -48,7 +48,7 @@ def _w8_kernel(*refs, n_in, o_smem, a_smem, ready=None, red_bar=None, bn, steps,
     pieces of one output tile form a cluster and add their partials in the kernel (`_w8_tail_cluster`). A direct
     store puts the complete sums through `epilogue` first (`_store_out`). refs: the n_in inputs (x, w, scale and,
     with E4M3 x, its scales: `_w8a8_blocks`), the output, the tail partials if any. pdl: each CTA's pipeline is
-    framed by `pdl_prologue` and `pdl_release` (GemvConfig.pdl)."""
+    launched early (`pdl_framed`, GemvConfig.pdl)."""
     ins, (o_gmem, *t_gmem) = refs[:n_in], refs[n_in:]
     n, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
     blocks = _w8a8_blocks if n_in == 4 else _w8_blocks
@@ -116,7 +116,11 @@ def _w8_blocks(x_gmem, w_gmem, s_gmem, a_smem, n_blk, m_blk, k_first, *, bn, ste
     zero = plgpu.layout_cast(jnp.zeros((ROWS, xr), jnp.float32), plgpu.Layout.WGMMA)
     specs = [plgpu.BlockSpec((bn, kb * W8_BK), lambda k: (n_blk, k_first + k), transforms=_tf(W8_BK, 1)),
              plgpu.BlockSpec((xr, kb * W8_BK), lambda k: (m_blk, k_first + k), transforms=_tf(2 * W8_BK, 2))]
-    return _pipeline(body, specs, steps, stages, groups, zero, pdl, w_gmem, n_blk * bn, bn, k_first, kb)(w_gmem, x_gmem)
+    run = plgpu.emit_pipeline(body, grid=(steps,), in_specs=specs, max_concurrent_steps=stages,
+                              init_carry=(zero,) * groups)
+    if pdl:
+        run = pdl_framed(run, w_gmem, pl.ds(n_blk * bn, bn), k_first, kb * W8_BK, steps, stages)
+    return run(w_gmem, x_gmem)
 
 
 def _w8a8_blocks(x_gmem, w_gmem, s_gmem, xs_gmem, a_smem, n_blk, m_blk, k_first, *, bn, steps, stages, xr, kb, pdl=False):
@@ -147,25 +151,11 @@ def _w8a8_blocks(x_gmem, w_gmem, s_gmem, xs_gmem, a_smem, n_blk, m_blk, k_first,
     specs = [plgpu.BlockSpec((bn, kb * W8_BK), lambda k: (n_blk, k_first + k), transforms=_tf(W8_BK, 1)),
              plgpu.BlockSpec((xr, kb * W8_BK), lambda k: (m_blk, k_first + k), transforms=_tf(W8_BK, 1)),
              plgpu.BlockSpec((kb, xr), lambda k: (k_first + k, m_blk))]
-    return _pipeline(body, specs, steps, stages, groups, zero, pdl, w_gmem, n_blk * bn, bn, k_first, kb)(
-        w_gmem, x_gmem, xs_gmem)
-
-
-def _pipeline(body, specs, steps, stages, groups, zero, pdl, w_gmem, row0, bn, k_first, kb):
-    """The K pipeline over `steps` steps from k_first, carrying one [64, xr] float32 sum per 64-row group; with pdl,
-    framed by `pdl_prologue` (the first stages' weight tiles of rows [row0, row0 + bn) prefetched) and
-    `pdl_release`."""
     run = plgpu.emit_pipeline(body, grid=(steps,), in_specs=specs, max_concurrent_steps=stages,
                               init_carry=(zero,) * groups)
-    if not pdl:
-        return run
-
-    def framed(*refs):
-        pdl_prologue(w_gmem, pl.ds(row0, bn), k_first, kb * W8_BK, min(stages, steps))
-        out = run(*refs)
-        pdl_release()
-        return out
-    return framed
+    if pdl:
+        run = pdl_framed(run, w_gmem, pl.ds(n_blk * bn, bn), k_first, kb * W8_BK, steps, stages)
+    return run(w_gmem, x_gmem, xs_gmem)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "epilogue", "config", "interpret"))
