@@ -16,20 +16,47 @@ def integer(name: str, value, lo: int, hi: int | None = None, hi_is: str = "") -
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < lo or \
             (hi is not None and value > hi):
         bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]" + (f" ({hi_is})" if hi_is else "")
-        raise ConfigError(name, f"expected an integer {bound}, got {value!r:.60}")
+        raise ConfigError(name, f"expected an integer {bound}, got {shown(value)}")
     return int(value)
 
 
 def real(name: str, value, ok, want: str) -> float:
     """value as a finite float for which ok(value) holds (want: the message's words for that), else ConfigError;
     bools and strings are refused, not converted."""
-    if not is_real(value) or not math.isfinite(value) or not ok(value):
-        raise ConfigError(name, f"expected {want}, got {value!r:.60}")
+    if not is_real(value) or not _finite(value) or not ok(value):
+        raise ConfigError(name, f"expected {want}, got {shown(value)}")
     return float(value)
+
+
+def _finite(value) -> bool:
+    """Whether a real number is finite as a float (an int too large for a float, 10**400, is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def shown(value, width: int = 60) -> str:
+    """value's repr for a message, cut to `width` characters; a value repr refuses (an int of over 4300 digits, a
+    list nested too deeply) is shown by its type."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):
+        text = f"a {type(value).__name__} too large to show"
+    return text[:width]
 
 
 def is_real(value) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def as_array(name: str, value) -> np.ndarray:
+    """np.asarray(value), a ShapeError naming `name` for what numpy cannot make an array of (ragged nested lists)."""
+    try:
+        return np.asarray(value)
+    except (ValueError, TypeError, OverflowError):
+        raise ShapeError(f"{name}: expected a rectangular array of integers, got ragged or mixed {type(value).__name__}"
+                         ) from None
 
 
 def encode_text(tokenizer, i: int, text: str) -> list[int]:
@@ -48,7 +75,7 @@ def prompt_ids(i: int, prompt) -> list[int]:
         raise ShapeError(f"prompts[{i}]: bytes are not token ids; pass a list of ints, or a string (with a tokenizer)")
     if isinstance(prompt, (list, tuple)) and any(isinstance(t, (bool, np.bool_)) for t in prompt):
         raise ShapeError(f"prompts[{i}]: expected a list of integer token ids, got a {type(prompt).__name__} of bool")
-    arr = np.asarray(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
+    arr = as_array(f"prompts[{i}]", prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
     if arr is None or arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer) or arr.size == 0):
         shown = f"{type(prompt).__name__}" + (f" of {arr.dtype}{list(arr.shape)}" if arr is not None else "")
         raise ShapeError(f"prompts[{i}]: expected a list of integer token ids, got {shown}")

@@ -10,6 +10,7 @@ import functools
 import json
 from collections.abc import Sequence
 
+from metrale_jax.arguments import shown
 from metrale_jax.errors import ConfigError
 
 
@@ -23,12 +24,18 @@ def apply_chat_template(tokenizer, messages: Sequence[dict], *, add_generation_p
                                            "'chat_template'); format the prompt yourself")
     _check_messages(messages)
     settings = getattr(tokenizer, "settings", None)
+    compiled = _compiled(template)
+    from jinja2 import TemplateError           # importable: _compiled imported jinja2
+
     try:
-        return _compiled(template).render(messages=list(messages), add_generation_prompt=add_generation_prompt,
-                                          bos_token=getattr(settings, "bos_token", None) or "",
-                                          eos_token=getattr(settings, "eos_token", None) or "", **extra)
+        return compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt,
+                               bos_token=getattr(settings, "bos_token", None) or "",
+                               eos_token=getattr(settings, "eos_token", None) or "", **extra)
     except _TemplateRaised as e:
         raise ConfigError("messages", str(e)) from None
+    except TemplateError as e:                 # e.g. the template reads a key the messages lack
+        raise ConfigError("messages", f"the chat template cannot render these messages: {type(e).__name__}: "
+                                      f"{str(e)[:200]}") from None
 
 
 class _TemplateRaised(Exception):
@@ -41,7 +48,7 @@ def _check_messages(messages) -> None:
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or "content" not in m:
             raise ConfigError("messages", f"messages[{i}]: expected a dict with a string 'role' and a 'content', "
-                                          f"got {m!r:.80}")
+                                          f"got {shown(m, 80)}")
 
 
 @functools.lru_cache(maxsize=16)

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from metrale_jax import adapters as lora_adapters
 from metrale_jax import data_parallel, sharding, sharding_quant
-from metrale_jax.arguments import integer, prompts_ids
+from metrale_jax.arguments import as_array, integer, prompts_ids
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import CheckpointError, ConfigError, ShapeError, SlotError
 from metrale_jax.init import iter_random_tensors, random_tensors  # noqa: F401  (random_tensors: API)
@@ -400,9 +400,9 @@ class NemotronH(nnx.Module):
                                     **self._adapter_table(cache.num_slots))
 
     def _check_ids(self, ids) -> np.ndarray:
-        ids = np.asarray(ids)
-        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer):
-            raise ShapeError(f"ids: expected integer token ids [B, T], got {ids.dtype}{list(ids.shape)}")
+        ids = as_array("ids", ids)
+        if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or ids.shape[0] == 0:
+            raise ShapeError(f"ids: expected integer token ids [B, T] with B >= 1, got {ids.dtype}{list(ids.shape)}")
         if ids.shape[1] > self.config.max_position_embeddings:       # before any [T, T] or KV allocation
             raise ShapeError(f"ids: {ids.shape[1]} tokens per row exceed the model's max_position_embeddings "
                              f"{self.config.max_position_embeddings}")

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from metrale_jax.arguments import integer, real
+from metrale_jax.arguments import integer, real, shown
 from metrale_jax.errors import ConfigError
 
 MAX_LOGPROBS = 20            # the most alternatives `logprobs=n` returns per token (vLLM's default cap)
@@ -83,7 +83,7 @@ def _stops(stop) -> tuple:
         elif isinstance(s, (int, np.integer)) and not isinstance(s, (bool, np.bool_)) and s >= 0:
             out.append(int(s))
         else:
-            raise ConfigError("stop", f"expected token ids >= 0 or non-empty strings, got {s!r:.60}")
+            raise ConfigError("stop", f"expected token ids >= 0 or non-empty strings, got {shown(s)}")
     return tuple(out)
 
 

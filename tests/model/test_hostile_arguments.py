@@ -78,6 +78,16 @@ def test_prompts_that_are_not_token_ids_are_refused(model, prompt, shown):
     assert str(e.value).startswith("prompts[1]: ") and shown in str(e.value), str(e.value)
 
 
+def test_empty_and_ragged_batches_are_shape_errors(model):
+    """numpy's own errors (a reduction over no rows, an inhomogeneous nested list) are not the message."""
+    with pytest.raises(ShapeError, match=r"ids: expected integer token ids \[B, T\] with B >= 1, got int32\[0, 5\]"):
+        model.score(np.ones((0, 5), np.int32))
+    with pytest.raises(ShapeError, match="ids: expected a rectangular array of integers, got ragged or mixed list"):
+        model.score([[1, 2, 3], [1, 2]])
+    with pytest.raises(ShapeError, match=r"prompts\[1\]: expected a rectangular array of integers"):
+        model.generate([[1, 2], [1, [2, 3]]], 2)
+
+
 def test_a_text_prompt_that_is_not_unicode(model):
     with pytest.raises(ShapeError, match=r"prompts\[0\]: not valid Unicode text"):
         model.generate(["abc\udcff"], 2)

@@ -78,6 +78,11 @@ def test_chat_template_renders_and_model_chat_continues_it(tmp_path):
         apply_chat_template(tok, [{"role": "robot", "content": "hi"}])
     with pytest.raises(ConfigError, match="messages"):
         apply_chat_template(tok, "Who wept?")
+    with pytest.raises(ConfigError, match=r"messages: messages\[0\]: expected a dict with a string 'role'"):
+        apply_chat_template(tok, [{"role": 10 ** 5000, "content": "hi"}])     # an int repr refuses to show
+    reads = ByteTokenizer(TokenizerSettings(chat_template="{{ messages[0]['name'].upper() }}"))
+    with pytest.raises(ConfigError, match="messages: the chat template cannot render these messages: UndefinedError"):
+        apply_chat_template(reads, messages)                              # a key the messages lack
     with pytest.raises(ConfigError, match="chat_template: this model's tokenizer has no chat template"):
         apply_chat_template(ByteTokenizer(), messages)
     named = [{"name": "tool_use", "template": "x"}, {"name": "default", "template": TEMPLATE}]

@@ -108,11 +108,16 @@ def test_no_compile_after_a_warmup_with_logprobs(make_engine, rng):
     ("top_p", 0.0), ("top_p", 1.01), ("top_k", -1), ("top_k", 1.5), ("min_p", 1.5), ("min_p", float("inf")),
     ("seed", 2 ** 63), ("stop", [""]), ("stop", [1.5]), ("stop", [-3]), ("stop", b"\n"),
     ("logprobs", -1), ("logprobs", MAX_LOGPROBS + 1), ("logprobs", True),
+    ("temperature", 10 ** 400), ("top_p", -10 ** 400), ("min_p", 10 ** 400),
+    pytest.param("seed", 10 ** 5000, id="seed-10**5000"), pytest.param("stop", [-10 ** 5000], id="stop--10**5000"),
+    pytest.param("max_new_tokens", -10 ** 5000, id="max_new_tokens--10**5000"),
 ])
 def test_bad_sampling_params_name_their_field(field, value):
+    """Ints too large for a float (10**400) or for repr (10**5000) too: a ConfigError with a short message, not an
+    OverflowError or ValueError from the check or its message."""
     with pytest.raises(ConfigError) as e:
         SamplingParams(**{field: value})
-    assert e.value.field == field
+    assert e.value.field == field and len(str(e.value)) < 200
 
 
 def test_params_resolve_from_old_arguments_and_overrides():
