@@ -36,6 +36,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from metrale_jax import adapters, data_parallel, sharding
+from metrale_jax.arguments import integer
 from metrale_jax.errors import ConfigError, ShapeError
 from metrale_jax.layers import lora
 from metrale_jax.runtime import steps
@@ -65,12 +66,17 @@ class _ChunkInputs(typing.NamedTuple):
 
 def _sizes(levers, max_slots: int, max_len: int, prefill_token_budget: int | None) -> tuple[int, int]:
     """(prefill token budget, max_len) checked: the budget defaults to the model's levers."""
-    budget = levers.prefill_token_budget if prefill_token_budget is None else int(prefill_token_budget)
-    if budget < 1:
-        raise ConfigError("prefill_token_budget", f"must be >= 1, got {budget}")
-    if max_slots < 1 or max_len < 1:
-        raise ConfigError("max_slots", f"need max_slots >= 1 and max_len >= 1, got {max_slots}, {max_len}")
-    return budget, int(max_len)
+    budget = levers.prefill_token_budget if prefill_token_budget is None else prefill_token_budget
+    budget = integer("prefill_token_budget", budget, 1)
+    integer("max_slots", max_slots, 1)
+    return budget, integer("max_len", max_len, 1)
+
+
+def _eos_ids(eos_ids, vocab_size: int) -> frozenset[int]:
+    """The engine's stop tokens as given (a list of token ids in the vocabulary), checked."""
+    if isinstance(eos_ids, (str, bytes)) or not isinstance(eos_ids, (Sequence, set, frozenset, np.ndarray)):
+        raise ConfigError("eos_ids", f"expected a list of token ids, got {type(eos_ids).__name__}")
+    return frozenset(integer("eos_ids", e, 0, vocab_size - 1, "the vocabulary") for e in eos_ids)
 
 
 def _on_mesh(model, mesh):
@@ -155,20 +161,20 @@ class Engine(PrefixSnapshots, Speculation, BatchJobs):
         self._params, self._treedef = jax.tree_util.tree_flatten(model)
         self._model_keys: dict[int, int] = {}           # id(executables) -> the treedef's interned id there
         self.budget, self.max_len = _sizes(model.levers, max_slots, max_len, prefill_token_budget)
+        self.speculative = speculative
+        self.drafter = self._make_drafter(speculative, drafter)        # checked before the pool is allocated
+        self.capture_rows = integer("capture_rows", capture_rows, 1)
+        self.eos_ids = model.eos_ids() if eos_ids is None else _eos_ids(eos_ids, model.config.vocab_size)
+        self._init_buckets(max_slots, batch_buckets, token_buckets, prefill_batch_buckets, min_token_bucket)
         self.cache = model.new_cache(max_slots, max_len, ssm_state_dtype=ssm_state_dtype)
         self.sampling = jax.device_put(SlotSampling.create(self.cache.num_slots), self._replicated)
         self._inflight: collections.deque = collections.deque()   # (device arrays, handler) not read back yet
         self.allocator = SlotAllocator(self.cache.num_slots)
         self.pad = self.cache.padding_slot
-        self._init_buckets(max_slots, batch_buckets, token_buckets, prefill_batch_buckets, min_token_bucket)
         self._init_executables(executables, decode_executables, compiler_options)
         self.replay_tail = self.caps.replay_tail_capture    # every layer: in-pass capture, else two passes
-        self.capture_rows = int(capture_rows)
         self.prefix_cache = self._make_prefix_cache(prefix_cache_bytes, prefix_block)
-        self.speculative = speculative
-        self.drafter = self._make_drafter(speculative, drafter)
         self.mtp = model.new_mtp_cache(max_slots, max_len) if isinstance(self.drafter, MtpDrafter) else None
-        self.eos_ids = frozenset(model.eos_ids() if eos_ids is None else (int(e) for e in eos_ids))
         self.queue: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}          # slot -> request, in admission order
         self.requests: dict[int, Request] = {}
@@ -183,6 +189,7 @@ class Engine(PrefixSnapshots, Speculation, BatchJobs):
                       min_token_bucket: int) -> None:
         """The padded shapes steps compile for; a layer without batched decode / verify gets batches of one."""
         self.batch_buckets = check_buckets("batch_buckets", batch_buckets, powers_of_two(1, bucket(max_slots)))
+        integer("min_token_bucket", min_token_bucket, 1)
         top = bucket(min(self.budget, self.max_len))
         self.token_buckets = check_buckets("token_buckets", token_buckets, powers_of_two(min(min_token_bucket, top), top))
         self.prefill_buckets = check_buckets("prefill_batch_buckets", prefill_batch_buckets, self.batch_buckets)
@@ -232,33 +239,45 @@ class Engine(PrefixSnapshots, Speculation, BatchJobs):
                on_token: Callable[[int, int], None] | None = None, adapter: str | None = None, **overrides) -> int:
         """Queue a generation request (token ids); returns its id. params: a SamplingParams (or, as before,
         max_new_tokens); keyword overrides (temperature=, top_p=, top_k=, min_p=, seed=, stop=, logprobs=,
-        max_new_tokens=) replace its fields. on_token(id, token) streams tokens.
+        max_new_tokens=) replace its fields. on_token(id, token) streams tokens; if it raises, its request ends
+        with finish_reason 'error' and the exception as Request.error (the other requests go on).
         stop: token ids and strings (strings need the model's tokenizer) that end the request with
         finish_reason 'stop': a stop token is not kept; with a stop string the tokens through the one that
         completed it are kept and Generation.text ends before it. The model's eos ids end it with 'eos'.
         adapter: the name of a LoRA adapter the model has loaded (None: the base weights); rows with different
         adapters share a step."""
+        return self._enqueue(self._request(prompt, params, on_token=on_token, adapter=adapter, **overrides))
+
+    def _request(self, prompt, params=None, *, on_token=None, adapter=None, **overrides) -> Request:
+        """submit's request, checked (every error submit raises) but not queued: nothing in the engine changes."""
         tokens = check_prompt(prompt, "prompt", self.model.config.vocab_size)
         adapters.index_of(self.model, adapter)                     # ConfigError naming an unknown adapter
         if adapter is not None and self._slot_adapters is None:
             raise ConfigError("adapter", f"{adapter!r} was loaded after this Engine was made (it serves the model's "
                                          f"weights as they were then); load adapters before creating the Engine")
+        if on_token is not None and not callable(on_token):
+            raise ConfigError("on_token", f"expected a callable on_token(id, token) or None, got "
+                                          f"{type(on_token).__name__}")
         sp = resolve(params, **overrides)
         if len(tokens) + sp.max_new_tokens > self.max_len:
             raise ShapeError(f"prompt: {len(tokens)} tokens + max_new_tokens {sp.max_new_tokens} exceed the engine's "
                              f"max_len {self.max_len}")
-        return self._enqueue(Request(rid=0, prompt=tokens, max_new_tokens=sp.max_new_tokens,
-                                     temperature=sp.temperature, top_p=sp.top_p, seed=sp.seed % 2**31,
-                                     top_k=min(sp.top_k, self.model.config.vocab_size),   # int32 on the device
-                                     min_p=sp.min_p, want_logprobs=sp.logprobs,
-                                     **stops_for(sp.stop, self.model), on_token=on_token, adapter=adapter))
+        return Request(rid=0, prompt=tokens, max_new_tokens=sp.max_new_tokens, temperature=sp.temperature,
+                       top_p=sp.top_p, seed=sp.seed % 2**31,
+                       top_k=min(sp.top_k, self.model.config.vocab_size),   # int32 on the device
+                       min_p=sp.min_p, want_logprobs=sp.logprobs, **stops_for(sp.stop, self.model),
+                       on_token=on_token, adapter=adapter)
 
     def submit_score(self, ids) -> int:
         """Queue a scoring request: log p(ids[t+1] | ids[:t+1]) for every t."""
-        tokens = check_prompt(ids, "ids", self.model.config.vocab_size)
+        return self._enqueue(self._score_request(ids))
+
+    def _score_request(self, ids, name: str = "ids") -> Request:
+        """submit_score's request, checked (`name`: the argument, for the messages) but not queued."""
+        tokens = check_prompt(ids, name, self.model.config.vocab_size)
         if len(tokens) > self.max_len:
-            raise ShapeError(f"ids: {len(tokens)} tokens exceed the engine's max_len {self.max_len}")
-        return self._enqueue(Request(rid=0, prompt=tokens, max_new_tokens=0, score=True))
+            raise ShapeError(f"{name}: {len(tokens)} tokens exceed the engine's max_len {self.max_len}")
+        return Request(rid=0, prompt=tokens, max_new_tokens=0, score=True)
 
     def _enqueue(self, r: Request) -> int:
         r.rid, self._next_id = self._next_id, self._next_id + 1
@@ -396,7 +415,11 @@ class Engine(PrefixSnapshots, Speculation, BatchJobs):
             if r.drafter is not None:
                 r.drafter.append(t)
             if r.on_token is not None:
-                r.on_token(r.rid, t)
+                try:
+                    r.on_token(r.rid, t)
+                except Exception as e:                 # the caller's code: it ends its own request only
+                    r.error = e
+                    return self._finish(r, "error")
             if r.stop_strings and stop_string_ends(r, self.model.tokenizer.decode):
                 return self._finish(r, "stop")
             if len(r.tokens) >= r.max_new_tokens:

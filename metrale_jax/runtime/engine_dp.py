@@ -61,6 +61,13 @@ class DataParallelEngine(BatchJobs):
         local = self.engines[k].submit(prompt, params, on_token=cb, adapter=adapter, **overrides)
         return self._record(k, local)
 
+    def _request(self, prompt, params=None, **kwargs) -> Request:
+        """A replica's Engine._request (they share the model and the limits): the checks, nothing queued."""
+        return self.engines[0]._request(prompt, params, **kwargs)
+
+    def _score_request(self, ids, name: str = "ids") -> Request:
+        return self.engines[0]._score_request(ids, name)
+
     def submit_score(self, ids) -> int:
         """Engine.submit_score on the least-loaded replica."""
         k = self._least_loaded()

@@ -8,6 +8,7 @@ import functools
 
 import numpy as np
 
+from metrale_jax.arguments import shown
 from metrale_jax.errors import ConfigError
 from metrale_jax.runtime import steps
 from metrale_jax.runtime.executables import pick_bucket
@@ -17,6 +18,19 @@ from metrale_jax.runtime.speculative import SpeculativeConfig, make_drafter
 
 def _groups(items: list, size: int):
     return [items[i:i + size] for i in range(0, len(items), size)]
+
+
+def checked_drafts(drafts, limit: int, vocab_size: int) -> list[int]:
+    """A drafter's propose(limit) as token ids, checked before they reach the device: at most limit of them (none
+    for limit <= 0), each in [0, vocab_size); else a ConfigError naming the drafter (a draft past the limit would
+    write the cache past the request's length, an id outside the vocabulary could be emitted as a token)."""
+    n = max(limit, 0)
+    if isinstance(drafts, (list, tuple, np.ndarray)) and len(drafts) <= n and all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) and 0 <= t < vocab_size
+            for t in drafts):
+        return [int(t) for t in drafts]
+    raise ConfigError("drafter", f"propose({limit}) must return a list of at most {n} token ids in "
+                                 f"[0, {vocab_size}), got {shown(drafts)}")
 
 
 class Speculation:
@@ -29,6 +43,11 @@ class Speculation:
             if drafter is not None:
                 raise ConfigError("drafter", "a drafter needs speculative=SpeculativeConfig(...) (num_draft)")
             return None
+        if not isinstance(speculative, SpeculativeConfig):
+            raise ConfigError("speculative", f"expected a SpeculativeConfig, got {type(speculative).__name__}")
+        if speculative.num_draft >= self.max_len:        # a verify step runs num_draft + 1 tokens per row
+            raise ConfigError("speculative.num_draft", f"expected an integer in [1, {self.max_len - 1}] (below the "
+                                                       f"engine's max_len), got {speculative.num_draft}")
         if self.caps.rollback_unsupported:
             raise ConfigError("speculative", "a layer declines rollback (decode_rollback_unsupported); "
                                              "speculative decoding commits an earlier state")
@@ -38,7 +57,8 @@ class Speculation:
         nd_max = self.speculative.num_draft
         limits = {r.rid: min(nd_max, r.max_new_tokens - len(r.tokens) - 1) for r in reqs}
         if self.mtp is None:
-            drafts = {r.rid: r.drafter.propose(limits[r.rid]) for r in reqs}
+            V = self.model.config.vocab_size
+            drafts = {r.rid: checked_drafts(r.drafter.propose(limits[r.rid]), limits[r.rid], V) for r in reqs}
             if not any(drafts.values()):
                 return self._decode(reqs)
         elif max(limits.values()) <= 0:

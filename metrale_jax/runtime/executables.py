@@ -48,10 +48,13 @@ def powers_of_two(lo: int, hi: int) -> tuple[int, ...]:
 
 def check_buckets(name: str, given, default) -> tuple[int, ...]:
     """Buckets as a sorted tuple of positive sizes (`default` when none are given); ConfigError naming `name`."""
+    from metrale_jax.arguments import integer
     from metrale_jax.errors import ConfigError
 
-    b = tuple(sorted({int(x) for x in (default if given is None else given)}))
-    if not b or b[0] < 1:
+    if given is not None and (isinstance(given, (str, bytes)) or not isinstance(given, Iterable)):
+        raise ConfigError(name, f"expected a list of positive sizes, got {type(given).__name__}")
+    b = tuple(sorted({integer(name, x, 1) for x in (default if given is None else given)}))
+    if not b:
         raise ConfigError(name, f"expected positive sizes, got {given}")
     return b
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from metrale_jax.arguments import as_array
 from metrale_jax.errors import ConfigError, ShapeError
 from metrale_jax.model import Generation
 from metrale_jax.runtime.sampling import TokenLogprobs
@@ -39,6 +40,7 @@ class Request:
     tokens: list[int] = dataclasses.field(default_factory=list)
     pending: int | None = None          # the last emitted token read back, not yet fed to the model
     finish_reason: str | None = None
+    error: Exception | None = None       # what on_token raised (finish_reason 'error')
     text_end: int | None = None          # with a stop string: where it starts in the decoded text
     logprobs: list[float] = dataclasses.field(default_factory=list)    # scoring: the prompt's; else the tokens'
     top_logprobs: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)   # with want_logprobs n
@@ -51,7 +53,7 @@ class Request:
 
 def check_prompt(prompt, name: str, vocab_size: int) -> list[int]:
     """A prompt of token ids as a list of ints (ShapeError naming `name`: not ids, empty, out of the vocabulary)."""
-    arr = np.asarray(prompt)
+    arr = as_array(name, prompt)
     if arr.ndim != 1 or arr.size == 0 or not np.issubdtype(arr.dtype, np.integer):
         raise ShapeError(f"{name}: expected a non-empty list of token ids, got {arr.dtype}{list(arr.shape)}")
     if arr.min() < 0 or arr.max() >= vocab_size:

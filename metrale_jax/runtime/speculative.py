@@ -15,17 +15,19 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from metrale_jax.arguments import integer
 from metrale_jax.errors import ConfigError
 from metrale_jax.runtime.sampling import SALT_ACCEPT, SALT_RESIDUAL, filtered_logits, row_keys
 
 METHODS = ("ngram", "mtp")
+MAX_NGRAM = 64           # the longest n-gram looked up: the index keeps every n-gram length per token appended
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculativeConfig:
     """method 'ngram' (prompt lookup) or 'mtp' (the checkpoint's multi-token-prediction layers);
     num_draft tokens proposed per step (the verify step runs num_draft + 1 rows per sequence);
-    n-gram lengths tried from max_ngram down to min_ngram."""
+    n-gram lengths tried from max_ngram down to min_ngram (1 <= min_ngram <= max_ngram <= MAX_NGRAM)."""
 
     method: str = "ngram"
     num_draft: int = 3
@@ -33,13 +35,13 @@ class SpeculativeConfig:
     min_ngram: int = 1
 
     def __post_init__(self):
-        if self.method not in METHODS:
-            raise ConfigError("speculative.method", f"expected one of {METHODS}, got {self.method!r}")
-        if self.num_draft < 1:
-            raise ConfigError("speculative.num_draft", f"must be >= 1, got {self.num_draft}")
-        if not 1 <= self.min_ngram <= self.max_ngram:
-            raise ConfigError("speculative.min_ngram", f"need 1 <= min_ngram <= max_ngram, got "
-                                                      f"{self.min_ngram}, {self.max_ngram}")
+        if not isinstance(self.method, str) or self.method not in METHODS:
+            raise ConfigError("speculative.method", f"expected one of {METHODS}, got {self.method!r:.60}")
+        set_ = lambda name, value: object.__setattr__(self, name, value)
+        set_("num_draft", integer("speculative.num_draft", self.num_draft, 1))
+        set_("min_ngram", integer("speculative.min_ngram", self.min_ngram, 1, MAX_NGRAM, "MAX_NGRAM"))
+        set_("max_ngram", integer("speculative.max_ngram", self.max_ngram, self.min_ngram, MAX_NGRAM,
+                                  "from min_ngram to MAX_NGRAM"))
 
 
 class NgramIndex:
