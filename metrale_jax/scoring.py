@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from metrale_jax.arguments import integer
 from metrale_jax.errors import ConfigError, ShapeError
 from metrale_jax.progress import Progress
 
@@ -91,11 +92,10 @@ def score_targets(model, seqs: Sequence[Targets], *, max_length: int | None = No
     """Each sequence's targets scored (`Scored`), windowed to max_length tokens (default and at most the model's
     max_position_embeddings) at `stride` (default max_length // 2). progress: see progress.Progress (rows)."""
     limit = model.config.max_position_embeddings
-    L = limit if max_length is None else int(max_length)
-    if not 2 <= L <= limit:
-        raise ConfigError("max_length", f"expected an integer in [2, {limit}] (the model's max_position_embeddings), "
-                                        f"got {L}")
-    S = max(1, L // 2) if stride is None else int(stride)
+    L = limit if max_length is None else integer("max_length", max_length, 2, limit, "the model's "
+                                                                                      "max_position_embeddings")
+    S = max(1, L // 2) if stride is None else integer("stride", stride, 1, L - 1, "below max_length")
+    integer("batch_size", batch_size, 1)
     rows, owners = [], []
     for i, t in enumerate(seqs):
         for start, end, first in windows(len(t.ids), t.first, L, S):

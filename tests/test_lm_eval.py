@@ -17,6 +17,7 @@ from lm_eval.api.registry import get_model
 from lm_eval.tasks import TaskManager
 
 from metrale_jax.builtin import builtin_model_dir, load_builtin
+from metrale_jax.errors import ConfigError, ShapeError
 from metrale_jax.runtime import SamplingParams
 from metrale_jax.eval.lm_eval_adapter import MetraleLM
 from metrale_jax.scoring import windows
@@ -122,6 +123,29 @@ def test_generate_until_is_the_engine_cut_at_until(model, lm):
         assert len(want) <= kw["max_gen_toks"] and f.text.startswith(want)
         assert g == want[:min(cut, len(want))]
     assert got[2] == free[2].text                                      # sampled as the task asks, seed 0
+
+
+@pytest.mark.parametrize("field, kwargs", [
+    ("batch_size", {"batch_size": "0"}), ("batch_size", {"batch_size": "many"}), ("max_length", {"max_length": "1"}),
+    ("max_gen_toks", {"max_gen_toks": 2.5}), ("seed", {"seed": "x"}),
+])
+def test_bad_model_args_name_their_field(model, field, kwargs):
+    """The harness passes model_args as text: "0" and "many" were int()'s ValueError or a batch size of 0."""
+    with pytest.raises(ConfigError) as e:
+        MetraleLM(model=model, progress=False, **kwargs)
+    assert e.value.field == field, str(e.value)
+
+
+def test_refused_requests_leave_nothing_queued(lm):
+    """A generate_until batch is checked whole before any request is queued (the first one would otherwise stay
+    in the engine, never popped, taking a slot from every later batch); an empty continuation is named."""
+    args = [("And", {"until": ["."], "max_gen_toks": 4}), ("Blessed", {"until": ["."], "max_gen_toks": 10 ** 6})]
+    with pytest.raises(ConfigError, match="max_gen_toks: 1000000 new tokens leave no room"):
+        lm.generate_until(_requests("generate_until", args))
+    engine = lm._get_engine()
+    assert not engine.queue and not engine.running and not engine.requests
+    with pytest.raises(ShapeError, match=r"requests\[1\]: the continuation '' encodes to no tokens"):
+        lm.loglikelihood(_requests("loglikelihood", [("And God", " said"), ("And God", "")]))
 
 
 def _write_tasks(d):

@@ -63,3 +63,15 @@ def test_score_targets_equals_log_softmax_of_forward_per_window(model, rng):
         np.testing.assert_array_equal(s.greedy, want_greedy)
     with pytest.raises(ConfigError, match="max_length"):
         score_targets(model, seqs, max_length=model.config.max_position_embeddings + 1)
+
+
+@pytest.mark.parametrize("field, kwargs", [
+    ("batch_size", dict(batch_size=0)), ("batch_size", dict(batch_size=-1)), ("batch_size", dict(batch_size=2.5)),
+    ("max_length", dict(max_length="64")), ("max_length", dict(max_length=24.9)), ("stride", dict(stride=2.5)),
+    ("stride", dict(max_length=24, stride=24)),
+])
+def test_score_targets_refuses_bad_sizes_by_name_before_scoring(model, field, kwargs):
+    """batch_size 0 was range()'s ValueError, -1 a TypeError after scoring nothing; floats were truncated."""
+    with pytest.raises(ConfigError) as e:
+        score_targets(model, [Targets([5, 6, 7])], **kwargs)
+    assert e.value.field == field, str(e.value)

@@ -18,7 +18,8 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import model_registry
 from lm_eval.models.utils import normalize_gen_kwargs
 
-from metrale_jax.errors import ConfigError
+from metrale_jax.arguments import integer, shown
+from metrale_jax.errors import ConfigError, ShapeError
 from metrale_jax.progress import Progress
 from metrale_jax.runtime.sampling_params import SamplingParams
 from metrale_jax.scoring import Targets, score_targets
@@ -46,13 +47,13 @@ class MetraleLM(LM):
         if self.tok is None:
             raise ConfigError("tokenizer", f"{NAME} needs a model with a tokenizer (tokenizer.json or "
                                            "byte_tokenizer.json): the harness speaks text")
-        if batch_size == "auto" or str(batch_size).startswith("auto"):
+        if str(batch_size).startswith("auto"):
             batch_size = 8                     # no memory probing: the buckets make batches cheap to choose
-        self.batch_size = int(batch_size)
+        self.batch_size = _integer("batch_size", batch_size, 1)
         limit = self.model.config.max_position_embeddings
-        self.max_length = limit if max_length is None else min(int(max_length), limit)
-        self.max_gen_toks = int(max_gen_toks)
-        self.seed = int(seed)
+        self.max_length = limit if max_length is None else min(_integer("max_length", max_length, 2), limit)
+        self.max_gen_toks = _integer("max_gen_toks", max_gen_toks, 1)
+        self.seed = _integer("seed", seed, -2 ** 63)
         self.progress = bool(progress)
         self._engine = None
 
@@ -61,8 +62,10 @@ class MetraleLM(LM):
         """(log p(continuation | context), whether every continuation token is the greedy one) per request."""
         pairs = [req.args for req in requests]
         targets = []
-        for context, continuation in pairs:
+        for i, (context, continuation) in enumerate(pairs):
             ctx, cont = encode_pair(self.tok, context, continuation)
+            if not cont:                        # nothing to score (the harness's HF model asserts as much)
+                raise ShapeError(f"requests[{i}]: the continuation {shown(continuation, 40)} encodes to no tokens")
             targets.append(Targets(ctx + cont, len(ctx)))
         scored = self._score(targets, disable_tqdm)
         out = [(s.total, s.all_greedy) for s in scored]
@@ -95,7 +98,7 @@ class MetraleLM(LM):
         """Each context continued through the engine until one of its `until` strings (the text ends before it),
         an eos token or max_gen_toks; greedy unless the request's gen_kwargs sample."""
         engine = self._get_engine()
-        rids = []
+        jobs = []
         for context, gen_kwargs in (req.args for req in requests):
             params = self._params(gen_kwargs)
             room = self.max_length - params.max_new_tokens
@@ -103,7 +106,9 @@ class MetraleLM(LM):
                 raise ConfigError("max_gen_toks", f"{params.max_new_tokens} new tokens leave no room for a prompt in "
                                                   f"max_length {self.max_length}")
             ids = self.tok.encode(context)[-room:]                  # the context's end, as the harness truncates
-            rids.append(engine.submit(ids, params))
+            engine._request(ids, params)                            # every request checked before any is queued
+            jobs.append((ids, params))
+        rids = [engine.submit(ids, params) for ids, params in jobs]
         with Progress(len(rids), "generate_until", "requests", enabled=self._progress(disable_tqdm)) as bar:
             pending = set(rids)
             while pending:
@@ -147,6 +152,13 @@ class MetraleLM(LM):
         from metrale_jax.chat import apply_chat_template
 
         return apply_chat_template(self.tok, chat_history, add_generation_prompt=add_generation_prompt)
+
+
+def _integer(name: str, value, lo: int) -> int:
+    """A model_args number (the harness passes them as text, "8", or as ints) as an int >= lo; else ConfigError."""
+    if isinstance(value, str) and value.strip().lstrip("+-").isdigit() and len(value) < 40:
+        value = int(value)
+    return integer(name, value, lo)
 
 
 def _load(pretrained: str | None, dtype: str):
