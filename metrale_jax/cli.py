@@ -63,8 +63,9 @@ _seed = _number(int, lambda v: 0 <= v < 2 ** 63, "an integer in [0, 2**63)")    
 def _token_ids(text: str) -> list[int]:
     try:
         ids = [int(t) for t in text.replace(",", " ").split()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {text!r}") from None
+    except ValueError:                          # not a number, or one of over 4300 digits: not echoed whole
+        shown = text if len(text) <= 40 else text[:37] + "..."
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids, got {shown!r}") from None
     if not ids:
         raise argparse.ArgumentTypeError("expected at least one token id")
     return ids

@@ -70,6 +70,12 @@ def test_the_largest_seed_runs(capsys):
     assert len(json.loads(out)["tokens"]) <= 2
 
 
+def test_prompt_ids_too_long_to_parse_are_not_echoed_whole(capsys):
+    """An id of 5000 digits is past int()'s limit: the message shows the argument's start only."""
+    assert_one_line(*run(capsys, "generate", "--prompt-ids", "1," + "9" * 5000, "--max-new-tokens", "2"),
+                    "argument --prompt-ids: expected comma-separated token ids, got '1,99999999")
+
+
 def test_a_prompt_that_is_not_utf8(capsys):
     """argv bytes that are not UTF-8 reach Python as lone surrogates."""
     prompt = os.fsdecode(b"abc\xff")
