@@ -13,11 +13,15 @@ from metrale_jax.errors import ConfigError, ShapeError
 
 def integer(name: str, value, lo: int, hi: int | None = None, hi_is: str = "") -> int:
     """value as an int in [lo, hi] (hi None: no upper bound; hi_is: what hi is, for the message), else ConfigError."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < lo or \
-            (hi is not None and value > hi):
+    if not is_int(value) or value < lo or (hi is not None and value > hi):
         bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]" + (f" ({hi_is})" if hi_is else "")
         raise ConfigError(name, f"expected an integer {bound}, got {shown(value)}")
     return int(value)
+
+
+def is_int(value) -> bool:
+    """Whether value is an integer (a Python or numpy one) and not a bool."""
+    return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
 def real(name: str, value, ok, want: str) -> float:

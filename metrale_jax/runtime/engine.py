@@ -166,6 +166,7 @@ class Engine(PrefixSnapshots, Speculation, BatchJobs):
         self.capture_rows = integer("capture_rows", capture_rows, 1)
         self.eos_ids = model.eos_ids() if eos_ids is None else _eos_ids(eos_ids, model.config.vocab_size)
         self._init_buckets(max_slots, batch_buckets, token_buckets, prefill_batch_buckets, min_token_bucket)
+        self.prefix_cache = self._make_prefix_cache(prefix_cache_bytes, prefix_block)
         self.cache = model.new_cache(max_slots, max_len, ssm_state_dtype=ssm_state_dtype)
         self.sampling = jax.device_put(SlotSampling.create(self.cache.num_slots), self._replicated)
         self._inflight: collections.deque = collections.deque()   # (device arrays, handler) not read back yet
@@ -173,7 +174,6 @@ class Engine(PrefixSnapshots, Speculation, BatchJobs):
         self.pad = self.cache.padding_slot
         self._init_executables(executables, decode_executables, compiler_options)
         self.replay_tail = self.caps.replay_tail_capture    # every layer: in-pass capture, else two passes
-        self.prefix_cache = self._make_prefix_cache(prefix_cache_bytes, prefix_block)
         self.mtp = model.new_mtp_cache(max_slots, max_len) if isinstance(self.drafter, MtpDrafter) else None
         self.queue: collections.deque[Request] = collections.deque()
         self.running: dict[int, Request] = {}          # slot -> request, in admission order

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 
+from metrale_jax.arguments import integer, is_int
 from metrale_jax.errors import ConfigError
 from metrale_jax.runtime import steps
 from metrale_jax.runtime.prefill_plan import Chunk
@@ -21,11 +22,11 @@ class PrefixSnapshots:
     def _make_prefix_cache(self, nbytes: int, block: int | None) -> PrefixCache | None:
         """A prefix cache of `nbytes` snapshotting every `block` tokens (default the SSD chunk), or None; refused
         when a layer's state or prefill would make a snapshot wrong."""
-        if not nbytes:
+        if not integer("prefix_cache_bytes", nbytes, 0):
             return None
         chunk = self.model.levers.ssm_chunk_size(self.model.config)
-        block = chunk if block is None else int(block)
-        if block < 1 or block % chunk:
+        block = chunk if block is None else block
+        if not is_int(block) or block < 1 or block % chunk:
             raise ConfigError("prefix_block", f"must be a positive multiple of the SSD chunk size {chunk}, got {block}")
         if self.caps.has_aux_state:
             raise ConfigError("prefix_cache_bytes", "a layer carries aux state (has_aux_state), which snapshots do "

@@ -28,6 +28,8 @@ def no_allocation(monkeypatch):
     ("batch_buckets", dict(batch_buckets="4")), ("token_buckets", dict(token_buckets=[0, 8])),
     ("min_token_bucket", dict(min_token_bucket=0.5)), ("speculative", dict(speculative=True)),
     ("speculative.num_draft", dict(speculative=SpeculativeConfig(num_draft=64))),       # max_len is 64
+    ("prefix_cache_bytes", dict(prefix_cache_bytes="1GB")), ("prefix_cache_bytes", dict(prefix_cache_bytes=-1)),
+    ("prefix_block", dict(prefix_cache_bytes=1 << 20, prefix_block=8.0)),
 ])
 def test_bad_settings_are_refused_by_name_before_the_pool_is_allocated(make_engine, no_allocation, field, kwargs):
     """Not truncated (2.5 -> 2), not converted (True -> 1, "8" -> 8), not a raw TypeError, and before allocating."""
