@@ -9,9 +9,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from metrale_jax.arguments import as_array, prompts_ids, shown
-from metrale_jax.errors import ConfigError, ShapeError
+from metrale_jax.errors import ShapeError
 from metrale_jax.model import Generation
-from metrale_jax.runtime.request import generation
+from metrale_jax.runtime.request import check_callback, generation
 from metrale_jax.runtime.sampling_params import SamplingParams, per_request
 
 
@@ -37,8 +37,7 @@ class BatchJobs:
         """`generate` for prompts already as token ids, one SamplingParams each; as_text: give each Generation its
         text (the model's tokenizer). Every request is checked before any is queued, so a refused one leaves the
         engine as it was; an exception `stream` raises is raised again once every request has finished."""
-        if stream is not None and not callable(stream):
-            raise ConfigError("stream", f"expected a callable stream(i, token) or None, got {type(stream).__name__}")
+        check_callback("stream", stream, "stream(i, token)")
         for p, sp in zip(seqs, params):
             self._request(p, sp, adapter=adapter)
         rids = []

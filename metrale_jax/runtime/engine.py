@@ -45,7 +45,7 @@ from metrale_jax.runtime.executables import Executables, bucket, check_buckets, 
 from metrale_jax.runtime.engine_prefix import PrefixSnapshots
 from metrale_jax.runtime.engine_speculation import Speculation, _groups
 from metrale_jax.runtime.prefill_plan import Chunk, chunk_arrays, plan_chunk
-from metrale_jax.runtime.request import (Request, check_prompt, keep_logprobs, logprobs_bucket,
+from metrale_jax.runtime.request import (Request, check_callback, check_prompt, keep_logprobs, logprobs_bucket,
                                          lp_arrays, stop_string_ends, stops_for)
 from metrale_jax.runtime.sampling import SlotSampling, draw_slots, start_request
 from metrale_jax.runtime.sampling_params import MAX_LOGPROBS, SamplingParams, resolve
@@ -255,9 +255,7 @@ class Engine(PrefixSnapshots, Speculation, BatchJobs):
         if adapter is not None and self._slot_adapters is None:
             raise ConfigError("adapter", f"{adapter!r} was loaded after this Engine was made (it serves the model's "
                                          f"weights as they were then); load adapters before creating the Engine")
-        if on_token is not None and not callable(on_token):
-            raise ConfigError("on_token", f"expected a callable on_token(id, token) or None, got "
-                                          f"{type(on_token).__name__}")
+        check_callback("on_token", on_token, "on_token(id, token)")
         sp = resolve(params, **overrides)
         if len(tokens) + sp.max_new_tokens > self.max_len:
             raise ShapeError(f"prompt: {len(tokens)} tokens + max_new_tokens {sp.max_new_tokens} exceed the engine's "

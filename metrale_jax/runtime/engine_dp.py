@@ -18,7 +18,7 @@ from collections.abc import Callable
 from metrale_jax import data_parallel
 from metrale_jax.errors import ConfigError
 from metrale_jax.runtime.batch_jobs import BatchJobs
-from metrale_jax.runtime.request import Request
+from metrale_jax.runtime.request import Request, check_callback
 
 
 class DataParallelEngine(BatchJobs):
@@ -55,6 +55,7 @@ class DataParallelEngine(BatchJobs):
     def submit(self, prompt, params=None, *, on_token: Callable[[int, int], None] | None = None,
                adapter: str | None = None, **overrides) -> int:
         """Engine.submit on the least-loaded replica; returns this engine's request id (on_token gets it)."""
+        check_callback("on_token", on_token, "on_token(id, token)")        # before it is wrapped below
         k = self._least_loaded()
         rid = self._next_id
         cb = None if on_token is None else (lambda _local, t: on_token(rid, t))

@@ -61,6 +61,12 @@ def check_prompt(prompt, name: str, vocab_size: int) -> list[int]:
     return [int(t) for t in arr]
 
 
+def check_callback(name: str, fn, signature: str) -> None:
+    """fn is None or a callable (ConfigError naming `name` else: it would fail only when a token is read back)."""
+    if fn is not None and not callable(fn):
+        raise ConfigError(name, f"expected a callable {signature} or None, got {type(fn).__name__}")
+
+
 def stops_for(stop: tuple, model) -> dict:
     """A request's stop ids and stop strings from SamplingParams.stop (checked there; here against the model: ids
     in the vocabulary, strings only with a tokenizer)."""

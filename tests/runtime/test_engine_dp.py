@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from metrale_jax import data_parallel, sharding
+from metrale_jax.errors import ConfigError, ShapeError
 from metrale_jax.model import NemotronH
 from metrale_jax.runtime import DataParallelEngine, Engine, Executables
 from tests.numpy_refs import rel_err
@@ -72,3 +73,14 @@ def test_model_generate_splits_its_prompts_over_the_replicas(make_engine, dp_mod
     prompts = _prompts(rng, [7, 12, 4])
     want = [g.tokens for g in make_engine(eos_ids=sorted(dp_model.eos_ids())).generate(prompts, 8)]  # generate's eos
     assert [g.tokens for g in dp_model.generate(prompts, max_new_tokens=8)] == want
+
+
+def test_a_refused_request_queues_nothing_on_any_replica(dp_model):
+    """The replicas' checks run before any request is queued (generate's batch whole), and on_token is checked
+    before the engine wraps it in a callable of its own."""
+    eng = Engine(dp_model, **ENGINE)
+    with pytest.raises(ShapeError, match=r"prompt: 60 tokens \+ max_new_tokens 10 exceed the engine's max_len 64"):
+        eng.generate([[1, 2, 3], list(range(60))], 10)
+    with pytest.raises(ConfigError, match="on_token: expected a callable on_token"):
+        eng.submit([1, 2], 2, on_token=5)
+    assert not eng.has_work and not eng.requests
