@@ -162,6 +162,7 @@ def run_generation(model, prompt: list[int], max_new_tokens: int, *, temperature
     from tqdm.auto import tqdm
 
     from metrale_jax.errors import NonFiniteError
+    from metrale_jax.runtime.sampling_params import stream_seed
 
     pick = _sampler()
     T = len(prompt)
@@ -189,7 +190,7 @@ def run_generation(model, prompt: list[int], max_new_tokens: int, *, temperature
              jnp.float32(min_p))
 
     def sample(logits, step):
-        tok, finite = pick(logits, jnp.int32(seed % 2 ** 31), jnp.int32(step), *knobs, greedy=temperature == 0)
+        tok, finite = pick(logits, jnp.int32(stream_seed(seed)), jnp.int32(step), *knobs, greedy=temperature == 0)
         if not finite:
             raise NonFiniteError(f"the logits of decode step {step} (prompt of {T} tokens) hold NaN or infinite "
                                  f"values: the weights are broken")

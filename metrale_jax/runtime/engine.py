@@ -48,7 +48,7 @@ from metrale_jax.runtime.prefill_plan import Chunk, chunk_arrays, plan_chunk
 from metrale_jax.runtime.request import (Request, check_callback, check_prompt, keep_logprobs, logprobs_bucket,
                                          lp_arrays, stop_string_ends, stops_for)
 from metrale_jax.runtime.sampling import SlotSampling, draw_slots, start_request
-from metrale_jax.runtime.sampling_params import MAX_LOGPROBS, SamplingParams, resolve
+from metrale_jax.runtime.sampling_params import MAX_LOGPROBS, SamplingParams, resolve, stream_seed
 from metrale_jax.runtime.speculative import MtpDrafter, SpeculativeConfig
 from metrale_jax.state.slots import SlotAllocator
 
@@ -261,7 +261,7 @@ class Engine(PrefixSnapshots, Speculation, BatchJobs):
             raise ShapeError(f"prompt: {len(tokens)} tokens + max_new_tokens {sp.max_new_tokens} exceed the engine's "
                              f"max_len {self.max_len}")
         return Request(rid=0, prompt=tokens, max_new_tokens=sp.max_new_tokens, temperature=sp.temperature,
-                       top_p=sp.top_p, seed=sp.seed % 2**31,
+                       top_p=sp.top_p, seed=stream_seed(sp.seed),
                        top_k=min(sp.top_k, self.model.config.vocab_size),   # int32 on the device
                        min_p=sp.min_p, want_logprobs=sp.logprobs, **stops_for(sp.stop, self.model),
                        on_token=on_token, adapter=adapter)

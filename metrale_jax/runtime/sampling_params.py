@@ -16,6 +16,19 @@ from metrale_jax.arguments import integer, real, shown
 from metrale_jax.errors import ConfigError
 
 MAX_LOGPROBS = 20            # the most alternatives `logprobs=n` returns per token (vLLM's default cap)
+STREAM_SEEDS = 2 ** 31       # the device keys its streams by a non-negative int32
+
+
+def stream_seed(seed: int) -> int:
+    """The int32 the device keys a request's stream by: a seed in [0, 2**31) as it is, any other (negative, or up
+    to 2**63) mixed by splitmix64 into that range, so that seeds differing by a multiple of 2**31 (5 and 2**31 + 5,
+    -1 and 2**31 - 1) get different streams rather than the same one."""
+    if 0 <= seed < STREAM_SEEDS:
+        return seed
+    z = (seed + 0x9E3779B97F4A7C15) % 2 ** 64
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9 % 2 ** 64
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EB % 2 ** 64
+    return (z ^ (z >> 31)) % STREAM_SEEDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,7 +41,8 @@ class SamplingParams:
     most likely one's (0: off). top_p: then keep the smallest most-likely set whose probability, renormalized over
     what top_k / min_p kept, reaches top_p (1: off). Tokens tied with the last kept one are kept too. This is the
     order HF transformers and vLLM apply them in; the three filters act on the temperature-scaled distribution.
-    seed: the request's random stream (draw i uses (seed, i)), so its tokens do not depend on its neighbours.
+    seed: the request's random stream (draw i uses (seed, i)), so its tokens do not depend on its neighbours; any
+    integer in [-2**63, 2**63) (`stream_seed` says how it becomes the device's int32).
     stop: strings and / or token ids that end the request with finish_reason 'stop' (a stop id is not kept; with a
     stop string the tokens through the one completing it are kept and Generation.text ends before it).
     logprobs: None (no log-probs), 0 (each chosen token's log-probability) or n <= MAX_LOGPROBS (also the n most
@@ -108,4 +122,4 @@ def per_request(params, n: int, **overrides) -> list[SamplingParams]:
             raise ConfigError("params", f"params[{bad[0]}]: expected a SamplingParams, got {type(params[bad[0]]).__name__}")
         return [resolve(p, **overrides) for p in params]
     one = resolve(params, **overrides)
-    return [dataclasses.replace(one, seed=(one.seed * 1_000_003 + i) % 2 ** 31) for i in range(n)]
+    return [dataclasses.replace(one, seed=(stream_seed(one.seed) * 1_000_003 + i) % STREAM_SEEDS) for i in range(n)]

@@ -10,7 +10,7 @@ import pytest
 
 from metrale_jax.errors import ConfigError
 from metrale_jax.runtime import SpeculativeConfig
-from metrale_jax.runtime.sampling_params import MAX_LOGPROBS, SamplingParams, per_request, resolve
+from metrale_jax.runtime.sampling_params import MAX_LOGPROBS, SamplingParams, per_request, resolve, stream_seed
 from tests import numpy_refs_model as ref
 from tests.runtime.test_engine import _forward, _prompts
 from tests.runtime.test_engine_overlap import _Oracle      # drafts a known continuation, wrong every other step
@@ -35,8 +35,9 @@ def test_each_request_draws_the_same_alone_as_in_a_batch_of_other_parameters(mak
         assert (alone.logprobs is None) == (sp.logprobs is None) and (g.logprobs is None) == (sp.logprobs is None)
         if sp.logprobs is not None:
             np.testing.assert_allclose(alone.logprobs, g.logprobs, rtol=1e-6)
-    other = eng.generate(prompts[:1], [dataclasses.replace(params[0], seed=params[0].seed + 1)])[0]
-    assert other.tokens != batch[0].tokens or len(set(batch[0].tokens)) == 1
+    for seed in (params[0].seed + 1, params[0].seed + 2 ** 31):         # 2**31 apart: not the same int32 stream
+        other = eng.generate(prompts[:1], [dataclasses.replace(params[0], seed=seed)])[0]
+        assert other.tokens != batch[0].tokens or len(set(batch[0].tokens)) == 1
 
 
 def test_top_k_1_and_min_p_1_are_greedy_with_and_without_speculation_and_a_huge_top_k_is_off(make_engine, rng):
@@ -118,6 +119,21 @@ def test_bad_sampling_params_name_their_field(field, value):
     with pytest.raises(ConfigError) as e:
         SamplingParams(**{field: value})
     assert e.value.field == field and len(str(e.value)) < 200
+
+
+def test_stream_seeds_keep_small_seeds_and_separate_seeds_2_to_the_31_apart(rng):
+    small = [int(s) for s in rng.integers(0, 2 ** 31, 50)] + [0, 2 ** 31 - 1]
+    assert [stream_seed(s) for s in small] == small                    # the streams users already have stay
+    big = [int(s) for s in rng.integers(-2 ** 63, 2 ** 63, 200, dtype=np.int64)]
+    for s in small + big:
+        t = stream_seed(s)
+        assert 0 <= t < 2 ** 31
+        if -2 ** 63 <= s + 2 ** 31 < 2 ** 63:
+            assert stream_seed(s + 2 ** 31) != t
+    assert stream_seed(-1) != stream_seed(2 ** 31 - 1) and stream_seed(-2 ** 63) != stream_seed(0)
+    assert len({stream_seed(s) for s in big}) == len(set(big))
+    many = per_request(SamplingParams(seed=2 ** 40 + 5), 2) + per_request(SamplingParams(seed=2 ** 40 + 5 + 2 ** 31), 2)
+    assert len({p.seed for p in many}) == 4
 
 
 def test_params_resolve_from_old_arguments_and_overrides():
