@@ -371,3 +371,42 @@ def test_check_finite_reads_quantized_scales(ckpt, tmp_path, rng):
     _poison(tmp_path / "q" / "model.safetensors", f"{module}.weight_scale_inv", np.nan, rng)
     with pytest.raises(CheckpointError, match=rf"{module}.weight: holds NaN or infinite values"):
         NemotronH.from_pretrained(tmp_path / "q", progress=False)
+
+
+# ---- shards that disagree with the index or with each other -------------------------------------
+def _split_into_shards(ckpt, cut: int) -> list[str]:
+    """model.safetensors replaced by a.safetensors (its first `cut` tensors) and b.safetensors (the rest), no
+    index; returns the tensor names."""
+    r = SafetensorsFile(ckpt / "model.safetensors")
+    names = r.keys()
+    tensors = {n: np.array(r.get(n)) for n in names}
+    r.close()
+    (ckpt / "model.safetensors").unlink()
+    save_safetensors(ckpt / "a.safetensors", {n: tensors[n] for n in names[:cut]})
+    save_safetensors(ckpt / "b.safetensors", {n: tensors[n] for n in names[cut:]})
+    return names
+
+
+def test_an_index_placing_a_tensor_in_a_shard_without_it_names_both(ckpt, rng):
+    """The index sends every tensor to a.safetensors, which holds only some: the header check (which asks the
+    shard for each tensor's dtype and shape) names the first misplaced tensor and the shard, instead of a
+    KeyError."""
+    names = _split_into_shards(ckpt, cut := int(rng.integers(1, 20)))
+    (ckpt / INDEX).write_text(json.dumps({"weight_map": dict.fromkeys(names, "a.safetensors")}))
+    with pytest.raises(CheckpointError, match="the index places .* here, but the file does not hold it") as e:
+        NemotronH.from_pretrained(ckpt, progress=False)
+    assert str(ckpt / "a.safetensors") in str(e.value)
+    assert any(f" {n} here" in str(e.value) for n in names[cut:]), str(e.value)
+
+
+def test_a_tensor_in_two_shards_without_an_index_is_refused(ckpt, rng):
+    """Without an index every *.safetensors is read; a tensor two of them hold (here with different values) is
+    ambiguous, so it is named with both files instead of one copy silently winning."""
+    names = _split_into_shards(ckpt, len(SafetensorsFile(ckpt / "model.safetensors").keys()))
+    twice = names[int(rng.integers(len(names)))]
+    save_safetensors(ckpt / "b.safetensors", {twice: np.full(SafetensorsFile(ckpt / "a.safetensors").info(twice)[1],
+                                                             7, np.float32)})
+    with pytest.raises(CheckpointError) as e:
+        NemotronH.from_pretrained(ckpt, progress=False)
+    assert e.value.problems == [f"{twice}: held by 2 files ({ckpt / 'a.safetensors'}, {ckpt / 'b.safetensors'}); "
+                                f"expected one (or a {INDEX} saying which)"]
