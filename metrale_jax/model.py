@@ -341,9 +341,11 @@ class NemotronH(nnx.Module):
         """Remove an adapter (None: all); merged weights are put back as they were, bit for bit."""
         lora_adapters.remove(self, name)
 
-    def save_adapter(self, directory: str | os.PathLike, name: str | None = None) -> list:
-        """An adapter (default: the active one) as a PEFT adapter directory."""
-        return lora_adapters.save(self, directory, name)
+    def save_adapter(self, directory: str | os.PathLike, name: str | None = None, *, overwrite: bool = False
+                     ) -> list:
+        """An adapter (default: the active one) as a PEFT adapter directory; one that already holds an adapter is
+        replaced only with overwrite=True (its other files are kept)."""
+        return lora_adapters.save(self, directory, name, overwrite=overwrite)
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, input_ids) -> jax.Array:
