@@ -33,6 +33,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from metrale_jax import files
+from metrale_jax.arguments import integer
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import CheckpointError, WeightFormatError
 from metrale_jax.layers.attention import NemotronAttentionWeights
@@ -650,6 +651,7 @@ def write_checkpoint(directory: str | os.PathLike, config: ModelConfig, tensors:
     hf_quant_config.json for ModelOpt). Written atomically (files.staged_directory): a directory that already
     holds a checkpoint is replaced only with overwrite=True, and then whole (no old shard, index or config
     survives); its other files are kept. Returns the weights files."""
+    integer("max_shard_bytes", max_shard_bytes, 1)
     qcfg = qcfg or QuantConfig()
     expected = model_tensors(config, tensors)
     scales = {f"{m}.{s}" for m in filter(None, map(linear_module, expected)) for s in QUANTIZED_SUFFIXES} \
