@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from metrale_jax import adapter_mesh
+from metrale_jax.arguments import integer, real
 from metrale_jax.errors import CheckpointError, ConfigError, WeightFormatError
 from metrale_jax.layers.lora import ExpertLoraOverlay, LoraOverlay, UnmergedWeight
 from metrale_jax.layers.moe import NemotronMoELayer
@@ -174,7 +175,8 @@ def create(model, name: str, *, r: int, lora_alpha: float, target_modules, key: 
     """A fresh adapter for training on the projections target_modules names (lm_head included), initialised as
     PEFT does: A ~ U(-1/sqrt(K), 1/sqrt(K)) (kaiming-uniform with a = sqrt(5)), B = 0 (so the model's outputs are
     unchanged until B is trained); active once made."""
-    config = LoraConfig(int(r), float(lora_alpha), bool(use_rslora), tuple(target_modules))
+    config = LoraConfig(integer("r", r, 1), real("lora_alpha", lora_alpha, lambda v: True, "a finite number"),
+                        bool(use_rslora), tuple(target_modules))
     projs = {n: t for n, t in lora_targets(model).items() if t.base_attr is None and targets(config, pattern_name(n))}
     if not projs:
         raise ConfigError("target_modules", f"{tuple(target_modules)} names no projection of this model")
@@ -309,10 +311,11 @@ def _remove_one(model, i: int) -> None:
 
 
 # ---- saving -------------------------------------------------------------------------------------------------
-def save(model, directory: str | os.PathLike, name: str | None = None) -> list:
+def save(model, directory: str | os.PathLike, name: str | None = None, *, overwrite: bool = False) -> list:
     """Adapter `name` (default: the active one) as a PEFT adapter directory (adapter_config.json +
-    adapter_model.safetensors) that `load` and PEFT read back. An lm_head replaced through modules_to_save is
-    written as its LoRA-form difference is not PEFT's: ConfigError."""
+    adapter_model.safetensors) that `load` and PEFT read back; a directory already holding an adapter is replaced
+    only with overwrite=True (weights/lora.write_adapter). An adapter carrying full copies (modules_to_save) is
+    not written: ConfigError."""
     name = model.active_adapter if name is None else name
     i = index_of(model, name)
     if i == 0:
@@ -327,4 +330,4 @@ def save(model, directory: str | os.PathLike, name: str | None = None) -> list:
         a, b = np.asarray(lo.a[...][i - 1]), np.asarray(lo.b[...][i - 1])
         r = info.config.rank(pattern_name(n))
         factors[n] = (a[..., :r, :], adapter_mesh.to_checkpoint_order(model, n, b[..., :r]))
-    return write_adapter(directory, info.config, factors)
+    return write_adapter(directory, info.config, factors, overwrite=overwrite)

@@ -24,6 +24,23 @@ def is_int(value) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_))
 
 
+MODEL_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def model_dtype(value) -> np.dtype:
+    """value (a dtype, its type or its name) as a model's weights dtype: float32, bfloat16 or float16 (what the
+    layers compute in); anything else, "foo" or an integer or float8 type, is a ConfigError naming `dtype`."""
+    import jax.numpy as jnp
+
+    try:
+        dtype = jnp.dtype(value)
+    except (TypeError, ValueError):
+        dtype = None
+    if dtype is None or dtype.name not in MODEL_DTYPES:
+        raise ConfigError("dtype", f"expected one of {', '.join(MODEL_DTYPES)}, got {shown(value)}")
+    return dtype
+
+
 def real(name: str, value, ok, want: str) -> float:
     """value as a finite float for which ok(value) holds (want: the message's words for that), else ConfigError;
     bools and strings are refused, not converted."""

@@ -256,6 +256,11 @@ class ModelConfig:
                                                  f"{self.time_step_limit[1]}")
         if not self.hybrid_override_pattern:
             raise ConfigError("hybrid_override_pattern", "the model has no layers")
+        self._validate_token_ids()
+        if _parse_int("num_nextn_predict_layers", self.num_nextn_predict_layers, minimum=0) and \
+                not self.mtp_hybrid_override_pattern:
+            raise ConfigError("mtp_hybrid_override_pattern", f"an MTP step has no blocks, but "
+                                                             f"num_nextn_predict_layers = {self.num_nextn_predict_layers}")
         bad = sorted(set(self.hybrid_override_pattern) - set(BLOCK_KINDS))
         if bad:
             raise ConfigError("hybrid_override_pattern", f"unknown block characters {bad}; expected M, *, - or E")
@@ -290,6 +295,16 @@ class ModelConfig:
             _parse_int("intermediate_size", self.intermediate_size, minimum=1)
         if "E" in kinds or self.num_nextn_predict_layers:
             self._validate_moe()
+
+    def _validate_token_ids(self):
+        """bos / eos / pad ids (where given) are rows of the embedding table: integers in [0, vocab_size). Outside,
+        the padding the model adds to a batch, or the BOS the tokenizer prepends, would index past the table."""
+        eos = self.eos_token_id if isinstance(self.eos_token_id, tuple) else (self.eos_token_id,)
+        for name, ids in (("bos_token_id", (self.bos_token_id,)), ("eos_token_id", eos),
+                          ("pad_token_id", (self.pad_token_id,))):
+            for i in ids:
+                if i is not None and not (_parse_int(name, i) >= 0 and i < self.vocab_size):
+                    raise ConfigError(name, f"expected a token id in [0, {self.vocab_size}) (vocab_size), got {i}")
 
     def _validate_moe(self):
         e = _parse_int("n_routed_experts", self.n_routed_experts, minimum=1)

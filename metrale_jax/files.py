@@ -142,8 +142,11 @@ def staged_directory(target: str | os.PathLike, *, overwrite: bool, replaces: Ca
     dropped, so that no stale shard or index outlives the write. Every other entry of `target` (notes, logs,
     subdirectories) is carried into the new directory unchanged (hard links where the filesystem has them), and
     so is never deleted."""
-    target = Path(target)
-    target = target.resolve() if target.is_symlink() else target
+    if not isinstance(overwrite, bool):                    # "no" / "false" would read as consent
+        raise ConfigError("overwrite", f"expected True or False, got {overwrite!r:.60}")
+    target = Path(target).resolve()                        # a symlink's target; "" and "x/.." by their real names
+    if not target.name:
+        raise CheckpointError(f"{target}: the filesystem root cannot be replaced by a checkpoint directory")
     held = _held_entries(target, replaces)
     if held and not overwrite:
         shown = ", ".join(held[:4]) + (" ..." if len(held) > 4 else "")

@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import Path
 
-from metrale_jax.errors import ModelNotFoundError
+from metrale_jax.errors import ConfigError, ModelNotFoundError
 
 # what from_pretrained reads (weights, index, configs, tokenizers); nothing else is downloaded
 CHECKPOINT_PATTERNS = ["config.json", "hf_quant_config.json", "*.safetensors", "model.safetensors.index.json",
@@ -27,6 +27,9 @@ _TRUE = {"1", "ON", "YES", "TRUE"}
 def resolve_checkpoint(name: str | os.PathLike) -> Path:
     """The checkpoint directory `name` stands for: itself when it is a directory, else the hub snapshot of the
     repository `org/name` (local cache first, then a download unless offline); ModelNotFoundError otherwise."""
+    if not isinstance(name, (str, os.PathLike)):
+        raise ConfigError("directory", f"expected a checkpoint directory or a hub repository name 'org/name', got "
+                                       f"{type(name).__name__} {name!r:.60}")
     path = Path(name)
     if path.is_dir():
         return path

@@ -36,7 +36,7 @@ from jax.sharding import PartitionSpec as P
 
 from metrale_jax import adapters as lora_adapters
 from metrale_jax import data_parallel, sharding, sharding_quant
-from metrale_jax.arguments import as_array, integer, prompts_ids
+from metrale_jax.arguments import as_array, integer, model_dtype, prompts_ids
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import CheckpointError, ConfigError, ShapeError, SlotError
 from metrale_jax.init import iter_random_tensors, random_tensors  # noqa: F401  (random_tensors: API)
@@ -109,7 +109,7 @@ class NemotronH(nnx.Module):
         self.levers = ModelLevers.from_env() if levers is None else levers
         if self.levers.nvfp4_activations == "nvfp4":           # every NVFP4 linear on the W4A4 arm
             tensors = {n: W4a4Weight(v) if isinstance(v, Nvfp4Weight) else v for n, v in tensors.items()}
-        self.dtype = jnp.dtype(dtype)
+        self.dtype = model_dtype(dtype)
         self.tokenizer = tokenizer
         problems = unsupported(config)
         if problems:
@@ -188,6 +188,7 @@ class NemotronH(nnx.Module):
         where it lives (an elementwise test per tensor, one host sync): on the built-in model (57 tensors, 5 MB,
         CPU) 5-9 ms of a 30-40 ms warm load; on a GPU the read runs at memory bandwidth. On by default: a silent
         NaN model costs far more than that."""
+        dtype = model_dtype(dtype)
         directory = resolve_checkpoint(directory)
         config = ModelConfig.from_hf(directory)
         qcfg = checkpoint_quantization(directory)
@@ -202,6 +203,7 @@ class NemotronH(nnx.Module):
                     *, tokenizer=None, mesh=None) -> NemotronH:
         """Random weights (see `random_tensors`; the same key gives the same weights with or without a mesh).
         mesh: split the model over its devices, each tensor placed on its shards as it is drawn (no MTP head)."""
+        dtype = model_dtype(dtype)
         if mesh is None:
             tensors = random_tensors(config, key, dtype)
         else:
@@ -341,9 +343,11 @@ class NemotronH(nnx.Module):
         """Remove an adapter (None: all); merged weights are put back as they were, bit for bit."""
         lora_adapters.remove(self, name)
 
-    def save_adapter(self, directory: str | os.PathLike, name: str | None = None) -> list:
-        """An adapter (default: the active one) as a PEFT adapter directory."""
-        return lora_adapters.save(self, directory, name)
+    def save_adapter(self, directory: str | os.PathLike, name: str | None = None, *, overwrite: bool = False
+                     ) -> list:
+        """An adapter (default: the active one) as a PEFT adapter directory; one that already holds an adapter is
+        replaced only with overwrite=True (its other files are kept)."""
+        return lora_adapters.save(self, directory, name, overwrite=overwrite)
 
     # ---- forward -----------------------------------------------------------------------------
     def forward(self, input_ids) -> jax.Array:

@@ -61,8 +61,8 @@ def read_tokenizer_settings(directory: str | os.PathLike) -> TokenizerSettings:
 
 def _chat_template(v, path: Path) -> str | None:
     if isinstance(v, list):                                               # [{"name": ..., "template": ...}, ...]
-        named = {t.get("name"): t.get("template") for t in v if isinstance(t, dict)}
-        v = named.get("default")
+        default = [t.get("template") for t in v if isinstance(t, dict) and t.get("name") == "default"]
+        v = default[-1] if default else None                              # the last one, as transformers takes it
     if v is not None and not isinstance(v, str):
         raise ConfigError(f"{path}: chat_template", f"expected a string (or a list of named templates with a "
                                                     f"'default'), got {type(v).__name__}")
@@ -205,7 +205,8 @@ def load_tokenizer(directory: str | os.PathLike, config=None):
                 "offset": tok.offset}
         bad = {k: spec.get(k) for k, v in want.items() if spec.get(k) != v}
         if bad:
-            raise ConfigError(BYTE_TOKENIZER_FILE, f"unsupported byte tokenizer settings {bad}; expected {want}")
+            raise ConfigError(str(d / BYTE_TOKENIZER_FILE), f"unsupported byte tokenizer settings {bad}; expected "
+                                                            f"{want}")
         return tok
     return None
 

@@ -33,6 +33,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from metrale_jax import files
+from metrale_jax.arguments import integer
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import CheckpointError, WeightFormatError
 from metrale_jax.layers.attention import NemotronAttentionWeights
@@ -59,6 +60,8 @@ SUPPORTED_MESSAGE = "the quantized loader reads ModelOpt FP8 / NVFP4 and 128x128
 # routed experts held dense (dequantized at load) are listed as excluded in the saved quantization config
 EXPERTS_PATTERN = "backbone.layers.*.mixer.experts.*"
 MAX_SHARD_BYTES = 2 * 1024 ** 3
+# missing tensors listed one by one beyond twice the checkpoint's count (size_problem); past that, the config's sizes
+MAX_MISSING = 1024
 _MTP = re.compile(r"^mtp\.")
 _KV_SCALE = re.compile(r"\.[kv]_scale$")          # ModelOpt FP8 KV-cache scales: the KV pool is not quantized
 # A routed expert's weight; the loader stacks a layer's experts into one [E, ...] array under
@@ -109,12 +112,13 @@ def _mlp_tensors(prefix: str, D: int, inter: int, bias: bool) -> dict[str, Tenso
     return t
 
 
-def _moe_tensors(c: ModelConfig) -> dict[str, TensorSpec]:
+def _moe_tensors(c: ModelConfig, *, experts: bool = True) -> dict[str, TensorSpec]:
+    """A MoE block's tensors (experts=False: all but the routed experts' 2 * n_routed_experts)."""
     D, E, I = c.hidden_size, c.n_routed_experts, c.moe_intermediate_size
     Din = c.moe_latent_size or D
     t = {"gate.weight": TensorSpec((E, D), keep_f32=True),
          "gate.e_score_correction_bias": TensorSpec((E,), keep_f32=True)}
-    for e in range(E):
+    for e in range(E if experts else 0):
         t[f"experts.{e}.up_proj.weight"] = TensorSpec((I, Din))
         t[f"experts.{e}.down_proj.weight"] = TensorSpec((Din, I))
     if c.n_shared_experts:
@@ -156,6 +160,20 @@ def expected_tensors(config: ModelConfig) -> dict[str, TensorSpec]:
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = TensorSpec((V, D))
     return out
+
+
+def tensor_count(config: ModelConfig, *, mtp: bool) -> int:
+    """How many tensors `expected_tensors` (plus `mtp_tensors` with mtp) names, counted from the tables without
+    listing them: a config's layer, expert and MTP step counts are its own to choose, and a listing is as long."""
+    def block(kind: str) -> int:                      # a block's tensors, its input norm included
+        if kind == "E":
+            return 1 + len(_moe_tensors(config, experts=False)) + 2 * config.n_routed_experts
+        return 1 + len(MIXER_TABLES[kind](config))
+    count = lambda pattern: sum(block(k) * n for k, n in collections.Counter(pattern).items())
+    n = 2 + (not config.tie_word_embeddings) + count(config.hybrid_override_pattern)
+    if mtp and config.num_nextn_predict_layers > 0:   # per step: its blocks, enorm, hnorm, eh_proj, final_layernorm
+        n += config.num_nextn_predict_layers * (4 + count(config.mtp_hybrid_override_pattern))
+    return n
 
 
 def parameter_count(config: ModelConfig, *, mtp: bool) -> int:
@@ -381,6 +399,8 @@ def check_checkpoint(reader, config: ModelConfig, qcfg: QuantConfig | None = Non
     problems = unsupported(config)
     notes: list[str] = []
     present = set(reader.keys())
+    if (size := size_problem(config, present)) is not None:
+        raise CheckpointError(size)
     expected = model_tensors(config, present)
     if not quantized_ckpt:
         quantized = sorted(n for n in present if n.rsplit(".", 1)[-1] in QUANTIZED_SUFFIXES
@@ -422,6 +442,19 @@ def check_checkpoint(reader, config: ModelConfig, qcfg: QuantConfig | None = Non
         problems.append(f"{name}: unexpected tensor ({dtype} {list(shape)}); the config {_describe(config)} "
                         f"has no such weight")
     return problems, notes
+
+
+def size_problem(config: ModelConfig, present) -> str | None:
+    """Why `config` cannot describe a checkpoint holding the tensors `present` (None when it may): it names more
+    than twice as many tensors, plus MAX_MISSING. Such a config (num_hidden_layers, n_routed_experts or
+    num_nextn_predict_layers far past the checkpoint's) is refused by its counts, before its tensor names are
+    listed: listing them, and each as missing, costs memory and time in proportion to numbers it chooses."""
+    want = tensor_count(config, mtp=has_mtp(present))
+    if want <= 2 * len(present) + MAX_MISSING:
+        return None
+    return (f"config.json names {want} tensors ({config.num_hidden_layers} layers, n_routed_experts = "
+            f"{config.n_routed_experts}, num_nextn_predict_layers = {config.num_nextn_predict_layers}), but the "
+            f"checkpoint holds {len(present)}: the config describes another model")
 
 
 def quantization_of(config: ModelConfig) -> QuantConfig:
@@ -618,6 +651,7 @@ def write_checkpoint(directory: str | os.PathLike, config: ModelConfig, tensors:
     hf_quant_config.json for ModelOpt). Written atomically (files.staged_directory): a directory that already
     holds a checkpoint is replaced only with overwrite=True, and then whole (no old shard, index or config
     survives); its other files are kept. Returns the weights files."""
+    integer("max_shard_bytes", max_shard_bytes, 1)
     qcfg = qcfg or QuantConfig()
     expected = model_tensors(config, tensors)
     scales = {f"{m}.{s}" for m in filter(None, map(linear_module, expected)) for s in QUANTIZED_SUFFIXES} \

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from metrale_jax import files
 from metrale_jax.errors import CheckpointError
 from metrale_jax.files import read_json, write_json
 from metrale_jax.weights.safetensors_io import SafetensorsFile, save_safetensors
@@ -128,14 +129,26 @@ def read_config(directory: str | os.PathLike) -> LoraConfig:
         raise bad("r", f"expected a positive integer, got {r!r}")
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
         raise bad("lora_alpha", f"expected a finite number, got {alpha!r}")
+    use_rslora = raw.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise bad("use_rslora", f"expected true or false, got {use_rslora!r:.60}")
     tm = raw.get("target_modules") or ()
     if not (isinstance(tm, str) or (isinstance(tm, list) and all(isinstance(t, str) for t in tm))):
         raise bad("target_modules", f"expected a list of module names or a regex, got {tm!r}")
+    if isinstance(tm, str) and (why := _regex_problem(tm)):
+        raise bad("target_modules", f"{tm!r:.60} is not a valid regex ({why})")
     patterns = {}
-    for field, kind in (("rank_pattern", int), ("alpha_pattern", (int, float))):
+    for field, ok, want in (("rank_pattern", lambda v: isinstance(v, int) and v >= 1, "a positive integer"),
+                            ("alpha_pattern", lambda v: isinstance(v, (int, float)) and math.isfinite(v),
+                             "a finite number")):
         p = raw.get(field) or {}
-        if not isinstance(p, dict) or not all(isinstance(v, kind) and not isinstance(v, bool) for v in p.values()):
-            raise bad(field, f"expected a mapping of module patterns to numbers, got {p!r}")
+        if not isinstance(p, dict):
+            raise bad(field, f"expected a mapping of module patterns to numbers, got {p!r:.60}")
+        for key, v in p.items():
+            if isinstance(v, bool) or not ok(v):
+                raise bad(f"{field}: {key}", f"expected {want}, got {v!r:.60}")
+            if why := _regex_problem(rf"(.*\.)?({key})$"):
+                raise bad(f"{field}: {key}", f"the key is not a valid regex ({why})")
         patterns[field] = tuple(p.items())
     lists = {}
     for field in ("target_parameters", "modules_to_save"):
@@ -149,21 +162,36 @@ def read_config(directory: str | os.PathLike) -> LoraConfig:
     embedding = [t for t in ([tm] if isinstance(tm, str) else tm) if t in ("embeddings", "embed_tokens")]
     if embedding:
         raise bad("target_modules", f"LoRA on the embeddings ({embedding[0]!r}) is not supported")
-    return LoraConfig(r, float(alpha), bool(raw.get("use_rslora", False)),
+    return LoraConfig(r, float(alpha), use_rslora,
                       tm if isinstance(tm, str) else tuple(tm), patterns["rank_pattern"], patterns["alpha_pattern"],
                       lists["target_parameters"], lists["modules_to_save"])
 
 
+def _regex_problem(pattern: str) -> str | None:
+    """Why `pattern` is not a regex Python compiles (None when it is one)."""
+    try:
+        re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as e:
+        return str(e) or type(e).__name__
+    return None
+
+
 def read_factors(directory: str | os.PathLike) -> dict[str, np.ndarray]:
-    """adapter_model.safetensors of `directory`: name -> float32 array."""
+    """adapter_model.safetensors of `directory`: name -> float32 array. A factor holding a NaN or an infinity is
+    a CheckpointError naming it (as from_pretrained's check_finite names a weight): it would make every logit of
+    the rows it serves NaN."""
     st = SafetensorsFile(Path(directory) / WEIGHTS_FILE)
     try:
-        out = {}
+        out, problems = {}, []
         for name in st.keys():
             arr = st.get(name)
             if arr.dtype.kind != "f" and arr.dtype.name not in ("bfloat16",):
                 raise CheckpointError(f"{st.path}: {name}: a LoRA factor must be floating, got {arr.dtype}")
             out[name] = np.asarray(arr, np.float32)
+            if not np.isfinite(out[name]).all():
+                problems.append(f"{st.path}: {name}: holds NaN or infinite values")
+        if problems:
+            raise CheckpointError(problems)
         return out
     finally:
         st.close()
@@ -197,6 +225,14 @@ def match_factors(config: LoraConfig, tensors: Mapping[str, np.ndarray], shapes:
     checked; all problems are one CheckpointError (an adapter for another base model shows as layers past the
     model's or projections of another width, named as such)."""
     problems, pairs, per_expert, fused = [], {}, {}, {}
+
+    def put(group: dict, which: str, name: str) -> None:
+        """Factor `which` of a target is `name`; a second tensor for it (two spellings of one name) is a problem."""
+        if which in group:
+            problems.append(f"{name}: the same factor as {group[which][0]}; expected one tensor per factor")
+        else:
+            group[which] = (name, tensors[name])
+
     for name in sorted(tensors):
         head = _HEAD_FACTOR.match(name)
         m = _FACTOR.match(name)
@@ -205,7 +241,7 @@ def match_factors(config: LoraConfig, tensors: Mapping[str, np.ndarray], shapes:
                 problems.append(f"{name}: this model's lm_head is tied to the embeddings; LoRA on it is not "
                                 f"supported")
             else:
-                pairs.setdefault("lm_head", {})[head.group(1)] = (name, tensors[name])
+                put(pairs.setdefault("lm_head", {}), head.group(1), name)
             continue
         if m is None:
             problems.append(f"{name}: not a LoRA factor of a block's projection or lm_head (expected "
@@ -233,15 +269,15 @@ def match_factors(config: LoraConfig, tensors: Mapping[str, np.ndarray], shapes:
             if stack not in shapes:
                 problems.append(f"{name}: {stack} is not a routed-expert stack of this model")
             elif many is not None:
-                fused.setdefault(stack, {})[which] = (name, tensors[name])
+                put(fused.setdefault(stack, {}), which, name)
             else:
-                per_expert.setdefault(stack, {}).setdefault(int(one.group(1)), {})[which] = (name, tensors[name])
+                put(per_expert.setdefault(stack, {}).setdefault(int(one.group(1)), {}), which, name)
         elif module not in shapes or len(shapes[module]) != 2:
             problems.append(f"{name}: {module} is not a projection of this model that takes LoRA (the Mamba "
                             f"in_proj / out_proj, attention q/k/v/o_proj, MLP and shared-expert up/down_proj, "
                             f"MoE latent projections, routed experts, lm_head)")
         else:
-            pairs.setdefault(module, {})[which] = (name, tensors[name])
+            put(pairs.setdefault(module, {}), which, name)
     factors = {}
     for module, got in sorted(pairs.items()):
         problems += _check_pair(config, module, got, shapes[module])
@@ -369,13 +405,18 @@ def _expert_tensors(config: LoraConfig, stack: str, a: np.ndarray, b: np.ndarray
     return out
 
 
+def is_adapter_file(name: str) -> bool:
+    """Whether a directory entry is one of the adapter's files (what writing an adapter over a directory replaces)."""
+    return name in (CONFIG_FILE, WEIGHTS_FILE)
+
+
 def write_adapter(directory: str | os.PathLike, config: LoraConfig,
-                  factors: Mapping[str, tuple[np.ndarray, np.ndarray]]) -> list[Path]:
-    """adapter_config.json + adapter_model.safetensors (float32) in `directory` (created if missing; the two files
-    are replaced whole). factors: module -> (A [r, K], B [N, r]), or an expert stack's (A [E, r, K],
-    B [E, N, r])."""
+                  factors: Mapping[str, tuple[np.ndarray, np.ndarray]], *, overwrite: bool = False) -> list[Path]:
+    """adapter_config.json + adapter_model.safetensors (float32) in `directory`, written as save_pretrained writes
+    a checkpoint (files.staged_directory): both files or neither; a directory already holding an adapter is
+    replaced only with overwrite=True, its other files kept; a path that is not a directory is a CheckpointError.
+    factors: module -> (A [r, K], B [N, r]), or an expert stack's (A [E, r, K], B [E, N, r])."""
     out = Path(directory)
-    out.mkdir(parents=True, exist_ok=True)
     tensors = {}
     for m, (a, b) in factors.items():
         a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
@@ -383,7 +424,8 @@ def write_adapter(directory: str | os.PathLike, config: LoraConfig,
             tensors.update(_expert_tensors(config, m, a, b))
         else:
             tensors[peft_name(m, "A")], tensors[peft_name(m, "B")] = a, b
-    save_safetensors(out / WEIGHTS_FILE, {k: np.ascontiguousarray(v) for k, v in tensors.items()},
-                     metadata={"format": "pt"})
-    write_json(out / CONFIG_FILE, config.to_peft())
+    with files.staged_directory(out, overwrite=overwrite, replaces=is_adapter_file) as d:
+        save_safetensors(d / WEIGHTS_FILE, {k: np.ascontiguousarray(v) for k, v in tensors.items()},
+                         metadata={"format": "pt"})
+        write_json(d / CONFIG_FILE, config.to_peft())
     return [out / CONFIG_FILE, out / WEIGHTS_FILE]

@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from metrale_jax import files
-from metrale_jax.errors import CheckpointError
+from metrale_jax.arguments import integer
+from metrale_jax.errors import CheckpointError, ConfigError
 from metrale_jax.files import open_regular, read_json
 from metrale_jax.weights import quant_formats as qf
 from metrale_jax.weights.fp8 import write_fp8_block, write_fp8_tensor
@@ -33,7 +34,7 @@ _WRITERS = {"fp8_block": write_fp8_block, "fp8": write_fp8_tensor, "nvfp4": writ
 
 
 def _method(fmt: str) -> str:
-    if fmt not in FORMATS:
+    if not isinstance(fmt, str) or fmt not in FORMATS:
         raise CheckpointError(f"format {fmt!r} is not one of {sorted(FORMATS)}")
     return FORMATS[fmt]
 
@@ -50,6 +51,10 @@ def plan(entries: Iterable[tuple[str, str, tuple[int, ...]]], fmt: str,
     """(config, modules to quantize) from (name, dtype, shape) triples. NVFP4 needs K % 16 == 0: a linear
     layer without it stays dense and is named in the exclusion list, so the config says what the files hold."""
     method = _method(fmt)
+    given = exclude
+    exclude = [] if isinstance(given, (str, bytes)) else list(given)      # a string is one pattern's letters
+    if isinstance(given, (str, bytes)) or not all(isinstance(p, str) for p in exclude):
+        raise ConfigError("exclude", f"expected a list of module-name patterns, got {given!r:.60}")
     patterns = list(DEFAULT_EXCLUDE) + [p for p in exclude if p not in DEFAULT_EXCLUDE]
     probe = QuantConfig(method, tuple(patterns))
     todo, skipped = set(), []
@@ -99,6 +104,7 @@ def quantize_checkpoint(src_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     config) copied. Written atomically (files.staged_directory): an out_dir that already holds a checkpoint is
     replaced only with overwrite=True, and then whole (no old shard or index survives); its other files are
     kept. Returns a summary."""
+    integer("shard_bytes", shard_bytes, 1)
     src, out = Path(src_dir), Path(out_dir)
     if src.resolve() == out.resolve():
         raise CheckpointError(f"{out}: the output directory must differ from the source")

@@ -63,6 +63,9 @@ class SafetensorsFile:
     def keys(self) -> list[str]:
         return list(self._header)
 
+    def __contains__(self, name: str) -> bool:
+        return name in self._header
+
     def info(self, name: str) -> tuple[str, tuple[int, ...]]:
         """(safetensors dtype name, shape) without reading the data."""
         h = self._header[name]
@@ -203,10 +206,12 @@ class CheckpointReader:
             files = [single] if os.path.lexists(single) else sorted(self.directory.glob("*.safetensors"))
             if not files:
                 raise CheckpointError(f"{self.directory}: no model.safetensors or *.safetensors files")
+            listings = []
             for f in files:
                 st = SafetensorsFile(f)
-                self._where.update(dict.fromkeys(st.keys(), f))
+                listings.append((f, st.keys()))
                 st.close()
+            self._where = place_tensors(listings)
         self._open: dict[Path, SafetensorsFile] = {}
 
     def _file(self, path: Path) -> SafetensorsFile:
@@ -221,13 +226,17 @@ class CheckpointReader:
         return name in self._where
 
     def info(self, name: str) -> tuple[str, tuple[int, ...]]:
-        return self._file(self._where[name]).info(name)
+        return self._holding(name).info(name)
 
     def get(self, name: str) -> np.ndarray:
+        return self._holding(name).get(name)
+
+    def _holding(self, name: str) -> SafetensorsFile:
+        """The open file the index places `name` in; CheckpointError when that file does not hold it."""
         f = self._file(self._where[name])
-        if name not in f.keys():
+        if name not in f:
             raise CheckpointError(f"{f.path}: the index places {name} here, but the file does not hold it")
-        return f.get(name)
+        return f
 
     def items(self) -> Iterator[tuple[str, np.ndarray]]:
         for name in self._where:
@@ -237,6 +246,23 @@ class CheckpointReader:
         for f in self._open.values():
             f.close()
         self._open.clear()
+
+
+def place_tensors(listings: list[tuple[Path, list[str]]]) -> dict[str, Path]:
+    """{tensor: file} from (file, its tensor names) of a directory read without an index; a tensor held by more
+    than one file is a CheckpointError naming it and the files (which copy is meant is not known)."""
+    where: dict[str, Path] = {}
+    twice: dict[str, list[Path]] = {}
+    for path, names in listings:
+        for name in names:
+            if name in where:
+                twice.setdefault(name, [where[name]]).append(path)
+            else:
+                where[name] = path
+    if twice:
+        raise CheckpointError([f"{name}: held by {len(paths)} files ({', '.join(str(p) for p in paths)}); "
+                               f"expected one (or a {INDEX} saying which)" for name, paths in sorted(twice.items())])
+    return where
 
 
 def save_safetensors(path: str | os.PathLike, tensors: Mapping[str, np.ndarray],

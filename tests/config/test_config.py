@@ -88,6 +88,14 @@ def test_legacy_and_current_name_must_agree():
     ({"mamba_ssm_cache_dtype": "float8"}, "mamba_ssm_cache_dtype"),
     ({"norm_topk_prob": "yes"}, "norm_topk_prob"),
     ({"max_position_embeddings": 0}, "max_position_embeddings"),     # bounds every length check
+    ({"pad_token_id": 10 ** 30}, "pad_token_id"),                   # token ids are rows of the embeddings
+    ({"pad_token_id": -1}, "pad_token_id"),
+    ({"bos_token_id": 256}, "bos_token_id"),                         # = vocab_size
+    ({"eos_token_id": [2, 256]}, "eos_token_id"),
+    ({"eos_token_id": 2.5}, "eos_token_id"),
+    ({"num_nextn_predict_layers": -1}, "num_nextn_predict_layers"),
+    ({"num_nextn_predict_layers": 1, "mtp_hybrid_override_pattern": "", "mtp_layers_block_type": []},
+     "mtp_hybrid_override_pattern"),
 ])
 def test_broken_configs_name_the_field(patch, field):
     raw = _load("hf_written.json") | patch

@@ -1,13 +1,18 @@
 """Hostile arguments to the model's entry points (host-side checks): the padding slot used as a live slot, a live
 slot prefilled with nothing, non-finite / non-integer sampling arguments, prompts that are not token ids, and
-lengths past max_position_embeddings, refused before anything is allocated."""
+lengths past max_position_embeddings, refused before anything is allocated; and to loading and saving (dtype,
+directory, shard size, overwrite, quantize_checkpoint's), refused before anything is read or written."""
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from metrale_jax.builtin import load_builtin
-from metrale_jax.errors import ConfigError, ShapeError, SlotError
+from metrale_jax import model as model_module
+from metrale_jax.builtin import builtin_model_dir, load_builtin
+from metrale_jax.errors import CheckpointError, ConfigError, ShapeError, SlotError
+from metrale_jax.model import NemotronH
 from metrale_jax.state.cache import ModelCache
+from metrale_jax.weights.quantize import quantize_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -125,3 +130,59 @@ def test_rows_past_max_position_embeddings_are_refused(model, no_allocation, ent
     T = model.config.max_position_embeddings + 1
     with pytest.raises(ShapeError, match=rf"ids: {T} tokens per row exceed the model's max_position_embeddings"):
         getattr(model, entry)(np.ones((1, T), np.int32))
+
+
+# ---- loading and saving arguments -------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ["foo", jnp.int8, jnp.float8_e4m3fn, None, "float64"])
+def test_from_pretrained_refuses_a_dtype_the_layers_do_not_compute_in(monkeypatch, dtype):
+    """"foo" was a TypeError from deep in the cast, float8 loaded a model of E4M3 norms and embeddings: refused by
+    name before any weight is read."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the checkpoint was read")
+    monkeypatch.setattr(model_module, "read_checkpoint", refuse)
+    with pytest.raises(ConfigError, match=r"^dtype: expected one of float32, bfloat16, float16, got ") as e:
+        NemotronH.from_pretrained(builtin_model_dir(), dtype=dtype, progress=False)
+    assert e.value.field == "dtype"
+
+
+@pytest.mark.parametrize("directory", [None, 3, ["a/b"]])
+def test_from_pretrained_refuses_a_directory_that_is_not_a_path(directory):
+    with pytest.raises(ConfigError, match="expected a checkpoint directory or a hub repository name") as e:
+        NemotronH.from_pretrained(directory, progress=False)
+    assert e.value.field == "directory"
+
+
+@pytest.mark.parametrize("kwargs, field", [({"max_shard_bytes": "2GB"}, "max_shard_bytes"),
+                                           ({"max_shard_bytes": None}, "max_shard_bytes"),
+                                           ({"max_shard_bytes": 0}, "max_shard_bytes"),
+                                           ({"max_shard_bytes": 1.5e9}, "max_shard_bytes"),
+                                           ({"overwrite": "no"}, "overwrite"), ({"overwrite": 1}, "overwrite")])
+def test_save_pretrained_refuses_bad_arguments_before_writing(model, tmp_path, kwargs, field):
+    """A string or None shard size was a TypeError mid-write; overwrite="no" read as consent and replaced the
+    checkpoint: both are ConfigErrors naming the argument, with the existing checkpoint untouched."""
+    d = tmp_path / "ckpt"
+    model.save_pretrained(d)
+    before = {p.name: p.read_bytes() for p in d.iterdir()}
+    with pytest.raises(ConfigError) as e:
+        model.save_pretrained(d, **{"overwrite": True, **kwargs})
+    assert e.value.field == field
+    assert {p.name: p.read_bytes() for p in d.iterdir()} == before
+
+
+def test_save_pretrained_to_the_current_directory_and_not_the_root(model, tmp_path, monkeypatch):
+    """"" is the current directory (its real name: the staging directory goes beside it), the root has no place
+    beside it: a CheckpointError, not ValueError('has an empty name')."""
+    monkeypatch.chdir(tmp_path)
+    model.save_pretrained("")
+    assert NemotronH.from_pretrained(tmp_path, progress=False).config == model.config
+    with pytest.raises(CheckpointError, match="the filesystem root cannot be replaced"):
+        model.save_pretrained("/", overwrite=True)
+
+
+@pytest.mark.parametrize("kwargs, field", [({"shard_bytes": "1"}, "shard_bytes"), ({"exclude": "lm_head"}, "exclude"),
+                                           ({"exclude": [3]}, "exclude")])
+def test_quantize_checkpoint_refuses_bad_arguments(tmp_path, kwargs, field):
+    """exclude="lm_head" excluded the single letters l, m, _, ... (nothing) and wrote them into the config."""
+    with pytest.raises(ConfigError) as e:
+        quantize_checkpoint(builtin_model_dir(), tmp_path / "q", "fp8-block", **kwargs)
+    assert e.value.field == field and not (tmp_path / "q").exists()

@@ -21,6 +21,8 @@ from metrale_jax.builtin import builtin_model_dir
 from metrale_jax.config import ModelConfig
 from metrale_jax.errors import CheckpointError, ConfigError
 from metrale_jax.model import NemotronH
+from metrale_jax.weights import checkpoint
+from metrale_jax.weights.checkpoint import expected_tensors, mtp_tensors, tensor_count
 from metrale_jax.weights.quantize import quantize_checkpoint
 from metrale_jax.weights.safetensors_io import SafetensorsFile, save_safetensors
 
@@ -371,3 +373,77 @@ def test_check_finite_reads_quantized_scales(ckpt, tmp_path, rng):
     _poison(tmp_path / "q" / "model.safetensors", f"{module}.weight_scale_inv", np.nan, rng)
     with pytest.raises(CheckpointError, match=rf"{module}.weight: holds NaN or infinite values"):
         NemotronH.from_pretrained(tmp_path / "q", progress=False)
+
+
+# ---- shards that disagree with the index or with each other -------------------------------------
+def _split_into_shards(ckpt, cut: int) -> list[str]:
+    """model.safetensors replaced by a.safetensors (its first `cut` tensors) and b.safetensors (the rest), no
+    index; returns the tensor names."""
+    r = SafetensorsFile(ckpt / "model.safetensors")
+    names = r.keys()
+    tensors = {n: np.array(r.get(n)) for n in names}
+    r.close()
+    (ckpt / "model.safetensors").unlink()
+    save_safetensors(ckpt / "a.safetensors", {n: tensors[n] for n in names[:cut]})
+    save_safetensors(ckpt / "b.safetensors", {n: tensors[n] for n in names[cut:]})
+    return names
+
+
+def test_an_index_placing_a_tensor_in_a_shard_without_it_names_both(ckpt, rng):
+    """The index sends every tensor to a.safetensors, which holds only some: the header check (which asks the
+    shard for each tensor's dtype and shape) names the first misplaced tensor and the shard, instead of a
+    KeyError."""
+    names = _split_into_shards(ckpt, cut := int(rng.integers(1, 20)))
+    (ckpt / INDEX).write_text(json.dumps({"weight_map": dict.fromkeys(names, "a.safetensors")}))
+    with pytest.raises(CheckpointError, match="the index places .* here, but the file does not hold it") as e:
+        NemotronH.from_pretrained(ckpt, progress=False)
+    assert str(ckpt / "a.safetensors") in str(e.value)
+    assert any(f" {n} here" in str(e.value) for n in names[cut:]), str(e.value)
+
+
+def test_a_tensor_in_two_shards_without_an_index_is_refused(ckpt, rng):
+    """Without an index every *.safetensors is read; a tensor two of them hold (here with different values) is
+    ambiguous, so it is named with both files instead of one copy silently winning."""
+    names = _split_into_shards(ckpt, len(SafetensorsFile(ckpt / "model.safetensors").keys()))
+    twice = names[int(rng.integers(len(names)))]
+    save_safetensors(ckpt / "b.safetensors", {twice: np.full(SafetensorsFile(ckpt / "a.safetensors").info(twice)[1],
+                                                             7, np.float32)})
+    with pytest.raises(CheckpointError) as e:
+        NemotronH.from_pretrained(ckpt, progress=False)
+    assert e.value.problems == [f"{twice}: held by 2 files ({ckpt / 'a.safetensors'}, {ckpt / 'b.safetensors'}); "
+                                f"expected one (or a {INDEX} saying which)"]
+
+
+# ---- configs far larger than their checkpoint ---------------------------------------------------
+@pytest.mark.parametrize("changes", [{}, {"tie_word_embeddings": True, "use_conv_bias": False},
+                                     {"attention_bias": True, "mlp_bias": True, "moe_latent_size": 64},
+                                     {"n_shared_experts": 0, "n_routed_experts": 8, "hybrid_override_pattern": "EE*"},
+                                     {"num_nextn_predict_layers": 3, "mtp_hybrid_override_pattern": "E*-"}])
+def test_tensor_count_counts_what_the_tables_list(changes):
+    """tensor_count (which bounds the config before its names are listed) agrees with the listing itself."""
+    cfg = ModelConfig.from_hf({**json.loads((builtin_model_dir() / "config.json").read_text()), **changes,
+                               "num_hidden_layers": None})
+    for mtp in (False, True):
+        want = {**expected_tensors(cfg), **(mtp_tensors(cfg) if mtp else {})}
+        assert tensor_count(cfg, mtp=mtp) == len(want), (changes, mtp)
+
+
+@pytest.mark.parametrize("field, value", [("n_routed_experts", 10 ** 8), ("num_nextn_predict_layers", 10 ** 9),
+                                          ("hybrid_override_pattern", "M" * 20_000)])
+def test_a_config_naming_far_more_tensors_than_the_checkpoint_is_refused_by_its_counts(ckpt, monkeypatch, field,
+                                                                                       value):
+    """A config whose counts name millions of tensors the files do not hold is refused at once, naming the counts,
+    without listing the tensors (n_routed_experts = 10**8 listed is 2e8 names, num_nextn_predict_layers = 10**9 a
+    2 GB MTP pattern): the tables are never built."""
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg.update({field: value, "num_hidden_layers": None})
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the config's tensor names were listed")
+    for name in ("model_tensors", "expected_tensors", "mtp_tensors"):
+        monkeypatch.setattr(checkpoint, name, refuse)
+    ok, err = _finishes(lambda: NemotronH.from_pretrained(ckpt, progress=False), seconds=10)
+    assert ok and isinstance(err, CheckpointError), err
+    shown = "20000 layers" if field == "hybrid_override_pattern" else f"{field} = {value}"
+    assert "the config describes another model" in str(err) and shown in str(err), str(err)

@@ -14,7 +14,7 @@ from metrale_jax.builtin import builtin_model_dir
 from metrale_jax.chat import apply_chat_template
 from metrale_jax.errors import ConfigError
 from metrale_jax.model import NemotronH
-from metrale_jax.tokenizer import ByteTokenizer, TokenizerSettings, load_tokenizer
+from metrale_jax.tokenizer import ByteTokenizer, TokenizerSettings, load_tokenizer, read_tokenizer_settings
 
 # a Zephyr-like template: role markers, the BOS string first, raise_exception on a bad role
 TEMPLATE = ("{{ bos_token }}{% for m in messages %}{% if m['role'] not in ['system', 'user', 'assistant'] %}"
@@ -62,7 +62,8 @@ def test_byte_model_settings_change_scores_and_survive_save_pretrained(tmp_path)
     assert again == model.tokenizer and again != ByteTokenizer()
     bad = tmp_path / "bad"
     shutil.copytree(src, bad)
-    for field, value in (("add_bos_token", "yes"), ("chat_template", 5), ("eos_token", 3)):
+    for field, value in (("add_bos_token", "yes"), ("chat_template", 5), ("eos_token", 3),
+                         ("chat_template", [{"name": ["default"], "template": "x"}, {"name": "default", "template": 5}])):
         (bad / "tokenizer_config.json").write_text(json.dumps({field: value}))
         with pytest.raises(ConfigError, match=f"tokenizer_config.json: {field}"):
             load_tokenizer(bad)
@@ -95,3 +96,22 @@ def test_chat_template_renders_and_model_chat_continues_it(tmp_path):
     reply = model.chat(messages, max_new_tokens=6)
     want = model.generate([model.tokenizer.encode(text, add_bos=False)], max_new_tokens=6)[0]
     assert reply.tokens == want.tokens and reply.text == model.tokenizer.decode(want.tokens)
+
+
+def test_a_list_of_named_chat_templates_gives_the_last_default(tmp_path):
+    """transformers' rule: the templates by name, a later one of the same name winning; entries that are not
+    {"name", "template"} objects (a list as a name, a string) are passed over, never a TypeError."""
+    templates = ["junk", {"name": ["default"], "template": "no"}, {"name": "default", "template": "first"},
+                 {"name": "tool_use", "template": "tools"}, {"name": "default", "template": "last"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": templates}))
+    assert read_tokenizer_settings(tmp_path).chat_template == "last"
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": templates[:2]}))
+    assert read_tokenizer_settings(tmp_path).chat_template is None
+
+
+def test_a_byte_tokenizer_file_with_other_ids_is_named_by_its_path(tmp_path):
+    shutil.copytree(builtin_model_dir(), tmp_path / "m")
+    (tmp_path / "m" / "byte_tokenizer.json").write_text(json.dumps({"type": "bytes", "pad_id": [0]}))
+    with pytest.raises(ConfigError, match="unsupported byte tokenizer settings") as e:
+        load_tokenizer(tmp_path / "m")
+    assert e.value.field == str(tmp_path / "m" / "byte_tokenizer.json")
