@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from metrale_jax import adapter_mesh
-from metrale_jax.arguments import integer, real
+from metrale_jax.arguments import integer, real, shown
 from metrale_jax.errors import CheckpointError, ConfigError, WeightFormatError
 from metrale_jax.layers.lora import ExpertLoraOverlay, LoraOverlay, UnmergedWeight
 from metrale_jax.layers.moe import NemotronMoELayer
@@ -170,16 +171,30 @@ def _full_copies(model, config: LoraConfig, copies: dict, directory) -> dict:
     return factors
 
 
+def _target_modules(value) -> tuple[str, ...] | str:
+    """add_adapter's target_modules as PEFT takes it: a list of module names (each the name or its dotted end) or
+    one string, a regex matched against the whole module name; else a ConfigError."""
+    if isinstance(value, str):
+        try:
+            re.compile(value)
+        except re.error as why:
+            raise ConfigError("target_modules", f"{value!r:.60} is not a valid regex ({why})") from None
+        return value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(t, str) for t in value):
+        return tuple(value)
+    raise ConfigError("target_modules", f"expected a list of module names or a regex string, got {shown(value)}")
+
+
 def create(model, name: str, *, r: int, lora_alpha: float, target_modules, key: jax.Array,
            use_rslora: bool = False) -> str:
     """A fresh adapter for training on the projections target_modules names (lm_head included), initialised as
     PEFT does: A ~ U(-1/sqrt(K), 1/sqrt(K)) (kaiming-uniform with a = sqrt(5)), B = 0 (so the model's outputs are
     unchanged until B is trained); active once made."""
     config = LoraConfig(integer("r", r, 1), real("lora_alpha", lora_alpha, lambda v: True, "a finite number"),
-                        bool(use_rslora), tuple(target_modules))
+                        bool(use_rslora), _target_modules(target_modules))
     projs = {n: t for n, t in lora_targets(model).items() if t.base_attr is None and targets(config, pattern_name(n))}
     if not projs:
-        raise ConfigError("target_modules", f"{tuple(target_modules)} names no projection of this model")
+        raise ConfigError("target_modules", f"{config.target_modules!r:.80} names no projection of this model")
     factors = {}
     for i, (n, t) in enumerate(sorted(projs.items())):
         N, K = adapter_mesh.checkpoint_shape(model, n, t.shape)

@@ -109,13 +109,28 @@ def test_a_factor_given_twice_under_two_spellings_is_refused(model, saved, tmp_p
 
 @pytest.mark.parametrize("kwargs, field", [({"r": 0}, "r"), ({"r": -1}, "r"), ({"r": 2.5}, "r"), ({"r": True}, "r"),
                                            ({"lora_alpha": float("nan")}, "lora_alpha"),
-                                           ({"lora_alpha": "8"}, "lora_alpha")])
-def test_add_adapter_refuses_bad_ranks_and_alphas_by_name(model, kwargs, field):
-    """r = 0 divided by zero, r = -1 failed in XLA, r = 2.5 in jax.random, a NaN alpha gave NaN logits."""
+                                           ({"lora_alpha": "8"}, "lora_alpha"),
+                                           ({"target_modules": "q_proj("}, "target_modules"),
+                                           ({"target_modules": ()}, "target_modules"),
+                                           ({"target_modules": [3]}, "target_modules"),
+                                           ({"target_modules": "v_proj"}, "target_modules")])
+def test_add_adapter_refuses_bad_ranks_alphas_and_targets_by_name(model, kwargs, field):
+    """r = 0 divided by zero, r = -1 failed in XLA, r = 2.5 in jax.random, a NaN alpha gave NaN logits; a string
+    target_modules is one regex (as in PEFT), not a sequence of letters ("v_proj" names nothing of this model)."""
     args = {"r": 2, "lora_alpha": 4.0, "target_modules": ("q_proj",), "key": jax.random.key(0), **kwargs}
     with pytest.raises(ConfigError) as e:
         model.add_adapter("z", **args)
     assert e.value.field == field and model.adapters == ()
+
+
+def test_add_adapter_takes_a_string_target_as_a_regex_over_the_whole_name(model):
+    model.add_adapter("re", r=2, lora_alpha=4.0, target_modules=r".*\.(q|k)_proj", key=jax.random.key(1))
+    try:
+        info = model.adapters[-1]
+        assert info.config.target_modules == r".*\.(q|k)_proj"
+        assert {m.rsplit(".", 1)[1] for m in info.modules} == {"q_proj", "k_proj"}
+    finally:
+        model.unload_adapter()
 
 
 def test_save_adapter_keeps_an_existing_adapter_without_overwrite(model, saved, tmp_path):
