@@ -30,7 +30,7 @@ def test_compiles_once_per_shape_and_donates(rng):
         np.testing.assert_allclose(np.asarray(y), 2 * np.asarray(x))
         assert old.is_deleted()                         # the pool was donated
     assert ex.compiles["step"] == 1 and ex.hits["step"] == 4
-    np.testing.assert_allclose(float(pool[0]), total, rtol=1e-5)
+    np.testing.assert_allclose(float(pool[0]), total, rtol=1e-5, atol=1e-5)   # a float32 running sum (may cancel)
     ex.run("step", _step, pool, jnp.ones(5), donate_argnums=(0,))   # a new bucket compiles again
     assert ex.compiles["step"] == 2
 
