@@ -85,6 +85,31 @@ class Generation:
     top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
+
+def memory_limit(devices) -> int | None:
+    """The bytes the devices can hold in all: their allocators' limits (GPU), else the host's physical memory
+    (CPU devices share it), else None when neither is known."""
+    stats = [d.memory_stats() for d in devices]
+    if all(st and st.get("bytes_limit") for st in stats):
+        return sum(int(st["bytes_limit"]) for st in stats)
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def _check_cache_fits(config, max_slots: int, max_len: int, dtype, tp) -> None:
+    """Refuses (ConfigError naming max_len) a cache larger than the memory of the devices that would hold it, before
+    allocating: max_len is bounded only by max_position_embeddings, which a config may set to 10**15."""
+    shapes = jax.eval_shape(lambda: ModelCache.for_config(config, max_slots, max_len, dtype))
+    need = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(shapes))
+    devices = jax.devices() if tp is None else list(tp.mesh.devices.flat)
+    limit = memory_limit(devices[:1] if tp is None else devices)
+    if limit is not None and need > limit:
+        raise ConfigError("max_len", f"a cache of {max_slots} slots x {max_len} positions needs {need / 2**30:,.1f} "
+                                     f"GiB, more than the {limit / 2**30:,.1f} GiB its devices hold; ask for fewer "
+                                     f"slots or positions")
+
 class NemotronH(nnx.Module):
     """A Nemotron-H causal LM built from HF-named tensors (see weights/checkpoint.py for the names)."""
 
@@ -291,6 +316,7 @@ class NemotronH(nnx.Module):
         config = self.config
         if ssm_state_dtype is not None:
             config = dataclasses.replace(config, mamba_ssm_cache_dtype=str(ssm_state_dtype))
+        _check_cache_fits(config, max_slots, max_len, self.dtype, self.tp)
         if self.tp is not None:
             return sharding.new_cache(config, self.tp, max_slots, max_len, self.dtype)
         return ModelCache.for_config(config, max_slots, max_len, self.dtype)

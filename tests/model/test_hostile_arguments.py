@@ -3,6 +3,9 @@ slot prefilled with nothing, non-finite / non-integer sampling arguments, prompt
 lengths past max_position_embeddings, refused before anything is allocated; and to loading and saving (dtype,
 directory, shard size, overwrite, quantize_checkpoint's), refused before anything is read or written."""
 
+import dataclasses
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -116,6 +119,19 @@ def test_generate_past_max_position_embeddings_is_refused_before_allocating(mode
     with pytest.raises(ConfigError, match=rf"max_len: expected an integer in \[1, {limit}\] \(the model's "
                                           r"max_position_embeddings\), got 100000000"):
         model.new_cache(1, 100_000_000)
+
+
+def test_a_cache_larger_than_the_devices_memory_is_refused_before_allocating(model, monkeypatch):
+    """A config may set max_position_embeddings to 10**15, which lifts the length guard: the cache's own bytes (a
+    shape evaluation) are then checked against what the devices hold (here the host's memory)."""
+    monkeypatch.setattr(model, "config", dataclasses.replace(model.config, max_position_embeddings=10 ** 15))
+    limit = model_module.memory_limit(jax.devices()[:1])
+    assert limit is not None and limit > 2 ** 30
+    fits = model.new_cache(2, 64)
+    assert fits.max_len == 64
+    with pytest.raises(ConfigError, match=r"max_len: a cache of 2 slots x 1000000000000 positions needs [\d,.]+ GiB, "
+                                          r"more than the [\d,.]+ GiB its devices hold"):
+        model.new_cache(2, 10 ** 12)                   # petabytes: allocating them would be a crash, not this error
 
 
 def test_generate_right_at_the_limit_runs(model, rng):
