@@ -35,6 +35,13 @@ class SlotError(MetraleError, ValueError):
     """A slot index is out of range, reserved, or not allocated."""
 
 
+class RequestError(MetraleError, KeyError):
+    """A request id the engine does not hold, or whose request has not finished (pop); a KeyError too, as a lookup."""
+
+    def __str__(self) -> str:                              # KeyError's own str quotes the message
+        return str(self.args[0]) if self.args else ""
+
+
 class NonFiniteError(MetraleError, ArithmeticError):
     """A computed value (a logit, a log-prob) is NaN or infinite: the weights or the inputs are broken."""
 

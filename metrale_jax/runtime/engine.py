@@ -37,7 +37,7 @@ from jax.sharding import PartitionSpec as P
 
 from metrale_jax import adapters, data_parallel, sharding
 from metrale_jax.arguments import integer
-from metrale_jax.errors import ConfigError, ShapeError
+from metrale_jax.errors import ConfigError, RequestError, ShapeError
 from metrale_jax.layers import lora
 from metrale_jax.runtime import steps
 from metrale_jax.runtime.batch_jobs import BatchJobs
@@ -290,7 +290,7 @@ class Engine(PrefixSnapshots, Speculation, BatchJobs):
         """Remove and return a finished request (tokens, finish_reason, logprobs, prefix_hit, timings)."""
         r = self.requests.get(rid)
         if r is None or r.finish_reason is None:
-            raise KeyError(f"request {rid} is {'unknown' if r is None else 'not finished'}")
+            raise RequestError(f"rid: request {rid} is {'unknown' if r is None else 'not finished yet (run the engine)'}")
         return self.requests.pop(rid)
 
     @property

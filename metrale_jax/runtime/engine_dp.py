@@ -16,7 +16,7 @@ import collections
 from collections.abc import Callable
 
 from metrale_jax import data_parallel
-from metrale_jax.errors import ConfigError
+from metrale_jax.errors import ConfigError, RequestError
 from metrale_jax.runtime.batch_jobs import BatchJobs
 from metrale_jax.runtime.request import Request, check_callback
 
@@ -77,9 +77,12 @@ class DataParallelEngine(BatchJobs):
     def pop(self, rid: int) -> Request:
         """Remove and return a finished request (Request.rid: this engine's id; Request.replica: its replica)."""
         if rid not in self._where:
-            raise KeyError(f"request {rid} is unknown")
+            raise RequestError(f"rid: request {rid} is unknown")
         k, local = self._where[rid]
-        r = self.engines[k].pop(local)                  # KeyError while it is not finished
+        try:
+            r = self.engines[k].pop(local)
+        except RequestError:                             # named by this engine's id, not the replica's
+            raise RequestError(f"rid: request {rid} is not finished yet (run the engine)") from None
         del self._where[rid], self._rid[(k, local)]
         r.rid = rid
         return r

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from metrale_jax import data_parallel, sharding
-from metrale_jax.errors import ConfigError, ShapeError
+from metrale_jax.errors import ConfigError, RequestError, ShapeError
 from metrale_jax.model import NemotronH
 from metrale_jax.runtime import DataParallelEngine, Engine, Executables
 from tests.numpy_refs import rel_err
@@ -45,8 +45,12 @@ def test_replicas_serve_their_requests_as_one_replica_does(make_engine, dp_model
                                                 logprobs=0)] * 2 + ["score"] * 2
     rids = [_submit(eng, p, k) for p, k in zip(prompts, kinds)]
     assert [eng.requests[r].replica for r in rids] == [0, 1] * 4      # least loaded, ties to the lowest
+    with pytest.raises(RequestError, match=rf"rid: request {rids[-1]} is not finished yet"):   # this engine's id
+        eng.pop(rids[-1])
     eng.run()
     got = [eng.pop(r) for r in rids]
+    with pytest.raises(RequestError, match=rf"rid: request {rids[0]} is unknown"):
+        eng.pop(rids[0])
     assert [r.replica for r in got] == [0, 1] * 4 and [r.rid for r in got] == rids
     st = eng.stats()
     assert st["counters"]["finished"] == 8 and [s["counters"]["finished"] for s in st["replicas"].values()] == [4, 4]

@@ -5,7 +5,7 @@ proposals are no token ids, and score batches numpy cannot take as they are."""
 import numpy as np
 import pytest
 
-from metrale_jax.errors import ConfigError, ShapeError
+from metrale_jax.errors import ConfigError, RequestError, ShapeError
 from metrale_jax.runtime import SpeculativeConfig
 from metrale_jax.state.cache import ModelCache
 from tests.runtime.conftest import EOS, V
@@ -75,6 +75,19 @@ def test_score_batches_numpy_cannot_take_are_shape_errors(make_engine, ids, leng
     with pytest.raises(ShapeError, match=message):
         eng.score(ids, lengths)
     assert not eng.has_work and not eng.requests
+
+
+def test_pop_names_an_unknown_or_unfinished_request(make_engine):
+    """A typed error naming the id (and still a KeyError, as a lookup), and the request stays to be popped later."""
+    eng = make_engine()
+    rid = eng.submit([1, 2, 3], 2)
+    with pytest.raises(RequestError, match=rf"rid: request {rid} is not finished yet") as e:
+        eng.pop(rid)
+    assert isinstance(e.value, KeyError) and str(e.value).startswith("rid:")
+    eng.run()
+    assert len(eng.pop(rid).tokens) >= 1
+    with pytest.raises(RequestError, match=rf"rid: request {rid} is unknown"):
+        eng.pop(rid)
 
 
 class _Boom(Exception):
