@@ -13,13 +13,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import ShapeError, WeightFormatError
 from metrale_jax.layers.blocks import gated_rmsnorm_across_devices, reduced_linear
 from metrale_jax.layers.capabilities import LayerCapabilities
-from metrale_jax.layers.checks import check_array, check_layer_index, check_slots
+from metrale_jax.layers.checks import (check_array, check_layer_index, check_one_slot, check_slots, host_integers,
+                                       positive_int)
 from metrale_jax.layers.projection import Projection
 from metrale_jax.state.ssm_pool import SlotState, SsmPool
 from metrale_jax.weights.containers import DenseWeight, as_dense
@@ -249,9 +251,9 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
             raise ShapeError(f"pool: expected an SsmPool, got {type(pool).__name__}")
         if self.pool_layer >= pool.num_layers:
             raise ShapeError(f"pool: has {pool.num_layers} layers; this layer uses row {self.pool_layer}")
-        check_array("pool.conv_state", pool.conv_state, (None, None, c.conv_dim, c.conv_kernel - 1))
+        check_array("pool.conv_state", pool.conv_state, (None, None, c.conv_dim, c.conv_kernel - 1), floating=True)
         check_array("pool.ssm_state", pool.ssm_state,
-                    (None, None, c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size))
+                    (None, None, c.mamba_num_heads, c.mamba_head_dim, c.ssm_state_size), floating=True)
 
     def _start_states(self, pool: SsmPool, slots: jax.Array, starts: jax.Array):
         """Initial conv / ssm states per sequence: the slot's state if it continues, else zeros."""
@@ -296,7 +298,8 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         h = hidden[None] if squeeze else hidden
         if h.shape[0] != 1:
             raise ShapeError(f"hidden: decode takes one token ([D] or [1, D]), got {tuple(hidden.shape)}")
-        out, pool = self.decode_multi_seq(pool, jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)), h)
+        self._check_pool(pool)
+        out, pool = self.decode_multi_seq(pool, check_one_slot("slot", slot, pool.num_slots), h)
         return (out[0] if squeeze else out), pool
 
     def decode_multi_seq(self, pool: SsmPool, slots: jax.Array, hidden: jax.Array, *,
@@ -306,7 +309,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         it), so the conv and state kernels neither read nor write it (rows naming it give padding)."""
         self._check_hidden(hidden)
         self._check_pool(pool)
-        slots = check_slots("slots", slots, hidden.shape[0])
+        slots = check_slots("slots", slots, hidden.shape[0], pool.num_slots)
         if hidden.shape[0] == 1:
             out, pool = self.decode_multi_seq(*_pad_one(pool, slots, hidden), skip_padding_slot=skip_padding_slot)
             return out[:1], pool
@@ -328,10 +331,11 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         `decode_multi_seq`'s."""
         self._check_hidden(hidden)
         self._check_pool(pool)
-        if k < 1 or hidden.shape[0] % k:
+        k = positive_int("k", k)
+        if hidden.shape[0] % k:
             raise ShapeError(f"hidden: {hidden.shape[0]} rows is not a multiple of k={k}")
         n = hidden.shape[0] // k
-        slots = check_slots("slots", slots, n)
+        slots = check_slots("slots", slots, n, pool.num_slots)
         if n == 1:
             out, pool, steps = self.decode_verify_multi(*_pad_one(pool, slots, hidden), k,
                                                         skip_padding_slot=skip_padding_slot)
@@ -352,7 +356,8 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
     def decode_batched(self, pool: SsmPool, slot, hidden: jax.Array) -> tuple[jax.Array, SsmPool, SlotState]:
         """K consecutive tokens of one sequence.  hidden [K, D] -> ([K, D], pool, per-token states)."""
         self._check_hidden(hidden)
-        return self.decode_verify_multi(pool, jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)), hidden,
+        self._check_pool(pool)
+        return self.decode_verify_multi(pool, check_one_slot("slot", slot, pool.num_slots), hidden,
                                         k=hidden.shape[0])
 
     # ---- split prefill -----------------------------------------------------------------
@@ -365,8 +370,12 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
                               seq_len_starts: jax.Array) -> tuple[SsmPrefillBuffers, SsmPool]:
         """Each request's conv1d from its own conv state (or zeros when it starts at 0); advances the
         conv states.  zxbcdt [T, in_proj_dim] packed by cu_seqlens [S+1]."""
+        self._check_pool(pool)
+        check_array("zxbcdt", zxbcdt, (None, self.config.in_proj_dim), floating=True)
+        _check_tokens("zxbcdt", zxbcdt.shape[0])
+        cu_seqlens = _cu(cu_seqlens, zxbcdt.shape[0])
         S = cu_seqlens.shape[0] - 1
-        slots = check_slots("slots", slots, S)
+        slots = check_slots("slots", slots, S, pool.num_slots)
         starts = _starts(seq_len_starts, S)
         z, xbc, dt = self._split_in(zxbcdt)
         w, b = self._conv()
@@ -381,6 +390,8 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
                        seq_len_starts: jax.Array | int = 0) -> tuple[SsmPrefillBuffers, SsmPool]:
         """Phase 1: norm + in_proj (one GEMM over all requests) + each request's conv."""
         self._check_pool(pool)
+        self._check_hidden(hidden)
+        _check_tokens("hidden", hidden.shape[0])
         zxbcdt = self.prefill_phase1_proj_batched(hidden)
         return self.prefill_phase1_conv1d(pool, slots, zxbcdt, _cu(cu_seqlens, hidden.shape[0]), seq_len_starts)
 
@@ -388,8 +399,11 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
                          seq_len_starts: jax.Array | int = 0, *, return_chunk_states: bool = False):
         """Phase 2: one varlen SSD scan over every request (seed: the GDN recurrence, here Mamba-2 SSD).
         Returns (buffers with y, pool with final states, chunk-boundary states or None)."""
+        self._check_pool(pool)
+        _check_bufs(bufs)
+        cu_seqlens = _cu(cu_seqlens, bufs.xbc.shape[0])
         S = cu_seqlens.shape[0] - 1
-        slots = check_slots("slots", slots, S)
+        slots = check_slots("slots", slots, S, pool.num_slots)
         starts = _starts(seq_len_starts, S)
         x, B, C = self._split_xbc(bufs.xbc)
         _, ssm0 = self._start_states(pool, slots, starts)
@@ -403,6 +417,10 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
     def prefill_ssd_scan_batched(self, pool: SsmPool, slots: jax.Array, bufs: SsmPrefillBuffers, chunk_len: int,
                                  seq_len_starts: jax.Array | int = 0):
         """Phase 2 for equal-length streams lying back to back (len(slots) streams of chunk_len tokens)."""
+        chunk_len = positive_int("chunk_len", chunk_len)
+        _check_bufs(bufs)
+        if np.ndim(slots) != 1:
+            raise ShapeError(f"slots: expected a vector [S], got shape {list(np.shape(slots))}")
         cu = jnp.arange(len(slots) + 1, dtype=jnp.int32) * chunk_len
         if bufs.xbc.shape[0] != len(slots) * chunk_len:
             raise ShapeError(f"bufs: {bufs.xbc.shape[0]} tokens, expected {len(slots)} x {chunk_len}")
@@ -414,6 +432,8 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
 
     def prefill_phase3(self, hidden: jax.Array, bufs: SsmPrefillBuffers) -> jax.Array:
         """Phase 3: gated norm with z, out_proj, residual.  hidden [T, D] -> [T, D]."""
+        _check_bufs(bufs)
+        self._check_hidden(hidden)
         if bufs.y is None:
             raise ShapeError("bufs.y: phase 2 (prefill_ssd_scan) has not run on these buffers")
         return self._project_out(bufs.y, bufs.z, hidden, "prefill")
@@ -465,18 +485,21 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
     def prefill(self, pool: SsmPool, slot, hidden: jax.Array, seq_len_start=0) -> tuple[jax.Array, SsmPool]:
         """T tokens of one sequence at positions seq_len_start.. .  hidden [T, D] -> ([T, D], pool)."""
         self._check_hidden(hidden)
-        slots = jnp.reshape(jnp.asarray(slot, jnp.int32), (1,))
-        return self.prefill_varlen(pool, slots, hidden, None, jnp.reshape(jnp.asarray(seq_len_start), (1,)))
+        self._check_pool(pool)
+        slots = check_one_slot("slot", slot, pool.num_slots)
+        return self.prefill_varlen(pool, slots, hidden, None, _starts(seq_len_start, 1, "seq_len_start"))
 
     def prefill_replay_tail(self, pool: SsmPool, slot, hidden: jax.Array, cut: int,
                             seq_len_start=0) -> tuple[jax.Array, SsmPool, SlotState]:
         """Prefill split at row `cut`: rows from the cut get the bits a prefill starting there gives,
         and the state at the cut is captured (for the prefix cache)."""
         self._check_hidden(hidden)
+        self._check_pool(pool)
         T = hidden.shape[0]
-        if not 0 <= cut <= T:
-            raise ShapeError(f"cut: must lie in [0, {T}], got {cut}")
-        start = jnp.asarray(seq_len_start, jnp.int32)
+        if isinstance(cut, (bool, np.bool_)) or not isinstance(cut, (int, np.integer)) or not 0 <= cut <= T:
+            raise ShapeError(f"cut: expected an integer in [0, {T}], got {cut!r:.60}")
+        slot = check_one_slot("slot", slot, pool.num_slots)
+        start = _starts(seq_len_start, 1, "seq_len_start")[0]
         parts = []
         if cut > 0:
             head, pool = self.prefill(pool, slot, hidden[:cut], start)
@@ -519,18 +542,40 @@ def _tensor(name: str, value, shape: tuple[int, ...]) -> jax.Array:
 
 
 def _cu(cu_seqlens, T: int) -> jax.Array:
+    """cu_seqlens as int32 [S+1]; known values (checks.host_integers) must run from 0 to T without decreasing."""
     if cu_seqlens is None:
         return jnp.array([0, T], jnp.int32)
     cu = jnp.asarray(cu_seqlens)
     if cu.ndim != 1 or cu.shape[0] < 2 or not jnp.issubdtype(cu.dtype, jnp.integer):
         raise ShapeError(f"cu_seqlens: expected an integer vector [S+1] with S >= 1, got {cu.dtype}{list(cu.shape)}")
+    host = host_integers("cu_seqlens", cu_seqlens)
+    if host is not None and (host[0] != 0 or host[-1] != T or (np.diff(host) < 0).any()):
+        raise ShapeError(f"cu_seqlens: expected offsets from 0 to the {T} tokens, never decreasing, "
+                         f"got {host.tolist()!s:.80}")
     return cu.astype(jnp.int32)
 
 
-def _starts(seq_len_starts, S: int) -> jax.Array:
+def _starts(seq_len_starts, S: int, name: str = "seq_len_starts") -> jax.Array:
+    """Start positions as int32 [S] (a scalar is every request's): integers, known values (checks.host_integers)
+    >= 0."""
+    host = host_integers(name, seq_len_starts)
+    if host is not None and (host < 0).any():
+        raise ShapeError(f"{name}: expected positions >= 0, got {host.tolist()!s:.80}")
+    if host is None and not jnp.issubdtype(seq_len_starts.dtype, jnp.integer):
+        raise ShapeError(f"{name}: expected an integer dtype, got {seq_len_starts.dtype}")
     starts = jnp.asarray(seq_len_starts, jnp.int32)
     if starts.ndim == 0:
         starts = jnp.full((S,), starts)
     if starts.shape != (S,):
-        raise ShapeError(f"seq_len_starts: expected a scalar or [{S}], got {list(starts.shape)}")
+        raise ShapeError(f"{name}: expected a scalar or [{S}], got {list(starts.shape)}")
     return starts
+
+
+def _check_tokens(name: str, T: int) -> None:
+    if T < 1:
+        raise ShapeError(f"{name}: a prefill takes at least one token, got {T}")
+
+
+def _check_bufs(bufs) -> None:
+    if not isinstance(bufs, SsmPrefillBuffers):
+        raise ShapeError(f"bufs: expected SsmPrefillBuffers (prefill_phase1's), got {type(bufs).__name__}")
