@@ -69,10 +69,8 @@ class ModelCache:
         """A fresh allocator over this cache's slots (the padding slot is never handed out)."""
         return SlotAllocator(self.num_slots)
 
-    def check_slot(self, slot) -> int:
-        if not 0 <= int(slot) < self.num_slots:
-            raise SlotError(f"slot {slot} out of range [0, {self.num_slots})")
-        return int(slot)
+    def check_slot(self, slot, name: str = "slot") -> int:
+        return slot_pool.slot_index(name, slot, self.num_slots)
 
     def zero_slot(self, slot) -> ModelCache:
         return _zero_jit(self, jnp.int32(self.check_slot(slot)))
@@ -81,12 +79,14 @@ class ModelCache:
         return _take_jit(self, jnp.int32(self.check_slot(slot)))
 
     def restore(self, slot, snap: CacheSlotState) -> ModelCache:
+        if not isinstance(snap, CacheSlotState):
+            raise SlotError(f"snapshot: expected a CacheSlotState, got {type(snap).__name__}")
         self.ssm.check_snapshot(snap.ssm)
         self.kv.check_snapshot(snap.kv)
         return _put_jit(self, jnp.int32(self.check_slot(slot)), snap)
 
     def copy_slot(self, src, dst) -> ModelCache:
-        return _copy_jit(self, jnp.int32(self.check_slot(src)), jnp.int32(self.check_slot(dst)))
+        return _copy_jit(self, jnp.int32(self.check_slot(src, "src")), jnp.int32(self.check_slot(dst, "dst")))
 
 
 # ---- the slot operations over the whole cache (pure; the methods above run them jitted, the cache donated) ----

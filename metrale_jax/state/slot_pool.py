@@ -8,8 +8,10 @@ methods (`SlotPool.zero_slot`, ...) check the slot on the host and run them jitt
 from __future__ import annotations
 
 import dataclasses
+import operator
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 
 from metrale_jax.errors import SlotError
@@ -17,6 +19,20 @@ from metrale_jax.errors import SlotError
 
 def _arrays(x) -> tuple:
     return tuple(getattr(x, f.name) for f in dataclasses.fields(x))
+
+
+def slot_index(name: str, slot, num_slots: int) -> int:
+    """slot as an int in [0, num_slots): a Python or numpy integer (or a 0-d integer array); a bool, a float or
+    anything else is a SlotError naming `name`, never truncated or wrapped."""
+    if isinstance(slot, (bool, np.bool_)) or getattr(slot, "dtype", None) == np.bool_:
+        raise SlotError(f"{name}: expected an integer slot index, got {slot!r:.60}")
+    try:
+        index = operator.index(slot)
+    except TypeError:
+        raise SlotError(f"{name}: expected an integer slot index, got {slot!r:.60}") from None
+    if not 0 <= index < num_slots:
+        raise SlotError(f"{name}: slot {index} out of range [0, {num_slots})")
+    return index
 
 
 def zero_slot(pool, slot):
@@ -67,10 +83,8 @@ class SlotPool:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in _arrays(self))
 
-    def check_slot(self, slot) -> int:
-        if not 0 <= int(slot) < self.num_slots:
-            raise SlotError(f"slot {slot} out of range [0, {self.num_slots})")
-        return int(slot)
+    def check_slot(self, slot, name: str = "slot") -> int:
+        return slot_index(name, slot, self.num_slots)
 
     def zero_slot(self, slot):
         return _zero_jit(self, jnp.int32(self.check_slot(slot)))
@@ -80,7 +94,10 @@ class SlotPool:
         return _take_jit(self, jnp.int32(self.check_slot(slot)))
 
     def check_snapshot(self, snap) -> None:
-        """A snapshot fits this pool: its arrays are the pool's without the slot axis."""
+        """A snapshot fits this pool: its type is the pool's snapshot type, its arrays the pool's without the slot
+        axis."""
+        if not isinstance(snap, self.snapshot_type):
+            raise SlotError(f"snapshot: expected a {self.snapshot_type.__name__}, got {type(snap).__name__}")
         want = tuple((self.num_layers, *a.shape[2:]) for a in _arrays(self))
         got = tuple(tuple(s.shape) for s in _arrays(snap))
         if got != want:
@@ -91,4 +108,4 @@ class SlotPool:
         return _put_jit(self, jnp.int32(self.check_slot(slot)), snap)
 
     def copy_slot(self, src, dst):
-        return _copy_jit(self, jnp.int32(self.check_slot(src)), jnp.int32(self.check_slot(dst)))
+        return _copy_jit(self, jnp.int32(self.check_slot(src, "src")), jnp.int32(self.check_slot(dst, "dst")))
