@@ -15,13 +15,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import ShapeError, WeightFormatError
 from metrale_jax.layers.blocks import input_rmsnorm, linear, optional_param, param, reduced_linear, value_of
 from metrale_jax.layers.capabilities import LayerCapabilities
-from metrale_jax.layers.checks import check_array, check_layer_index, check_slots
+from metrale_jax.layers.checks import (check_array, check_layer_index, check_one_slot, check_slots, host_integers,
+                                       positive_int)
 from metrale_jax.layers.projection import Projection
 from metrale_jax.state.kv_pool import KvPool
 from pallas_kernels import registry
@@ -171,27 +173,33 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
         continue from, attending to the slot's cached prefix.  Padded rows write nothing."""
         self._check(pool, hidden)
         B = hidden.shape[0]
-        slots = check_slots("slots", slots, B)
+        slots = check_slots("slots", slots, B, pool.num_slots)
+        known = host_integers("lengths", lengths)
         lengths = jnp.asarray(lengths)
         check_array("lengths", lengths, (B,), integer=True)
+        if known is not None and ((known < 0) | (known > hidden.shape[1])).any():
+            raise ShapeError(f"lengths: expected each in [0, {hidden.shape[1]}] (hidden's T), got {known.tolist()!s:.80}")
         starts = None if seq_len_starts is None else _starts(seq_len_starts, B)
+        _check_span("seq_len_starts", 0 if seq_len_starts is None else seq_len_starts, known, pool.max_len)
         return self._run(pool, slots, hidden, lengths.astype(jnp.int32), starts, "prefill")
 
     def prefill(self, pool: KvPool, slot, hidden: jax.Array, seq_len_start=0) -> tuple[jax.Array, KvPool]:
         """T tokens of one sequence at positions seq_len_start.. .  hidden [T, D] -> ([T, D], pool)."""
         check_array("hidden", hidden, (None, self.config.hidden_size), floating=True)
-        slots = jnp.reshape(jnp.asarray(slot, jnp.int32), (1,))
-        out, pool = self.prefill_batched(pool, slots, hidden[None], jnp.array([hidden.shape[0]], jnp.int32),
-                                         jnp.reshape(jnp.asarray(seq_len_start, jnp.int32), (1,)))
+        self._check_pool(pool)
+        slots = check_one_slot("slot", slot, pool.num_slots)
+        start = _starts(seq_len_start, 1, "seq_len_start")
+        _check_span("seq_len_start", seq_len_start, np.array([hidden.shape[0]]), pool.max_len)
+        out, pool = self.prefill_batched(pool, slots, hidden[None], jnp.array([hidden.shape[0]], jnp.int32), start)
         return out[0], pool
 
     def prefill_replay_tail(self, pool: KvPool, slot, hidden: jax.Array, cut: int, seq_len_start=0):
         """Prefill split at row `cut`: the tail runs as a prefill starting there (its keys come from the
         pool).  Returns (hidden [T, D], pool, None): the KV prefix needs no separate capture."""
         T = hidden.shape[0]
-        if not 0 <= cut <= T:
-            raise ShapeError(f"cut: must lie in [0, {T}], got {cut}")
-        start = jnp.asarray(seq_len_start, jnp.int32)
+        if isinstance(cut, (bool, np.bool_)) or not isinstance(cut, (int, np.integer)) or not 0 <= cut <= T:
+            raise ShapeError(f"cut: expected an integer in [0, {T}], got {cut!r:.60}")
+        start = _starts(seq_len_start, 1, "seq_len_start")[0]
         parts = []
         for lo, hi in ((0, cut), (cut, T)):
             if hi > lo:
@@ -217,11 +225,14 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
         first row at positions[i].  slots [n], hidden [n*k, D] -> ([n*k, D], pool)."""
         check_array("hidden", hidden, (None, self.config.hidden_size), floating=True)
         self._check_pool(pool)
-        if k < 1 or hidden.shape[0] % k:
+        k = positive_int("k", k)
+        if hidden.shape[0] % k:
             raise ShapeError(f"hidden: {hidden.shape[0]} rows is not a multiple of k={k}")
         n = hidden.shape[0] // k
-        slots = check_slots("slots", slots, n)
-        positions = _starts(positions, n)
+        slots = check_slots("slots", slots, n, pool.num_slots)
+        positions_known = positions
+        positions = _starts(positions, n, "positions")
+        _check_span("positions", positions_known, np.full((n,), k), pool.max_len)
         out, pool = self._run(pool, slots, hidden.reshape(n, k, -1), jnp.full((n,), k, jnp.int32), positions,
                               "decode")
         return out.reshape(n * k, -1), pool
@@ -237,14 +248,33 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
         h = hidden[None] if squeeze else hidden
         if h.shape[0] != 1:
             raise ShapeError(f"hidden: decode takes one token ([D] or [1, D]), got {tuple(hidden.shape)}")
-        out, pool = self.decode_multi_seq(pool, jnp.reshape(jnp.asarray(slot, jnp.int32), (1,)), h,
-                                          jnp.reshape(jnp.asarray(position, jnp.int32), (1,)))
+        self._check_pool(pool)
+        slots, positions = check_one_slot("slot", slot, pool.num_slots), _starts(position, 1, "position")
+        _check_span("position", position, np.ones((1,), np.int64), pool.max_len)
+        out, pool = self.decode_multi_seq(pool, slots, h, positions)
         return (out[0] if squeeze else out), pool
 
 
-def _starts(seq_len_starts, n: int) -> jax.Array:
+def _starts(seq_len_starts, n: int, name: str = "seq_len_starts") -> jax.Array:
+    """Positions as int32 [n] (a scalar is every row's): an integer dtype, known values (checks.host_integers)
+    >= 0."""
+    known = host_integers(name, seq_len_starts)
+    if known is not None and (known < 0).any():
+        raise ShapeError(f"{name}: expected positions >= 0, got {known.tolist()!s:.80}")
     starts = jnp.asarray(seq_len_starts)
     if starts.ndim == 0:
         starts = jnp.full((n,), starts)
-    check_array("seq_len_starts", starts, (n,), integer=True)
+    check_array(name, starts, (n,), integer=True)
     return starts.astype(jnp.int32)
+
+
+def _check_span(name: str, starts, lengths, max_len: int) -> None:
+    """Rows at positions starts.. starts + lengths fit the pool's max_len, where both are known on the host: a key
+    past max_len would be dropped by the scatter and missing from every later attention."""
+    known = host_integers(name, starts)
+    if known is None or lengths is None:
+        return
+    ends = np.broadcast_to(known, np.shape(lengths)).astype(np.int64) + lengths
+    if ends.size and ends.max() > max_len:
+        raise ShapeError(f"{name}: rows up to position {int(ends.max()) - 1} do not fit the pool's max_len "
+                         f"{max_len}")
