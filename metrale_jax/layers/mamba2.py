@@ -542,16 +542,17 @@ def _tensor(name: str, value, shape: tuple[int, ...]) -> jax.Array:
 
 
 def _cu(cu_seqlens, T: int) -> jax.Array:
-    """cu_seqlens as int32 [S+1]; known values (checks.host_integers) must run from 0 to T without decreasing."""
+    """cu_seqlens as int32 [S+1]; known values (checks.host_integers) run from 0 to at most T without decreasing
+    (rows past cu_seqlens[-1] are padding, as the kernels take them)."""
     if cu_seqlens is None:
         return jnp.array([0, T], jnp.int32)
     cu = jnp.asarray(cu_seqlens)
     if cu.ndim != 1 or cu.shape[0] < 2 or not jnp.issubdtype(cu.dtype, jnp.integer):
         raise ShapeError(f"cu_seqlens: expected an integer vector [S+1] with S >= 1, got {cu.dtype}{list(cu.shape)}")
     host = host_integers("cu_seqlens", cu_seqlens)
-    if host is not None and (host[0] != 0 or host[-1] != T or (np.diff(host) < 0).any()):
-        raise ShapeError(f"cu_seqlens: expected offsets from 0 to the {T} tokens, never decreasing, "
-                         f"got {host.tolist()!s:.80}")
+    if host is not None and (host[0] != 0 or host[-1] > T or (np.diff(host) < 0).any()):
+        raise ShapeError(f"cu_seqlens: expected offsets from 0, never decreasing, to at most the {T} tokens "
+                         f"(rows past the last are padding), got {host.tolist()!s:.80}")
     return cu.astype(jnp.int32)
 
 
