@@ -35,7 +35,7 @@ _WRITERS = {"fp8_block": write_fp8_block, "fp8": write_fp8_tensor, "nvfp4": writ
 
 def _method(fmt: str) -> str:
     if not isinstance(fmt, str) or fmt not in FORMATS:
-        raise CheckpointError(f"format {fmt!r} is not one of {sorted(FORMATS)}")
+        raise ConfigError("format", f"expected one of {sorted(FORMATS)}, got {fmt!r:.60}")
     return FORMATS[fmt]
 
 
@@ -105,6 +105,7 @@ def quantize_checkpoint(src_dir: str | os.PathLike, out_dir: str | os.PathLike, 
     replaced only with overwrite=True, and then whole (no old shard or index survives); its other files are
     kept. Returns a summary."""
     integer("shard_bytes", shard_bytes, 1)
+    _method(format)                                      # a misspelt format before anything is read
     src, out = Path(src_dir), Path(out_dir)
     if src.resolve() == out.resolve():
         raise CheckpointError(f"{out}: the output directory must differ from the source")

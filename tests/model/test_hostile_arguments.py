@@ -202,3 +202,12 @@ def test_quantize_checkpoint_refuses_bad_arguments(tmp_path, kwargs, field):
     with pytest.raises(ConfigError) as e:
         quantize_checkpoint(builtin_model_dir(), tmp_path / "q", "fp8-block", **kwargs)
     assert e.value.field == field and not (tmp_path / "q").exists()
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "FP8", "nvfp4 ", None, 8])
+def test_quantize_checkpoint_refuses_a_misspelt_format_before_reading(tmp_path, fmt):
+    """A format not among fp8-block / fp8 / nvfp4 is a ConfigError naming `format`, raised before the source is read
+    (a missing source directory is not what the caller hears about) and before anything is written."""
+    with pytest.raises(ConfigError) as e:
+        quantize_checkpoint(tmp_path / "no-such-dir", tmp_path / "q", fmt)
+    assert e.value.field == "format" and "fp8-block" in str(e.value) and not (tmp_path / "q").exists()
