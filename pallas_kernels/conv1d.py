@@ -17,8 +17,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import registry
-from pallas_kernels.triton_util import (check_columns, check_floating, check_row_offset, check_shape, columns,
-                                       compiler_params, next_pow2)
+from pallas_kernels.triton_util import (check_blocks, check_columns, check_floating, check_row_offset, check_shape,
+                                       columns, compiler_params, next_pow2)
 from pallas_kernels.varlen import as_cu_seqlens, token_positions
 
 
@@ -111,7 +111,7 @@ def causal_conv1d_update_reference(pool: jax.Array, rows: jax.Array, x: jax.Arra
     [layers * slots] pool: the kernels add it, so a decode step computes no row indices per layer).
     skip_row: a pool row (the padding slot's) neither read nor written; batch rows naming it start from zeros."""
     x = columns(x, x_col, weight.shape[0])
-    rows = rows + check_row_offset("causal_conv1d_update", pool, row_offset)
+    rows = rows + check_row_offset("causal_conv1d_update", pool, row_offset, rows)
     window, keep = _live_windows(pool, rows, skip_row)
     y, nxt = _update_step(window, x, weight, bias, activation)
     return y.astype(x.dtype), pool.at[rows].set(keep(nxt))
@@ -124,7 +124,7 @@ def causal_conv1d_update_multi_reference(pool: jax.Array, rows: jax.Array, x: ja
     """k consecutive tokens per batch row (speculative verify).  x [B, k, C] -> (y [B, k, C],
     step_states [B, k, C, K-1] (the conv state after each token), pool with the rows at their last token)."""
     x = columns(x, x_col, weight.shape[0])
-    rows = rows + check_row_offset("causal_conv1d_update_multi", pool, row_offset)
+    rows = rows + check_row_offset("causal_conv1d_update_multi", pool, row_offset, rows)
     window, keep = _live_windows(pool, rows, skip_row)
 
     def body(window, xk):
@@ -152,6 +152,9 @@ class ConvBlocks:
     block_t: int = 32
     block_c: int = 256
     num_warps: int = 4
+
+    def __post_init__(self):
+        check_blocks("causal_conv1d", self, powers_of_two=("block_t", "block_c", "num_warps"))
 
 
 def _act(acc, activation):
@@ -268,8 +271,8 @@ def _check_update(kernel, pool, rows, x, weight, bias, lead, x_col, row_offset) 
     check_columns(kernel, "x", x, lead, x_col, C)
     check_shape(kernel, "weight", weight, (C, None))
     check_shape(kernel, "pool", pool, (None, C, weight.shape[1] - 1))
-    offset = check_row_offset(kernel, pool, row_offset)
     check_shape(kernel, "rows", rows, (x.shape[0],))
+    offset = check_row_offset(kernel, pool, row_offset, rows)
     if bias is not None:
         check_shape(kernel, "bias", bias, (C,))
     return offset

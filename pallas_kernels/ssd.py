@@ -20,8 +20,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.errors import ShapeError
 from pallas_kernels import registry
-from pallas_kernels.triton_util import (check_floating, check_shape, compiler_params, dot, dot_dtype, next_pow2,
-                                        softplus)
+from pallas_kernels.triton_util import (check_blocks, check_count, check_floating, check_shape, compiler_params,
+                                        dot, dot_dtype, next_pow2, softplus)
 from pallas_kernels.varlen import as_cu_seqlens, chunk_table
 
 HIGHEST = jax.lax.Precision.HIGHEST
@@ -78,8 +78,8 @@ def ssd_scan_reference(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, 
     T, H, P = x.shape
     G, N = B.shape[1], B.shape[2]
     if H % G:
-        raise ValueError(f"ssd: n_groups {G} does not divide heads {H}")
-    Q = chunk_size
+        raise ShapeError(f"ssd: n_groups {G} does not divide heads {H}")
+    Q = check_count("ssd", "chunk_size", chunk_size)
     cu = as_cu_seqlens(T, cu_seqlens)
     S = cu.shape[0] - 1
     tab = chunk_table(T, cu, Q)
@@ -171,6 +171,11 @@ class SsdBlocks:
     segment_tokens: int = 2048
     cb_precomputed: bool = True    # C B^T once per (chunk step, group) by a separate launch, read by every head
     fast_exp: bool = True          # exp as ex2.approx on the GPU (about 2 ulp) instead of libdevice expf
+
+    def __post_init__(self):
+        check_blocks("ssd", self, powers_of_two=("block_p",), counts=("block_q", "num_warps", "num_stages",
+                                                                      "segment_tokens"),
+                     minimum=dict(block_p=16, segment_tokens=0))
 
 
 def default_ssd_blocks(P: int, N: int) -> SsdBlocks:
@@ -415,11 +420,10 @@ def ssd_scan_pallas(x: jax.Array, dt: jax.Array, A: jax.Array, B: jax.Array, C: 
     sake: f32 inputs multiply in IEEE f32, 16-bit inputs in 16-bit operands with f32 accumulation."""
     del precision
     T, H, P, G, N = check_ssd_args(x, dt, A, B, C, D, dt_bias)
-    if chunk_size < 1:
-        raise ValueError(f"ssd: chunk_size must be >= 1, got {chunk_size}")
+    chunk_size = check_count("ssd", "chunk_size", chunk_size)
     blk = blocks or default_ssd_blocks(P, N)
-    if blk.block_p < 16 or blk.block_p & (blk.block_p - 1):
-        raise ValueError(f"ssd: block_p must be a power of two >= 16, got {blk.block_p}")
+    if not isinstance(blk, SsdBlocks):
+        raise ShapeError(f"ssd: blocks expected an SsdBlocks, got {type(blk).__name__}")
     return _ssd_scan_pallas(x, dt, A, B, C, D, dt_bias, initial_states, cu_seqlens, chunk_size=chunk_size,
                             dt_softplus=dt_softplus, dt_limit=tuple(float(v) for v in dt_limit),
                             return_chunk_states=return_chunk_states, interpret=interpret, blk=blk)

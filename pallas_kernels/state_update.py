@@ -26,8 +26,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.errors import ShapeError
 from pallas_kernels import registry
 from pallas_kernels.ssd import process_dt
-from pallas_kernels.triton_util import (check_columns, check_floating, check_row_offset, check_shape, columns,
-                                       compiler_params, next_pow2, softplus)
+from pallas_kernels.triton_util import (check_blocks, check_columns, check_floating, check_row_offset, check_shape,
+                                       columns, compiler_params, next_pow2, softplus)
 
 
 def _step(h, x, dt, A, B, C, D):
@@ -77,7 +77,7 @@ def state_update_reference(state: jax.Array, rows: jax.Array, x: jax.Array, dt: 
                            row_offset: int = 0) -> tuple[jax.Array, jax.Array]:
     """One token per batch row.  state [R, H, P, N], rows [Bt], x [Bt, H, P], dt [Bt, H], B/C [Bt, G, N].
     Returns (y [Bt, H, P] in x.dtype, new state)."""
-    rows = rows + check_row_offset("state_update", state, row_offset)
+    rows = rows + check_row_offset("state_update", state, row_offset, rows)
     dtp = process_dt(dt, dt_bias, dt_softplus, dt_limit)
     h0, keep = _live_rows(state, rows, skip_row)
     h, y = _step(h0, x, dtp, decay_rates(A, A_log), B, C, D)
@@ -91,7 +91,7 @@ def state_update_multi_reference(state: jax.Array, rows: jax.Array, x: jax.Array
                                  skip_row: int | None = None, row_offset: int = 0):
     """K tokens per batch row.  x [Bt, K, H, P], dt [Bt, K, H], B/C [Bt, K, G, N].
     Returns (y [Bt, K, H, P], step_states [Bt, K, H, P, N] (state after each token), new state)."""
-    rows = rows + check_row_offset("state_update_multi", state, row_offset)
+    rows = rows + check_row_offset("state_update_multi", state, row_offset, rows)
     dtp = process_dt(dt, dt_bias, dt_softplus, dt_limit)
     A = decay_rates(A, A_log)
     h0, keep = _live_rows(state, rows, skip_row)
@@ -151,6 +151,9 @@ class UpdateBlocks:
     block_p: int = 16
     num_warps: int = 4
 
+    def __post_init__(self):
+        check_blocks("state_update", self, powers_of_two=("block_p", "num_warps"))
+
 
 def default_update_blocks(P: int, N: int) -> UpdateBlocks:
     """From the head shape only (never the batch), so a row's result does not depend on the batch."""
@@ -209,7 +212,7 @@ def _check_update(state, rows, x, dt, A, B, C, D, dt_bias, lead):
     _, H, P, N = state.shape
     check_shape(name, "rows", rows, lead[:1])
     if not jnp.issubdtype(rows.dtype, jnp.integer):
-        raise ValueError(f"{name}: rows expected an integer dtype, got {rows.dtype}")
+        raise ShapeError(f"{name}: rows expected an integer dtype, got {rows.dtype}")
     check_shape(name, "x", x, (*lead, H, P))
     check_shape(name, "dt", dt, (*lead, H))
     check_shape(name, "A", A, (H,))
@@ -218,7 +221,7 @@ def _check_update(state, rows, x, dt, A, B, C, D, dt_bias, lead):
     for arg, v in (("x", x), ("dt", dt), ("B", B), ("C", C), ("state", state)):
         check_floating(name, arg, v)
     if H % B.shape[-2]:
-        raise ValueError(f"{name}: n_groups {B.shape[-2]} does not divide heads {H}")
+        raise ShapeError(f"{name}: n_groups {B.shape[-2]} does not divide heads {H}")
     if D is not None:
         check_shape(name, "D", D, (H,))
     if dt_bias is not None:
@@ -304,7 +307,7 @@ def state_update_pallas(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax
     return _update_pallas(state, rows, x, dt, a, B, C, D, dt_bias, G=G, cols=cols, dt_softplus=dt_softplus,
                           dt_limit=_limit(dt_limit), interpret=interpret, blocks=blocks, multi=False,
                           a_is_log=is_log, skip_row=_skip(skip_row),
-                          row_offset=check_row_offset("state_update", state, row_offset))
+                          row_offset=check_row_offset("state_update", state, row_offset, rows))
 
 
 def state_update_multi_pallas(state: jax.Array, rows: jax.Array, x: jax.Array, dt: jax.Array, A: jax.Array | None,
@@ -320,7 +323,7 @@ def state_update_multi_pallas(state: jax.Array, rows: jax.Array, x: jax.Array, d
     y, state, steps = _update_pallas(state, rows, x, dt, a, B, C, D, dt_bias, G=G, cols=cols,
                                      dt_softplus=dt_softplus, dt_limit=_limit(dt_limit), interpret=interpret,
                                      blocks=blocks, multi=True, a_is_log=is_log, skip_row=_skip(skip_row),
-                                     row_offset=check_row_offset("state_update", state, row_offset))
+                                     row_offset=check_row_offset("state_update", state, row_offset, rows))
     return y, steps, state
 
 
@@ -338,7 +341,7 @@ def state_update_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Array, d
     return _update_pallas(state, rows, x, dt, a, B, C, D, dt_bias, G=G, cols=cols, dt_softplus=dt_softplus,
                           dt_limit=_limit(dt_limit), interpret=interpret, blocks=blocks, multi=False,
                           a_is_log=is_log, skip_row=_skip(skip_row),
-                          row_offset=check_row_offset("state_update", state, row_offset))
+                          row_offset=check_row_offset("state_update", state, row_offset, rows))
 
 
 def state_update_multi_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Array, dt: jax.Array,
@@ -356,7 +359,7 @@ def state_update_multi_xbc_pallas(state: jax.Array, rows: jax.Array, xbc: jax.Ar
     y, state, steps = _update_pallas(state, rows, x, dt, a, B, C, D, dt_bias, G=G, cols=cols,
                                      dt_softplus=dt_softplus, dt_limit=_limit(dt_limit), interpret=interpret,
                                      blocks=blocks, multi=True, a_is_log=is_log, skip_row=_skip(skip_row),
-                                     row_offset=check_row_offset("state_update", state, row_offset))
+                                     row_offset=check_row_offset("state_update", state, row_offset, rows))
     return y, steps, state
 
 

@@ -6,6 +6,7 @@ import operator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.errors import ShapeError
@@ -25,16 +26,50 @@ def check_shape(kernel: str, name: str, value, shape: tuple) -> None:
         raise ShapeError(f"{kernel}: {name} expected shape {want}, got {list(got)}")
 
 
-def check_row_offset(kernel: str, pool, row_offset) -> int:
+def check_row_offset(kernel: str, pool, row_offset, rows=None) -> int:
     """A decode kernel's static row_offset (added to every batch row's pool row) as an int in [0, pool rows);
-    else ShapeError."""
+    else ShapeError. With rows whose values are known (not traced: an eager call, read once), every rows + row_offset
+    must be a pool row too: the kernels index the pool directly, where an index past it reads and writes memory
+    that is not the pool's, and the references' gather clamps it and their scatter drops it."""
     try:
         offset = None if isinstance(row_offset, bool) else operator.index(row_offset)
     except TypeError:
         offset = None
     if offset is None or not 0 <= offset < pool.shape[0]:
         raise ShapeError(f"{kernel}: row_offset expected an int pool row in [0, {pool.shape[0]}), got {row_offset!r}")
+    if (rows is not None and not isinstance(rows, jax.core.Tracer) and getattr(rows, "is_fully_addressable", True)
+            and jnp.issubdtype(jnp.result_type(rows), jnp.integer)):
+        known = np.asarray(rows).reshape(-1).astype(np.int64) + offset
+        bad = known[(known < 0) | (known >= pool.shape[0])]
+        if bad.size:
+            raise ShapeError(f"{kernel}: rows expected pool rows in [0, {pool.shape[0]}) after row_offset {offset}, "
+                             f"got row {int(bad[0])}")
     return offset
+
+
+def check_count(kernel: str, name: str, value, minimum: int = 1, *, power_of_two: bool = False) -> int:
+    """A static size (a chunk length, a block size) as an int >= minimum (a power of two when power_of_two: Triton
+    block shapes must be); a bool, float or smaller value is a ShapeError naming kernel and field."""
+    try:
+        n = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        n = None
+    if n is None or n < minimum or (power_of_two and n & (n - 1)):
+        want = f"a power of two >= {minimum}" if power_of_two else f"an int >= {minimum}"
+        raise ShapeError(f"{kernel}: {name} expected {want}, got {value!r:.60}")
+    return n
+
+
+def check_blocks(kernel: str, blocks, *, powers_of_two: tuple[str, ...] = (), counts: tuple[str, ...] = (),
+                 minimum: dict[str, int] | None = None) -> None:
+    """A tuning dataclass's fields (by name): powers_of_two must be powers of two >= 1 (or `minimum[name]`), counts
+    ints >= 1 (or `minimum[name]`). Called from the dataclasses' __post_init__, so a bad one fails where it is
+    built, never inside a kernel launch (a zero divided by, a negative one broadcast)."""
+    minimum = minimum or {}
+    for name in powers_of_two:
+        check_count(kernel, f"blocks.{name}", getattr(blocks, name), minimum.get(name, 1), power_of_two=True)
+    for name in counts:
+        check_count(kernel, f"blocks.{name}", getattr(blocks, name), minimum.get(name, 1))
 
 
 def columns(x, col: int | None, n: int):

@@ -178,7 +178,8 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
         lengths = jnp.asarray(lengths)
         check_array("lengths", lengths, (B,), integer=True)
         if known is not None and ((known < 0) | (known > hidden.shape[1])).any():
-            raise ShapeError(f"lengths: expected each in [0, {hidden.shape[1]}] (hidden's T), got {known.tolist()!s:.80}")
+            raise ShapeError(f"lengths: expected each in [0, {hidden.shape[1]}] (hidden's T), "
+                             f"got {known.tolist()!s:.80}")
         starts = None if seq_len_starts is None else _starts(seq_len_starts, B)
         _check_span("seq_len_starts", 0 if seq_len_starts is None else seq_len_starts, known, pool.max_len)
         return self._run(pool, slots, hidden, lengths.astype(jnp.int32), starts, "prefill")
