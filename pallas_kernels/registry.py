@@ -90,6 +90,10 @@ def register(name: str, *, reference: Callable | None = None, pallas: Callable |
         mosaic_supports = mosaic_supports or old.mosaic_supports
         grad_wrt = grad_wrt or old.grad_wrt
     gpu_default = gpu_default or "triton"
+    if grad_wrt is not None and (isinstance(grad_wrt, (str, bytes)) or not all(isinstance(a, str) for a in grad_wrt)):
+        # a string would be taken letter by letter: "weight" -> ("w", "e", ...), none of them an argument
+        raise KernelUnavailableError(f"kernel {name!r}: grad_wrt must be a sequence of argument names, "
+                                     f"got {grad_wrt!r:.60}")
     if gpu_default not in GPU_ARMS:
         raise KernelUnavailableError(f"kernel {name!r}: gpu_default must be one of {GPU_ARMS}, got {gpu_default!r}")
     _KERNELS[name] = KernelSpec(name, reference, pallas, platforms, mosaic, gpu_default, mosaic_supports,

@@ -54,6 +54,15 @@ def test_two_arms_follow_gpu_default(names):
     assert registry.resolve(mos, "auto", platform="cpu").fn(5) == ("reference", 5)
 
 
+@pytest.mark.parametrize("grad_wrt", ["x", "weight", ("x", 3)])
+def test_grad_wrt_must_name_arguments(names, grad_wrt):
+    """A string grad_wrt was split into its letters ("weight" -> "w", "e", ...), so no argument got a gradient."""
+    with pytest.raises(KernelUnavailableError, match="grad_wrt must be a sequence of argument names"):
+        names("grad", reference=_ref, grad_wrt=grad_wrt)
+    assert "_test_registry_grad" not in registry.names()
+    assert registry._KERNELS[names("grad_ok", reference=_ref, grad_wrt=["x"])].grad_wrt == ("x",)
+
+
 def test_missing_arm_raises_naming_it(names):
     only_tri = names("only_tri", reference=_ref, pallas=_triton)
     only_mos = names("only_mos", reference=_ref, mosaic=_mosaic)
