@@ -39,8 +39,7 @@ class ModelCache:
     @classmethod
     def for_config(cls, config, max_slots: int, max_len: int, dtype=jnp.bfloat16) -> ModelCache:
         """max_slots live slots (plus the padding slot), each up to max_len tokens of keys and values."""
-        if max_slots < 1:
-            raise SlotError(f"max_slots must be >= 1, got {max_slots}")
+        max_slots = slot_pool.pool_size("max_slots", max_slots)
         return cls(ssm=SsmPool.for_config(config, max_slots, dtype),
                    kv=KvPool.for_config(config, max_slots, max_len, dtype),
                    seq_lens=jnp.zeros((max_slots + 1,), jnp.int32))

@@ -12,8 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from metrale_jax.errors import SlotError
-from metrale_jax.state.slot_pool import SlotPool
+from metrale_jax.state.slot_pool import SlotPool, pool_size
 
 
 @jax.tree_util.register_dataclass
@@ -35,15 +34,14 @@ class KvPool(SlotPool):
     @classmethod
     def create(cls, num_layers: int, num_slots: int, max_len: int, *, num_kv_heads: int, head_dim: int,
                dtype=jnp.bfloat16) -> KvPool:
-        if max_len < 1:
-            raise SlotError(f"max_len must be >= 1, got {max_len}")
-        shape = (num_layers, num_slots, max_len, num_kv_heads, head_dim)
+        shape = (pool_size("num_layers", num_layers, 0), pool_size("num_slots", num_slots),
+                 pool_size("max_len", max_len), pool_size("num_kv_heads", num_kv_heads), pool_size("head_dim", head_dim))
         return cls(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype))
 
     @classmethod
     def for_config(cls, config, max_slots: int, max_len: int, dtype=jnp.bfloat16) -> KvPool:
         """A pool for every attention layer of `config`: max_slots live slots plus one padding slot."""
-        return cls.create(len(config.attention_layer_ids), max_slots + 1, max_len,
+        return cls.create(len(config.attention_layer_ids), pool_size("max_slots", max_slots) + 1, max_len,
                           num_kv_heads=config.num_key_value_heads, head_dim=config.head_dim, dtype=dtype)
 
     @property

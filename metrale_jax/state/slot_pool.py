@@ -35,6 +35,14 @@ def slot_index(name: str, slot, num_slots: int) -> int:
     return index
 
 
+def pool_size(name: str, value, minimum: int = 1) -> int:
+    """A pool dimension (layers, slots, positions, heads, ...) as an int >= minimum; a bool, float or smaller value
+    is a SlotError naming it, not a TypeError from jnp.zeros or an empty pool."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
+        raise SlotError(f"{name} must be an integer >= {minimum}, got {value!r:.60}")
+    return int(value)
+
+
 def zero_slot(pool, slot):
     """The pool with every array's `slot` zeroed (a fresh sequence)."""
     return type(pool)(*(a.at[:, slot].set(0) for a in _arrays(pool)))

@@ -105,3 +105,27 @@ def test_a_pool_that_refuses_the_slot_leaves_it_free(pools):
         alloc.alloc(ssm)
     assert alloc.free_count == 4 and alloc.in_use == {0, 1, 2}
     assert alloc.alloc()[0] == 3
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: SsmPool.for_config(CFG, 0), "max_slots must be an integer >= 1, got 0"),
+    (lambda: SsmPool.for_config(CFG, 2.5), "max_slots must be an integer >= 1, got 2.5"),
+    (lambda: KvPool.for_config(CFG, True, 4), "max_slots must be an integer >= 1, got True"),
+    (lambda: KvPool.for_config(CFG, 2, 4.0), "max_len must be an integer >= 1, got 4.0"),
+    (lambda: KvPool.create(1, 3, 0, num_kv_heads=2, head_dim=8), "max_len must be an integer >= 1, got 0"),
+    (lambda: ModelCache.for_config(CFG, -1, 4), "max_slots must be an integer >= 1, got -1"),
+    (lambda: SsmPool.create(1, 3, conv_dim=8, conv_kernel=0, num_heads=2, head_dim=4, state_size=4),
+     "conv_kernel must be an integer >= 1, got 0"),
+    (lambda: SsmPool.create(-1, 3, conv_dim=8, conv_kernel=4, num_heads=2, head_dim=4, state_size=4),
+     "num_layers must be an integer >= 0, got -1"),
+])
+def test_pool_sizes_must_be_integers_in_range(make, message):
+    """A float or bool size was a TypeError from jnp.zeros (or a pool of True slots), zero slots a pool holding only
+    the padding slot, a zero conv_kernel a negative dimension."""
+    with pytest.raises(SlotError, match=message):
+        make()
+
+
+def test_a_model_without_layers_of_a_kind_still_gets_a_pool():
+    pool = SsmPool.create(0, 2, conv_dim=8, conv_kernel=4, num_heads=2, head_dim=4, state_size=np.int64(4))
+    assert pool.conv_state.shape == (0, 2, 8, 3) and pool.ssm_state.shape == (0, 2, 2, 4, 4)
