@@ -11,6 +11,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from metrale_jax.errors import SlotError
 from metrale_jax.state import slot_pool
@@ -82,10 +83,21 @@ class ModelCache:
             raise SlotError(f"snapshot: expected a CacheSlotState, got {type(snap).__name__}")
         self.ssm.check_snapshot(snap.ssm)
         self.kv.check_snapshot(snap.kv)
+        _check_seq_len(snap.seq_len, self.max_len)
         return _put_jit(self, jnp.int32(self.check_slot(slot)), snap)
 
     def copy_slot(self, src, dst) -> ModelCache:
         return _copy_jit(self, jnp.int32(self.check_slot(src, "src")), jnp.int32(self.check_slot(dst, "dst")))
+
+
+def _check_seq_len(seq_len, max_len: int) -> None:
+    """A snapshot's length: an integer scalar, and where its value is known (not traced) in [0, max_len]; a longer
+    one would let the next decode write past the slot's keys (the scatter drops them)."""
+    dtype = seq_len.dtype if hasattr(seq_len, "dtype") else np.asarray(seq_len).dtype
+    if np.shape(seq_len) != () or dtype == np.bool_ or not np.issubdtype(dtype, np.integer):
+        raise SlotError(f"snapshot.seq_len: expected an integer scalar, got {seq_len!r:.60}")
+    if not isinstance(seq_len, jax.core.Tracer) and not 0 <= int(seq_len) <= max_len:
+        raise SlotError(f"snapshot.seq_len: {int(seq_len)} is not in [0, {max_len}] (the cache's max_len)")
 
 
 # ---- the slot operations over the whole cache (pure; the methods above run them jitted, the cache donated) ----

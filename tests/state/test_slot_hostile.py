@@ -129,3 +129,17 @@ def test_pool_sizes_must_be_integers_in_range(make, message):
 def test_a_model_without_layers_of_a_kind_still_gets_a_pool():
     pool = SsmPool.create(0, 2, conv_dim=8, conv_kernel=4, num_heads=2, head_dim=4, state_size=np.int64(4))
     assert pool.conv_state.shape == (0, 2, 8, 3) and pool.ssm_state.shape == (0, 2, 2, 4, 4)
+
+
+@pytest.mark.parametrize("seq_len, message", [(5, r"snapshot.seq_len: 5 is not in \[0, 4\]"),
+                                              (-1, r"snapshot.seq_len: -1 is not in"),
+                                              (jnp.zeros(2, jnp.int32), "expected an integer scalar"),
+                                              (jnp.float32(2), "expected an integer scalar")])
+def test_cache_restore_refuses_a_length_the_cache_cannot_hold(seq_len, message):
+    """A restored length past max_len made the slot's next decode write its key past the pool (dropped)."""
+    cache = ModelCache.for_config(CFG, 2, 4, dtype=jnp.float32)       # its own: restore donates the cache
+    snap = cache.snapshot(0)
+    bad = type(snap)(snap.ssm, snap.kv, seq_len)
+    with pytest.raises(SlotError, match=message):
+        cache.restore(1, bad)
+    assert int(cache.restore(1, type(snap)(snap.ssm, snap.kv, jnp.int32(4))).seq_lens[1]) == 4
