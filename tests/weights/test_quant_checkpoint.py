@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from metrale_jax.errors import CheckpointError, WeightFormatError
+from metrale_jax.errors import CheckpointError, ConfigError, WeightFormatError
 from metrale_jax.weights import containers as C
 from metrale_jax.weights import quant_formats as qf
 from metrale_jax.weights.fp8 import read_fp8_block, read_fp8_tensor, write_fp8_block, write_fp8_tensor
@@ -179,8 +179,9 @@ def test_quantize_tensors_in_memory(rng):
     t = {"a.in_proj.weight": rng.standard_normal((32, 64)).astype(np.float32), "a.norm.weight": np.ones(64, np.float32)}
     out, q = quantize_tensors(t, "nvfp4")
     assert out["a.in_proj.weight"].dtype == np.uint8 and out["a.norm.weight"] is not None and q.method == "nvfp4"
-    with pytest.raises(CheckpointError, match="format 'int4'"):
+    with pytest.raises(ConfigError, match="expected one of .*got 'int4'") as e:
         quantize_tensors(t, "int4")
+    assert e.value.field == "format"
 
 
 # ---- containers -----------------------------------------------------------------------------------------
