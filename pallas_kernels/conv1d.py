@@ -17,17 +17,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import registry
+from pallas_kernels.errors import KernelUnavailableError
 from pallas_kernels.triton_util import (check_blocks, check_columns, check_floating, check_row_offset, check_shape,
                                        columns, compiler_params, next_pow2)
 from pallas_kernels.varlen import as_cu_seqlens, token_positions
 
 
+def _checked(activation: str | None) -> str | None:
+    """The activations the kernels and references apply: SiLU (alias swish) or none."""
+    if activation not in ("silu", "swish", None):
+        raise KernelUnavailableError(f"conv1d: no kernel for activation {activation!r:.40}; expected 'silu', "
+                                     "'swish' or None")
+    return activation
+
+
 def _activate(acc: jax.Array, activation: str | None) -> jax.Array:
-    if activation in ("silu", "swish"):
-        return jax.nn.silu(acc)
-    if activation is None:
-        return acc
-    raise ValueError(f"conv1d: unsupported activation {activation!r}")
+    return acc if _checked(activation) is None else jax.nn.silu(acc)
 
 
 def causal_conv1d_reference(x: jax.Array, weight: jax.Array, bias: jax.Array | None = None, *,
@@ -203,8 +208,7 @@ def causal_conv1d_pallas(x: jax.Array, weight: jax.Array, bias: jax.Array | None
     check_shape("causal_conv1d", "weight", weight, (C, None))
     if bias is not None:
         check_shape("causal_conv1d", "bias", bias, (C,))
-    if activation not in ("silu", "swish", None):
-        raise ValueError(f"conv1d: unsupported activation {activation!r}")
+    _checked(activation)
     return _conv_fwd(x, weight, bias, initial_states, cu_seqlens, activation=activation, interpret=interpret,
                      blocks=blocks)
 
@@ -305,12 +309,6 @@ def causal_conv1d_update_multi_pallas(pool: jax.Array, rows: jax.Array, x: jax.A
 
 def _skip(skip_row):
     return None if skip_row is None else int(skip_row)
-
-
-def _checked(activation):
-    if activation not in ("silu", "swish", None):
-        raise ValueError(f"conv1d: unsupported activation {activation!r}")
-    return activation
 
 
 @functools.partial(jax.jit, static_argnames=("activation", "interpret", "blocks", "multi", "x_col", "skip_row",

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from metrale_jax.errors import ShapeError
+from metrale_jax.errors import KernelUnavailableError, ShapeError
 from pallas_kernels import registry
 from pallas_kernels.conv1d import (ConvBlocks, causal_conv1d_pallas, causal_conv1d_reference,
                                    causal_conv1d_update_multi_pallas, causal_conv1d_update_multi_reference,
@@ -187,3 +187,8 @@ def test_registered_and_bad_shapes(rng, interpret):
         causal_conv1d_update_pallas(jnp.ones((9, 8, 3)), rows[:4], x, w, interpret=interpret)
     with pytest.raises(ShapeError, match="x"):
         causal_conv1d_update_multi_pallas(jnp.ones((9, 8, 3)), rows, x, w, interpret=interpret)
+    for conv in (lambda: causal_conv1d_reference(x, w, activation="relu"),
+                 lambda: causal_conv1d_update_pallas(jnp.ones((9, 8, 3)), rows, x, w, activation="relu",
+                                                     interpret=interpret)):
+        with pytest.raises(KernelUnavailableError, match="conv1d: no kernel for activation 'relu'"):
+            conv()
