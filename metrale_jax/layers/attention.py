@@ -23,7 +23,7 @@ from metrale_jax.errors import ShapeError, WeightFormatError
 from metrale_jax.layers.blocks import input_rmsnorm, linear, optional_param, param, reduced_linear, value_of
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import (check_array, check_layer_index, check_one_slot, check_slots, host_integers,
-                                       positive_int)
+                                       positive_int, start_positions, static_int)
 from metrale_jax.layers.projection import Projection
 from metrale_jax.state.kv_pool import KvPool
 from pallas_kernels import registry
@@ -180,7 +180,7 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
         if known is not None and ((known < 0) | (known > hidden.shape[1])).any():
             raise ShapeError(f"lengths: expected each in [0, {hidden.shape[1]}] (hidden's T), "
                              f"got {known.tolist()!s:.80}")
-        starts = None if seq_len_starts is None else _starts(seq_len_starts, B)
+        starts = None if seq_len_starts is None else start_positions("seq_len_starts", seq_len_starts, B)
         _check_span("seq_len_starts", 0 if seq_len_starts is None else seq_len_starts, known, pool.max_len)
         return self._run(pool, slots, hidden, lengths.astype(jnp.int32), starts, "prefill")
 
@@ -189,7 +189,7 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
         check_array("hidden", hidden, (None, self.config.hidden_size), floating=True)
         self._check_pool(pool)
         slots = check_one_slot("slot", slot, pool.num_slots)
-        start = _starts(seq_len_start, 1, "seq_len_start")
+        start = start_positions("seq_len_start", seq_len_start, 1)
         _check_span("seq_len_start", seq_len_start, np.array([hidden.shape[0]]), pool.max_len)
         out, pool = self.prefill_batched(pool, slots, hidden[None], jnp.array([hidden.shape[0]], jnp.int32), start)
         return out[0], pool
@@ -198,9 +198,8 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
         """Prefill split at row `cut`: the tail runs as a prefill starting there (its keys come from the
         pool).  Returns (hidden [T, D], pool, None): the KV prefix needs no separate capture."""
         T = hidden.shape[0]
-        if isinstance(cut, (bool, np.bool_)) or not isinstance(cut, (int, np.integer)) or not 0 <= cut <= T:
-            raise ShapeError(f"cut: expected an integer in [0, {T}], got {cut!r:.60}")
-        start = _starts(seq_len_start, 1, "seq_len_start")[0]
+        cut = static_int("cut", cut, 0, T)
+        start = start_positions("seq_len_start", seq_len_start, 1)[0]
         parts = []
         for lo, hi in ((0, cut), (cut, T)):
             if hi > lo:
@@ -231,9 +230,8 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
             raise ShapeError(f"hidden: {hidden.shape[0]} rows is not a multiple of k={k}")
         n = hidden.shape[0] // k
         slots = check_slots("slots", slots, n, pool.num_slots)
-        positions_known = positions
-        positions = _starts(positions, n, "positions")
-        _check_span("positions", positions_known, np.full((n,), k), pool.max_len)
+        _check_span("positions", positions, np.full((n,), k), pool.max_len)
+        positions = start_positions("positions", positions, n)
         out, pool = self._run(pool, slots, hidden.reshape(n, k, -1), jnp.full((n,), k, jnp.int32), positions,
                               "decode")
         return out.reshape(n * k, -1), pool
@@ -250,23 +248,11 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
         if h.shape[0] != 1:
             raise ShapeError(f"hidden: decode takes one token ([D] or [1, D]), got {tuple(hidden.shape)}")
         self._check_pool(pool)
-        slots, positions = check_one_slot("slot", slot, pool.num_slots), _starts(position, 1, "position")
+        slots, positions = check_one_slot("slot", slot, pool.num_slots), start_positions("position", position, 1)
         _check_span("position", position, np.ones((1,), np.int64), pool.max_len)
         out, pool = self.decode_multi_seq(pool, slots, h, positions)
         return (out[0] if squeeze else out), pool
 
-
-def _starts(seq_len_starts, n: int, name: str = "seq_len_starts") -> jax.Array:
-    """Positions as int32 [n] (a scalar is every row's): an integer dtype, known values (checks.host_integers)
-    >= 0."""
-    known = host_integers(name, seq_len_starts)
-    if known is not None and (known < 0).any():
-        raise ShapeError(f"{name}: expected positions >= 0, got {known.tolist()!s:.80}")
-    starts = jnp.asarray(seq_len_starts)
-    if starts.ndim == 0:
-        starts = jnp.full((n,), starts)
-    check_array(name, starts, (n,), integer=True)
-    return starts.astype(jnp.int32)
 
 
 def _check_span(name: str, starts, lengths, max_len: int) -> None:

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from metrale_jax.arguments import integer
 from metrale_jax.config import BLOCK_KINDS
 from metrale_jax.errors import ConfigError, ShapeError, SlotError
 
@@ -78,11 +79,34 @@ def check_one_slot(name: str, slot, num_slots: int) -> jax.Array:
     return jnp.reshape(jnp.asarray(slot, jnp.int32), (1,))
 
 
+def static_int(name: str, value, lo: int, hi: int | None = None) -> int:
+    """A static integer argument (k, chunk_len, cut) in [lo, hi] (hi None: no upper bound): arguments.integer's
+    check, a ShapeError here as every entry-point argument's."""
+    try:
+        return integer(name, value, lo, hi)
+    except ConfigError as e:
+        raise ShapeError(str(e)) from None
+
+
 def positive_int(name: str, value) -> int:
     """A static count (k, chunk_len): a Python or numpy integer >= 1, never a bool or a float (ShapeError)."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ShapeError(f"{name}: expected an integer >= 1, got {value!r:.60}")
-    return int(value)
+    return static_int(name, value, 1)
+
+
+def start_positions(name: str, value, n: int) -> jax.Array:
+    """Start positions as int32 [n] (a scalar is every row's): an integer dtype, and values known on the host
+    (host_integers) >= 0; a traced value's dtype is checked, its values are not read."""
+    known = host_integers(name, value)
+    if known is not None and (known < 0).any():
+        raise ShapeError(f"{name}: expected positions >= 0, got {known.tolist()!s:.80}")
+    starts = jnp.asarray(value)
+    if not jnp.issubdtype(starts.dtype, jnp.integer):
+        raise ShapeError(f"{name}: expected an integer dtype, got {starts.dtype}")
+    if starts.ndim == 0:
+        starts = jnp.full((n,), starts)
+    if starts.shape != (n,):
+        raise ShapeError(f"{name}: expected a scalar or [{n}], got {list(starts.shape)}")
+    return starts.astype(jnp.int32)
 
 
 def check_layer_index(config, layer_idx: int, kind: str) -> None:

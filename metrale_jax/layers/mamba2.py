@@ -21,7 +21,7 @@ from metrale_jax.errors import ShapeError, WeightFormatError
 from metrale_jax.layers.blocks import gated_rmsnorm_across_devices, reduced_linear
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import (check_array, check_layer_index, check_one_slot, check_slots, host_integers,
-                                       positive_int)
+                                       positive_int, start_positions, static_int)
 from metrale_jax.layers.projection import Projection
 from metrale_jax.state.ssm_pool import SlotState, SsmPool
 from metrale_jax.weights.containers import DenseWeight, as_dense
@@ -376,7 +376,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         cu_seqlens = _cu(cu_seqlens, zxbcdt.shape[0])
         S = cu_seqlens.shape[0] - 1
         slots = check_slots("slots", slots, S, pool.num_slots)
-        starts = _starts(seq_len_starts, S)
+        starts = start_positions("seq_len_starts", seq_len_starts, S)
         z, xbc, dt = self._split_in(zxbcdt)
         w, b = self._conv()
         conv0, _ = self._start_states(pool, slots, starts)
@@ -404,7 +404,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         cu_seqlens = _cu(cu_seqlens, bufs.xbc.shape[0])
         S = cu_seqlens.shape[0] - 1
         slots = check_slots("slots", slots, S, pool.num_slots)
-        starts = _starts(seq_len_starts, S)
+        starts = start_positions("seq_len_starts", seq_len_starts, S)
         x, B, C = self._split_xbc(bufs.xbc)
         _, ssm0 = self._start_states(pool, slots, starts)
         out = self._kernel("ssd_scan")(x, bufs.dt, B=B, C=C, chunk_size=self.chunk_size, initial_states=ssm0,
@@ -461,7 +461,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         [S, C, K-1], ssm [S, H, P, N])."""
         S = slots.shape[0]
         l = self.pool_layer
-        starts = _starts(seq_len_starts, S)
+        starts = start_positions("seq_len_starts", seq_len_starts, S)
         pad = jnp.full((S,), padding_slot, jnp.int32)
         zero = jnp.zeros((S,), jnp.int32)
         cu = _cu(cu_seqlens, hidden.shape[0])
@@ -487,7 +487,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         self._check_hidden(hidden)
         self._check_pool(pool)
         slots = check_one_slot("slot", slot, pool.num_slots)
-        return self.prefill_varlen(pool, slots, hidden, None, _starts(seq_len_start, 1, "seq_len_start"))
+        return self.prefill_varlen(pool, slots, hidden, None, start_positions("seq_len_start", seq_len_start, 1))
 
     def prefill_replay_tail(self, pool: SsmPool, slot, hidden: jax.Array, cut: int,
                             seq_len_start=0) -> tuple[jax.Array, SsmPool, SlotState]:
@@ -496,10 +496,9 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         self._check_hidden(hidden)
         self._check_pool(pool)
         T = hidden.shape[0]
-        if isinstance(cut, (bool, np.bool_)) or not isinstance(cut, (int, np.integer)) or not 0 <= cut <= T:
-            raise ShapeError(f"cut: expected an integer in [0, {T}], got {cut!r:.60}")
+        cut = static_int("cut", cut, 0, T)
         slot = check_one_slot("slot", slot, pool.num_slots)
-        start = _starts(seq_len_start, 1, "seq_len_start")[0]
+        start = start_positions("seq_len_start", seq_len_start, 1)[0]
         parts = []
         if cut > 0:
             head, pool = self.prefill(pool, slot, hidden[:cut], start)
@@ -555,21 +554,6 @@ def _cu(cu_seqlens, T: int) -> jax.Array:
                          f"(rows past the last are padding), got {host.tolist()!s:.80}")
     return cu.astype(jnp.int32)
 
-
-def _starts(seq_len_starts, S: int, name: str = "seq_len_starts") -> jax.Array:
-    """Start positions as int32 [S] (a scalar is every request's): integers, known values (checks.host_integers)
-    >= 0."""
-    host = host_integers(name, seq_len_starts)
-    if host is not None and (host < 0).any():
-        raise ShapeError(f"{name}: expected positions >= 0, got {host.tolist()!s:.80}")
-    if host is None and not jnp.issubdtype(seq_len_starts.dtype, jnp.integer):
-        raise ShapeError(f"{name}: expected an integer dtype, got {seq_len_starts.dtype}")
-    starts = jnp.asarray(seq_len_starts, jnp.int32)
-    if starts.ndim == 0:
-        starts = jnp.full((S,), starts)
-    if starts.shape != (S,):
-        raise ShapeError(f"{name}: expected a scalar or [{S}], got {list(starts.shape)}")
-    return starts
 
 
 def _check_tokens(name: str, T: int) -> None:
