@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import re
 
 import jax
 import jax.numpy as jnp
@@ -29,8 +28,8 @@ from metrale_jax.layers.lora import ExpertLoraOverlay, LoraOverlay, UnmergedWeig
 from metrale_jax.layers.moe import NemotronMoELayer
 from metrale_jax.layers.projection import Projection, QuantWeight
 from metrale_jax.weights.containers import DenseWeight
-from metrale_jax.weights.lora import (LoraConfig, match_factors, read_config, read_factors, split_full_copies,
-                                      targets, write_adapter)
+from metrale_jax.weights.lora import (LoraConfig, match_factors, read_config, read_factors, regex_problem,
+                                      split_full_copies, targets, write_adapter)
 
 # how far a full copy (modules_to_save, lm_head.base_layer) may differ from the model's weights and still count as
 # the same tensor (relative Frobenius norm: covers a bfloat16 round trip of the same weights)
@@ -175,10 +174,8 @@ def _target_modules(value) -> tuple[str, ...] | str:
     """add_adapter's target_modules as PEFT takes it: a list of module names (each the name or its dotted end) or
     one string, a regex matched against the whole module name; else a ConfigError."""
     if isinstance(value, str):
-        try:
-            re.compile(value)
-        except re.error as why:
-            raise ConfigError("target_modules", f"{value!r:.60} is not a valid regex ({why})") from None
+        if why := regex_problem(value):
+            raise ConfigError("target_modules", f"{value!r:.60} is not a valid regex ({why})")
         return value
     if isinstance(value, (list, tuple)) and value and all(isinstance(t, str) for t in value):
         return tuple(value)

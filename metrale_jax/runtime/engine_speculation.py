@@ -8,7 +8,7 @@ import functools
 
 import numpy as np
 
-from metrale_jax.arguments import shown
+from metrale_jax.arguments import is_int, shown
 from metrale_jax.errors import ConfigError
 from metrale_jax.runtime import steps
 from metrale_jax.runtime.executables import pick_bucket
@@ -26,7 +26,7 @@ def checked_drafts(drafts, limit: int, vocab_size: int) -> list[int]:
     write the cache past the request's length, an id outside the vocabulary could be emitted as a token)."""
     n = max(limit, 0)
     if isinstance(drafts, (list, tuple, np.ndarray)) and len(drafts) <= n and all(
-            isinstance(t, (int, np.integer)) and not isinstance(t, (bool, np.bool_)) and 0 <= t < vocab_size
+            is_int(t) and 0 <= t < vocab_size
             for t in drafts):
         return [int(t) for t in drafts]
     raise ConfigError("drafter", f"propose({limit}) must return a list of at most {n} token ids in "

@@ -11,9 +11,10 @@ import dataclasses
 import operator
 
 import jax
-import numpy as np
 import jax.numpy as jnp
+import numpy as np
 
+from metrale_jax.arguments import is_int
 from metrale_jax.errors import SlotError
 
 
@@ -38,7 +39,7 @@ def slot_index(name: str, slot, num_slots: int) -> int:
 def pool_size(name: str, value, minimum: int = 1) -> int:
     """A pool dimension (layers, slots, positions, heads, ...) as an int >= minimum; a bool, float or smaller value
     is a SlotError naming it, not a TypeError from jnp.zeros or an empty pool."""
-    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)) or value < minimum:
+    if not is_int(value) or value < minimum:
         raise SlotError(f"{name} must be an integer >= {minimum}, got {value!r:.60}")
     return int(value)
 

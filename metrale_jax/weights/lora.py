@@ -135,7 +135,7 @@ def read_config(directory: str | os.PathLike) -> LoraConfig:
     tm = raw.get("target_modules") or ()
     if not (isinstance(tm, str) or (isinstance(tm, list) and all(isinstance(t, str) for t in tm))):
         raise bad("target_modules", f"expected a list of module names or a regex, got {tm!r}")
-    if isinstance(tm, str) and (why := _regex_problem(tm)):
+    if isinstance(tm, str) and (why := regex_problem(tm)):
         raise bad("target_modules", f"{tm!r:.60} is not a valid regex ({why})")
     patterns = {}
     for field, ok, want in (("rank_pattern", lambda v: isinstance(v, int) and v >= 1, "a positive integer"),
@@ -147,7 +147,7 @@ def read_config(directory: str | os.PathLike) -> LoraConfig:
         for key, v in p.items():
             if isinstance(v, bool) or not ok(v):
                 raise bad(f"{field}: {key}", f"expected {want}, got {v!r:.60}")
-            if why := _regex_problem(rf"(.*\.)?({key})$"):
+            if why := regex_problem(rf"(.*\.)?({key})$"):
                 raise bad(f"{field}: {key}", f"the key is not a valid regex ({why})")
         patterns[field] = tuple(p.items())
     lists = {}
@@ -167,7 +167,7 @@ def read_config(directory: str | os.PathLike) -> LoraConfig:
                       lists["target_parameters"], lists["modules_to_save"])
 
 
-def _regex_problem(pattern: str) -> str | None:
+def regex_problem(pattern: str) -> str | None:
     """Why `pattern` is not a regex Python compiles (None when it is one)."""
     try:
         re.compile(pattern)
