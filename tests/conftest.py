@@ -13,15 +13,23 @@ else:
 # tests/sharding + tests/model/test_hf_equivalence from 128 to 77 s cold on 2 cores (2026-12-02).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4"
                       + (" --xla_backend_optimization_level=0" if ON_CPU else ""))
-# METRALE_TEST_CACHE=1: one on-disk compilation cache (.jax_test_cache/) for every test, xdist worker and notebook
-# kernel, so that a rerun reuses the compiles (a clean run is no faster with it). Off by default: XLA:CPU's
-# executable serialization, which the cache write calls, crashed a worker once on a clean-clone run (a segfault in
-# put_executable_and_time, not reproduced alone). No size cap: JAX's eviction lists the directory on every write.
+# On the CPU, one on-disk compilation cache per run, shared by the xdist workers, the notebook kernels and the CLI
+# subprocesses (they inherit the variable, so the controller's directory is everyone's): the suite builds the same
+# small models in many modules and processes, and each module's end drops the in-memory programs
+# (_release_compiled_programs). Only programs that took 0.3 s or more to compile are written (the model's steps, a
+# few hundred a run): a write serializes the XLA:CPU executable, and with every program cached (ten thousand
+# writes a run) that serialization segfaulted a worker once, not reproduced alone. The process that made the
+# directory removes it (pytest_unconfigure). METRALE_TEST_CACHE=1: one cache in .jax_test_cache/ kept for reruns.
+_RUN_CACHE = None
 if os.environ.get("METRALE_TEST_CACHE"):
     os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", os.path.join(os.path.dirname(os.path.dirname(
         os.path.abspath(__file__))), ".jax_test_cache"))
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
-    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
+elif ON_CPU and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    import tempfile
+
+    _RUN_CACHE = os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="metrale-jax-test-cache-")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.3")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import gc  # noqa: E402
 
@@ -83,3 +91,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason="needs a GPU"))
         if "slow" in item.keywords and not run_slow:
             item.add_marker(pytest.mark.skip(reason="slow: run with --run-slow"))
+
+
+def pytest_unconfigure(config):
+    """The process that made this run's compilation cache directory removes it (workers inherit it, never make it)."""
+    if _RUN_CACHE is not None:
+        import shutil
+
+        shutil.rmtree(_RUN_CACHE, ignore_errors=True)
