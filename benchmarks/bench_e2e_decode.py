@@ -11,13 +11,14 @@ Nemotron-H-8B shapes with random weights (64-token prompts, 64 new tokens, greed
   each sequence's Mamba state read and written, its keys/values read (the positions it holds) and written;
 - kernels_per_step: GPU kernels per chained step, from a profiler trace (GPU only);
 - chained_tokens_sha256: a digest of the tokens the first chained steps sampled: two runs of the same weights
-  (levers that must keep the bits, e.g. METRALE_GEMV_PDL=1, or XLA flags) agree on it.
+  (levers that must keep the bits, e.g. XLA flags) agree on it.
 
     PYTHONPATH=. python benchmarks/bench_e2e_decode.py [--weights bf16,fp8-block,nvfp4] [--states float32,bfloat16]
         [--batches 1,8,32,64,256] [--out benchmarks/results/e2e_decode.json] [--update]
         [--fp8-decode-activations e4m3]   (the FP8 decode on the FP8 matrix units: e2e_decode_fp8-decode-e4m3.json)
     CPU dry run: JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_e2e_decode.py --tiny --out /tmp/e2e.json
-The JSON holds the rows of this run (`rows`), and the date, device and copy bandwidth. With --update, the rows of
+The JSON holds the rows of this run (`rows`), and the date, device and copy bandwidth; a weight format that
+failed is named in `errors` (its message) and the run exits non-zero after writing the others. With --update, the rows of
 --out that this run did not measure are kept (a full table takes longer than one device call allows): each row
 carries the date and copy bandwidth of its own run; a table from another device or model is replaced, not joined.
 """
@@ -231,6 +232,8 @@ def main():
         model = None
     save()
     log(f"wrote {args.out}")
+    if out["errors"]:
+        raise SystemExit(f"failed: {', '.join(out['errors'])} (see `errors` in {args.out})")
 
 
 if __name__ == "__main__":

@@ -38,7 +38,6 @@ Measurements and what was tried: benchmarks/notes/gemv.md.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import jax
 import jax.numpy as jnp
@@ -57,11 +56,6 @@ ROWS = 64          # wgmma M: weight rows per warpgroup instruction
 W8_BK = 128        # K per step of w8a16 (one block scale)
 W4_K = 512         # K multiple the w4a16 arm takes (`supports`)
 W4_BK = 256        # K per step of w4a16 (128 packed bytes, 16 scale groups)
-
-
-# METRALE_GEMV_PDL=1: the default launches use programmatic dependent launch (GemvConfig.pdl) -- an A/B lever until
-# the end-to-end decode benchmark says whether it pays (benchmarks/notes/gemv.md)
-PDL = os.environ.get("METRALE_GEMV_PDL", "0") == "1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +78,6 @@ class GemvConfig:
     tail_split: int = 0       # w8 unsplit: the row blocks past a whole number per SM (in_proj: 26 of 290) are
                               # split into this many K pieces, so every SM streams about the same bytes; the
                               # pieces' float32 partials are added in a fixed order (`tail_blocks`)
-    pdl: bool = PDL           # programmatic dependent launch (`pdl_framed`): the CTA may start while the
-                              # previous kernel runs, prefetches its first weight tiles to L2 and only then waits
-                              # for it; compiled only (interpret mode runs without it); the same bits
 
 
 def _tf(cols_bytes: int, itemsize: int):
@@ -101,26 +92,6 @@ def auto_split(n_blocks: int, k_steps: int, target: int = 2 * H200_SMS) -> int:
     while n_blocks * split * 2 <= target and k_steps % (split * 2) == 0 and k_steps // (split * 2) >= 4:
         split *= 2
     return split
-
-
-def pdl_framed(pipeline, w_gmem, rows, k_first, step_cols: int, steps: int, stages: int):
-    """`pipeline` (a CTA's K pipeline over `steps` steps from k_first) launched early (GemvConfig.pdl): first the
-    weight tiles [rows, step_cols] of its first `stages` steps are prefetched to L2 (weights never depend on the
-    previous kernel), then the CTA waits for the previous kernel's completion and memory (griddepcontrol.wait)
-    before anything reads x or writes an output; the pipeline's own loads of those tiles then hit L2. After the
-    pipeline the next kernel, if launched with PDL, may start (it waits for this one's completion itself before
-    reading what this one writes)."""
-    box = min(step_cols, 256)                     # a TMA box spans at most 256 elements per dimension
-
-    def framed(*refs):
-        for s in range(min(stages, steps)):
-            for c in range(0, step_cols, box):
-                plgpu.async_prefetch(w_gmem.at[rows, pl.ds((k_first + s) * step_cols + c, box)])
-        plgpu.griddepcontrol_wait()
-        out = pipeline(*refs)
-        plgpu.griddepcontrol_launch_dependents()
-        return out
-    return framed
 
 
 def _mma(acc_ref, a, b_ref, a_smem):

@@ -21,8 +21,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import epilogues, registry
 from pallas_kernels.mgpu_gemv import (ROWS, W4_BK, W4_K, GemvConfig, _check_config, _check_dims, _check_x_bf16,
                                       _cluster_launch, _cluster_sum, _finish, _grid, _interpret_kw, _mma, _out_spec,
-                                      _pad_rows, _store_out, _tf, auto_split, launch_tiles, pdl_framed,
-                                      resolve_k_blocks, supports, x_rows)
+                                      _pad_rows, _store_out, _tf, auto_split, launch_tiles, resolve_k_blocks,
+                                      supports, x_rows)
 from pallas_kernels.w4a16 import check_nvfp4_args, w4a16_reference
 from pallas_kernels.w8a16 import H200_SMS
 
@@ -132,15 +132,14 @@ def _nibble_f32(p16, high: bool):
 
 
 def _w4_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, ready=None, red_bar=None, *, bn, steps,
-               stages, direct, interpret, xr, kb, epilogue=None, cluster=0, pdl=False):
+               stages, direct, interpret, xr, kb, epilogue=None, cluster=0):
     """NVFP4 GEMV: scales are multiplied in during the decode, so one accumulator per 64 rows (over all m_tiles x
     tiles of the CTA, one wgmma against the decoded tile) runs over all K.
     Each step waits for its own wgmmas (wait_group 0) before the next step's decode rewrites the A registers:
     PTX makes touching an in-flight wgmma's A registers undefined, and the loop body writes the same registers
     every step (a wait_group(1) version gave wrong, M-dependent rows on the GPU whenever ptxas did not serialize
     the wgmmas itself). Stages are released one step late (delay_release=1). cluster > 0: the split-K CTAs of a
-    tile form a cluster and add their partials in the kernel (`_cluster_sum`). pdl: the pipeline is launched early
-    (`pdl_framed`, the packed weight tiles prefetched; GemvConfig.pdl)."""
+    tile form a cluster and add their partials in the kernel (`_cluster_sum`)."""
     n_blk, m_blk, split = lax.axis_index("n"), lax.axis_index("m"), lax.axis_index("s")
     if cluster:
         split = lax.axis_index("c")
@@ -164,13 +163,10 @@ def _w4_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, ready=Non
 
         spec = lambda shape, tf, row: plgpu.BlockSpec(shape, lambda k: (row, k_first + k), transforms=tf,
                                                        delay_release=1)
-        run = plgpu.emit_pipeline(body, grid=(steps,), in_specs=[spec((bn, kb * W4_BK // 2), _tf(128, 1), n_blk),
-                                                                 spec((bn, kb * W4_BK // 16), (), n_blk),
-                                                                 spec((xr, kb * W4_BK), _tf(128, 2), m_blk)],
-                                  max_concurrent_steps=stages)
-        if pdl:
-            run = pdl_framed(run, p_gmem, pl.ds(n_blk * bn, bn), k_first, kb * W4_BK // 2, steps, stages)
-        run(p_gmem, s_gmem, x_gmem)
+        plgpu.emit_pipeline(body, grid=(steps,), in_specs=[spec((bn, kb * W4_BK // 2), _tf(128, 1), n_blk),
+                                                           spec((bn, kb * W4_BK // 16), (), n_blk),
+                                                           spec((xr, kb * W4_BK), _tf(128, 2), m_blk)],
+                            max_concurrent_steps=stages)(p_gmem, s_gmem, x_gmem)
         return tuple(acc[...] for acc in accs)
 
     acc = pl.run_scoped(scoped, *[plgpu.ACC((ROWS, xr), jnp.float32) for _ in range(groups)])
@@ -194,8 +190,7 @@ def _w4_call(x, packed, scale, global_scale, *, out_dtype, epilogue, config: Gem
     size = split if split > 1 and config.reduce == "cluster" and not interpret else 0
     direct, out_type, o_smem = _out_spec(xp.shape[0], N, bn, 1 if size else split, out_dtype, xr)
     kernel = functools.partial(_w4_kernel, bn=bn, steps=steps, stages=stages, direct=direct,
-                               interpret=bool(interpret), xr=xr, kb=config.k_blocks, epilogue=epilogue, cluster=size,
-                               pdl=config.pdl and not interpret)
+                               interpret=bool(interpret), xr=xr, kb=config.k_blocks, epilogue=epilogue, cluster=size)
     scratch = dict(o_smem=o_smem, a_smem=plgpu.SMEM((ROWS, W4_BK), jnp.bfloat16, transforms=_tf(128, 2))
                    if interpret else None)
     grid = (nb, pl.cdiv(mb, mt), split)

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# One device call: end-to-end decode rows without and then with extra environment settings (a kernel lever such as
-# METRALE_GEMV_PDL=1, or XLA_FLAGS=...), same model and batches, so that the two runs' device_tok_s compare on one
-# machine and their chained_tokens_sha256 say whether the bits held.
+# One device call: end-to-end decode rows without and then with extra environment settings (a lever such as
+# XLA_FLAGS=...), same model and batches, so that the two runs' device_tok_s compare on one machine and their
+# chained_tokens_sha256 say whether the bits held.
 #   tools/gpu_ab_env.sh "VAR=VALUE [VAR=VALUE...]" [WEIGHTS (fp8-block)] [STATES (float32)] [BATCHES (1,256)] [LIMIT_S (200)]
-#   e.g. tools/gpu_ab_env.sh METRALE_GEMV_PDL=1 fp8-block float32 1,64
+#   e.g. tools/gpu_ab_env.sh XLA_FLAGS=--xla_gpu_enable_command_buffer= fp8-block float32 1,64
 # Writes $OUT/ab_base.json and $OUT/ab_lever.json (never benchmarks/results: a lever is not the default table).
 set -o pipefail
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
-LEVER=${1:?environment settings to try, e.g. METRALE_GEMV_PDL=1}
+LEVER=${1:?environment settings to try, e.g. XLA_FLAGS=--xla_gpu_enable_command_buffer=}
 WEIGHTS=${2:-fp8-block}
 STATES=${3:-float32}
 BATCHES=${4:-1,256}

@@ -138,9 +138,10 @@ def test_bad_inputs_raise_typed_errors(rng):
         w8m.w8a8_gemv_mosaic(x, q, s, config=GemvConfig(block_n=32))
 
 
-def test_registry_serves_the_mosaic_arm_and_the_reference():
+def test_registry_serves_the_triton_arm_by_default_and_the_mosaic_one_when_asked():
+    """The Mosaic arm is registered but not the GPU default until it passes its GPU tests (gemv.md)."""
     spec = registry._KERNELS["w8a8_gemv"]
-    assert spec.gpu_default == "mosaic" and spec.mosaic is w8m.w8a8_gemv_mosaic
+    assert spec.gpu_default == "triton" and spec.mosaic is w8m.w8a8_gemv_mosaic
     assert spec.reference is w8a16.w8a8_gemv_reference and spec.pallas is w8a16.w8a8_gemv_pallas
     sd = jax.ShapeDtypeStruct
     w = sd((192, 256), jnp.float8_e4m3fn)
