@@ -120,7 +120,7 @@ def _w8_blocks(x_gmem, w_gmem, s_gmem, a_smem, n_blk, m_blk, k_first, *, bn, ste
 
 
 def _w8a8_blocks(x_gmem, w_gmem, s_gmem, xs_gmem, a_smem, n_blk, m_blk, k_first, *, bn, steps, stages, xr, kb):
-    """`_w8_blocks` with E4M3 x and its scales xs_gmem [K/128, Mx] (x rows along the minor axis): per 64-row group,
+    """`_w8_blocks` with E4M3 x and its scales xs_gmem [K/128, tiles x cols] (`_tile_scales`): per 64-row group,
     the [64, xr] float32 sum over K blocks of (E4M3 weight tile @ E4M3 x tile^T) * (x row scale * weight block scale),
     both operands read by the wgmma from shared memory (a_smem unused)."""
     s_row = n_blk * bn // FP8_BLOCK
@@ -130,7 +130,7 @@ def _w8a8_blocks(x_gmem, w_gmem, s_gmem, xs_gmem, a_smem, n_blk, m_blk, k_first,
         (k,) = idx
         blocks = range(kb)
         # block j's scale of each column (x row) of the [64, xr] product: the x row's times the weight block's
-        scales = [lax.broadcast_in_dim(plgpu.load(xs_smem.at[j], layout=plgpu.Layout.WGMMA.reduce(0))
+        scales = [lax.broadcast_in_dim(plgpu.load(xs_smem.at[j, pl.ds(0, xr)], layout=plgpu.Layout.WGMMA.reduce(0))
                                        * s_gmem[s_row, (k_first + k) * kb + j], (ROWS, xr), [1]) for j in blocks]
         xt = [x_smem.at[:, pl.ds(j * W8_BK, W8_BK)].transpose((1, 0)) for j in blocks]  # [128, xr]: K-major B
         out = []
@@ -146,9 +146,25 @@ def _w8a8_blocks(x_gmem, w_gmem, s_gmem, xs_gmem, a_smem, n_blk, m_blk, k_first,
     zero = plgpu.layout_cast(jnp.zeros((ROWS, xr), jnp.float32), plgpu.Layout.WGMMA)
     specs = [plgpu.BlockSpec((bn, kb * W8_BK), lambda k: (n_blk, k_first + k), transforms=_tf(W8_BK, 1)),
              plgpu.BlockSpec((xr, kb * W8_BK), lambda k: (m_blk, k_first + k), transforms=_tf(W8_BK, 1)),
-             plgpu.BlockSpec((kb, xr), lambda k: (k_first + k, m_blk))]
+             plgpu.BlockSpec((kb, x_scale_cols(xr)), lambda k: (k_first + k, m_blk))]
     return plgpu.emit_pipeline(body, grid=(steps,), in_specs=specs, max_concurrent_steps=stages,
                                init_carry=(zero,) * groups)(w_gmem, x_gmem, xs_gmem)
+
+
+def x_scale_cols(xr: int) -> int:
+    """Columns of an x tile's scale block: its xr rows' scales, padded to 32 float32 (128 bytes) so that every
+    pipeline stage of the scales is a whole number of 128-byte TMA destinations (a 32- or 64-byte stage puts
+    every other one off the alignment TMA needs: a misaligned shared-memory address on the GPU)."""
+    return max(xr, 128 // 4)
+
+
+def _tile_scales(x_scales, xr: int):
+    """x_scales f32 [M, K/128] -> [K/128, tiles * x_scale_cols(xr)]: x tile m's row scales at columns m * cols ..
+    m * cols + xr, 1.0 in the padding (rows past M and the columns past xr)."""
+    M, kblocks = x_scales.shape
+    tiles, cols = pl.cdiv(M, xr), x_scale_cols(xr)
+    xs = jnp.pad(x_scales.T, ((0, 0), (0, tiles * xr - M)), constant_values=1.0).reshape(kblocks, tiles, xr)
+    return jnp.pad(xs, ((0, 0), (0, 0), (0, cols - xr)), constant_values=1.0).reshape(kblocks, tiles * cols)
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "epilogue", "config", "interpret"))
@@ -162,9 +178,8 @@ def _w8_call(x, w, scale, x_scales=None, *, out_dtype, epilogue, config: GemvCon
     mt, stages = launch_tiles(name, M, N, K, config, out_dtype)
     xr = x_rows(M, mt, config.small_m)
     ins = (xp, w, scale)
-    if x_scales is not None:          # [K/128, Mx]: one column per x row of every CTA's tile (TMA: 16-byte rows)
-        mx = pl.cdiv(M, xr) * xr
-        ins += (jnp.pad(x_scales.T, ((0, 0), (0, mx - M)), constant_values=1.0),)
+    if x_scales is not None:
+        ins += (_tile_scales(x_scales, xr),)
     dp, nt = tail_blocks(nb, config.tail_split) if split == 1 else (nb, 0)
     tail = config.tail_split
     size = tail if nt and config.reduce == "cluster" and not interpret else 0
