@@ -10,7 +10,6 @@ small random biases (the MoE router's e_score_correction_bias included, so its c
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterator
 
@@ -47,27 +46,16 @@ def init_rule(name: str, shape: tuple[int, ...], config: ModelConfig) -> tuple:
     return "normal", shape[-1] ** -0.5 * depth, 0.0
 
 
-def draw(rule: tuple, shape: tuple[int, ...], key: jax.Array, config: ModelConfig, dtype=jnp.float32) -> jax.Array:
-    """A tensor of `shape` drawn by `rule` (init_rule) in float32, then cast to `dtype`."""
+def draw(rule: tuple, shape: tuple[int, ...], key: jax.Array, config: ModelConfig) -> jax.Array:
+    """A float32 tensor of `shape` drawn by `rule` (init_rule)."""
     kind, a, b = rule
-    x = _draw(key, jnp.float32(a), jnp.float32(b), jnp.float32(config.time_step_floor), kind=kind, shape=tuple(shape))
-    return x.astype(dtype)
-
-
-@functools.partial(jax.jit, static_argnames=("kind", "shape"))
-def _draw(key, a, b, floor, *, kind: str, shape: tuple[int, ...]) -> jax.Array:
-    """draw's float32 values, one compiled program per (kind, shape) with the rule's constants as arguments (as
-    eager ops, the multiply and the add compiled per shape too)."""
     if kind == "normal":
-        x = jax.random.normal(key, shape, jnp.float32) * a + b
-    else:
-        u = jax.random.uniform(key, shape, jnp.float32, minval=a, maxval=b)
-        if kind == "A_log":
-            x = jnp.log(u)
-        else:
-            dt = jnp.maximum(jnp.exp(u), floor)
-            x = dt + jnp.log(-jnp.expm1(-dt))                              # inverse softplus
-    return x
+        return jax.random.normal(key, shape, jnp.float32) * a + b
+    u = jax.random.uniform(key, shape, jnp.float32, minval=a, maxval=b)
+    if kind == "A_log":
+        return jnp.log(u)
+    dt = jnp.maximum(jnp.exp(u), config.time_step_floor)
+    return dt + jnp.log(-jnp.expm1(-dt))                                   # inverse softplus
 
 
 def tensor_table(config: ModelConfig, *, mtp: bool = True) -> dict:
@@ -75,19 +63,18 @@ def tensor_table(config: ModelConfig, *, mtp: bool = True) -> dict:
     return {**expected_tensors(config), **(mtp_tensors(config) if mtp else {})}
 
 
-def iter_random_tensors(config: ModelConfig, key: jax.Array, *, mtp: bool = True,
-                        dtype=jnp.float32) -> Iterator[tuple[str, jax.Array]]:
-    """(name, array) of every tensor, drawn one at a time on the default device, in `dtype` except those the
-    checkpoint table keeps in float32."""
+def iter_random_tensors(config: ModelConfig, key: jax.Array, *, mtp: bool = True) -> Iterator[tuple[str, jax.Array]]:
+    """(name, float32 array) of every tensor, drawn one at a time on the default device."""
     for i, (name, spec) in enumerate(tensor_table(config, mtp=mtp).items()):
-        yield name, draw(init_rule(name, spec.shape, config), spec.shape, jax.random.fold_in(key, i), config,
-                         jnp.float32 if spec.keep_f32 else dtype)
+        yield name, draw(init_rule(name, spec.shape, config), spec.shape, jax.random.fold_in(key, i), config)
 
 
 def random_tensors(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16, *, mtp: bool = True) -> dict:
     """Random weights under HF names, in `dtype` except those the checkpoint table keeps in float32. With
     num_nextn_predict_layers > 0 (and mtp) the MTP head's tensors are drawn too; the main ones stay the same."""
-    return dict(iter_random_tensors(config, key, mtp=mtp, dtype=dtype))
+    table = tensor_table(config, mtp=mtp)
+    return {n: v.astype(jnp.float32 if table[n].keep_f32 else dtype) for n, v in iter_random_tensors(config, key,
+                                                                                                     mtp=mtp)}
 
 
 def random_ssm_weights(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) -> NemotronSsmWeights:
@@ -96,7 +83,7 @@ def random_ssm_weights(config: ModelConfig, key: jax.Array, dtype=jnp.bfloat16) 
     prefix = f"backbone.layers.{i}."
     table = {n: s for n, s in expected_tensors(config).items() if n.startswith(prefix)}
     keys = jax.random.split(key, len(table))
-    tensors = {n: draw(init_rule(n, s.shape, config), s.shape, k, config, jnp.float32 if s.keep_f32 else dtype)
+    tensors = {n: draw(init_rule(n, s.shape, config), s.shape, k, config).astype(jnp.float32 if s.keep_f32 else dtype)
                for k, (n, s) in zip(keys, table.items())}
     return layer_weights(config, i, tensors)[1]
 
