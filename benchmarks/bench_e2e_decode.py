@@ -18,9 +18,10 @@ Nemotron-H-8B shapes with random weights (64-token prompts, 64 new tokens, greed
         [--fp8-decode-activations e4m3]   (the FP8 decode on the FP8 matrix units: e2e_decode_fp8-decode-e4m3.json)
     CPU dry run: JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_e2e_decode.py --tiny --out /tmp/e2e.json
 The JSON holds the rows of this run (`rows`), and the date, device and copy bandwidth; a weight format that
-failed is named in `errors` (its message) and the run exits non-zero after writing the others. With --update, the rows of
---out that this run did not measure are kept (a full table takes longer than one device call allows): each row
-carries the date and copy bandwidth of its own run; a table from another device or model is replaced, not joined.
+failed is named in `errors` (its message) and the run exits non-zero after writing the others. With --update, the
+rows of --out that this run did not measure are kept (a full table takes longer than one device call allows): each
+row carries the date and copy bandwidth of its own run; a table from another device or model is replaced, not
+joined.
 """
 
 from __future__ import annotations
