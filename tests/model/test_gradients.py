@@ -9,6 +9,7 @@ import collections
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from metrale_jax.config import ModelLevers
@@ -26,26 +27,34 @@ def _model(tensors, kernels):
 
 
 def _param_grads(model, ids, weights):
-    """Gradients of a nonlinear loss of the logits w.r.t. every nnx.Param, by parameter path."""
+    """The logits, and the gradients of a nonlinear loss of them w.r.t. every nnx.Param, by parameter path."""
     graph, params, rest = nnx.split(model, nnx.Param, ...)
 
     def loss(p):
         logits = forward_step(nnx.merge(graph, p, rest), ids)
-        return jnp.sum(weights * jnp.tanh(logits))
+        return jnp.sum(weights * jnp.tanh(logits)), logits
 
-    grads = jax.jit(jax.grad(loss))(params)
-    return {".".join(_key(k) for k in path): np.asarray(v) for path, v in jax.tree_util.tree_leaves_with_path(grads)}
+    grads, logits = jax.jit(jax.grad(loss, has_aux=True))(params)
+    paths = jax.tree_util.tree_leaves_with_path(grads)
+    return np.asarray(logits), {".".join(_key(k) for k in path): np.asarray(v) for path, v in paths}
 
 
 def _key(k) -> str:
     return str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
 
 
-def _compare(tensors, rng, kinds):
+def _compare(tensors, rng, kinds, *, rounds_activations=False):
+    """The kernel path's gradients equal the reference path's (TOL), and every block kind got nonzero ones.
+    rounds_activations: the model quantizes activations to E4M3, a step function, so a value the two paths' float32
+    sums put on either side of a rounding boundary moves the forwards apart by a whole E4M3 step (rare: ~1 draw in
+    20, logits then off by ~1e-3 rather than ~1e-7), and the gradients with them; such a draw returns None."""
     ids = jnp.asarray(rng.integers(0, ALL_KINDS.vocab_size, (2, 13)), jnp.int32)
     weights = jnp.asarray(rng.standard_normal((2, 13, ALL_KINDS.vocab_size)), jnp.float32)
-    want = _param_grads(_model(tensors, "reference"), ids, weights)
-    got = _param_grads(_model(tensors, "interpret"), ids, weights)
+    logits_want, want = _param_grads(_model(tensors, "reference"), ids, weights)
+    logits, got = _param_grads(_model(tensors, "interpret"), ids, weights)
+    if rounds_activations and rel_err(logits, logits_want) > TOL:
+        return None
+    assert rel_err(logits, logits_want) <= TOL
     assert got.keys() == want.keys()
     per_kind = collections.defaultdict(list)
     for name, w in want.items():
@@ -70,11 +79,14 @@ def test_forward_gradients_through_the_kernels_equal_the_reference(rng):
 def test_quantized_arms_pass_gradients_to_their_activations(rng):
     """Every linear weight block-FP8 (experts stacked, served by w8a16_grouped): the remaining parameters (norms,
     conv, SSM, router, embeddings) get the reference path's gradients through the quantized kernels."""
-    tensors = random_tensors(ALL_KINDS, jax.random.key(int(rng.integers(1 << 30))), jnp.float32)
-    tensors = {n: quantize_fp8_block_weight(v) if linear_module(n) and n != "lm_head.weight" else v
-               for n, v in tensors.items()}
-    model = _model(tensors, "interpret")
-    arms = model.layers[0].active_arm("prefill", 26)
-    assert arms == {"in_proj": "fp8_native", "out_proj": "fp8_native"}
-    assert model.layers[0].in_proj.active_kernel("prefill", 26) == "w8a16_gemm_pipelined"
-    _compare(tensors, rng, "M*E-")
+    for _ in range(4):                                   # a draw whose forwards split at an E4M3 boundary: redraw
+        tensors = random_tensors(ALL_KINDS, jax.random.key(int(rng.integers(1 << 30))), jnp.float32)
+        tensors = {n: quantize_fp8_block_weight(v) if linear_module(n) and n != "lm_head.weight" else v
+                   for n, v in tensors.items()}
+        model = _model(tensors, "interpret")
+        arms = model.layers[0].active_arm("prefill", 26)
+        assert arms == {"in_proj": "fp8_native", "out_proj": "fp8_native"}
+        assert model.layers[0].in_proj.active_kernel("prefill", 26) == "w8a16_gemm_pipelined"
+        if _compare(tensors, rng, "M*E-", rounds_activations=True) is not None:
+            return
+    pytest.fail("4 draws in a row put an activation across an E4M3 rounding boundary between the two paths")
