@@ -9,7 +9,8 @@ Nemotron-H-8B shapes with random weights (64-token prompts, 64 new tokens, greed
 - floor_tok_s: batch / (bytes a step must read and write / the copy bandwidth measured in this run). Bytes:
   every weight a decode step reads (prefill-only copies left out; of the embedding table one row per sequence),
   each sequence's Mamba state read and written, its keys/values read (the positions it holds) and written;
-- kernels_per_step: GPU kernels per chained step, from a profiler trace (GPU only);
+- kernels_per_step: GPU kernels per chained step, from a profiler trace (GPU only); kernel_us_per_step their time,
+  gap_us_per_step the untraced step's wall time less it (launch gaps), by_class_us / top_kernels the split;
 - chained_tokens_sha256: a digest of the tokens the first chained steps sampled: two runs of the same weights
   (levers that must keep the bits, e.g. XLA flags) agree on it.
 
@@ -124,7 +125,8 @@ def bench_rows(model, weights: str, state: str, batches, sz, bw, exe, rows: list
                "engine_tok_s": engine_tok_s, "engine_steady_tok_s": steady_tok_s, "floor_tok_s": B / floor_s,
                "kernels_per_step": prof.get("kernels_per_step"), "chained_tokens_sha256": digest,
                "engine_vs_device": engine_tok_s * dev_s / B, "device_vs_floor": floor_s / dev_s,
-               "step_bytes": int(floor_s * bw), "idle_us_per_step": prof.get("idle_us_per_step"),
+               "step_bytes": int(floor_s * bw), "kernel_us_per_step": prof.get("kernel_us_per_step"),
+               "gap_us_per_step": step_gap_us(dev_s, prof), "traced_idle_us_per_step": prof.get("idle_us_per_step"),
                "by_class_us": {k: round(v["us_per_step"], 1) for k, v in prof.get("by_class", {}).items()},
                "top_kernels": {k: {"us": round(v["us_per_step"], 1), "n": round(v["count_per_step"], 1)}
                                for k, v in prof.get("top_kernels", {}).items()}}
@@ -133,6 +135,13 @@ def bench_rows(model, weights: str, state: str, batches, sz, bw, exe, rows: list
         log(f"{weights} / {state} B={B}: engine {engine_tok_s:,.0f} tok/s ({row['engine_vs_device']:.0%} of the "
             f"device step; steady {steady_tok_s * dev_s / B:.0%}), device {B / dev_s:,.0f} ({row['device_vs_floor']:.0%} of the floor "
             f"{B / floor_s:,.0f}), {row['kernels_per_step']} kernels")
+
+
+def step_gap_us(dev_s: float, prof: dict) -> float | None:
+    """The part of an untraced chained step no kernel runs in: its wall time less the kernels' time in the trace.
+    (The trace's own idle span is not it: tracing stretches the gaps between short kernels, runtime.md.)"""
+    busy = prof.get("kernel_us_per_step")
+    return None if busy is None else round(dev_s * 1e6 - busy, 1)
 
 
 ROW_ORDER = {"weights": ("bf16", "fp8-block", "nvfp4"), "state_dtype": ("float32", "bfloat16")}

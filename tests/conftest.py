@@ -9,8 +9,8 @@ else:
     # The tests compare float32 paths at 1e-5; a GPU's default float32 matmul rounds its inputs to TF32 (10 mantissa
     # bits, ~5e-4), which two correct paths fused differently do not share. The CPU computes float32 exactly.
     os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
-# On the CPU the tests' programs are tiny and compile-bound: LLVM at -O0 (XLA's HLO passes unchanged) cut
-# tests/sharding + tests/model/test_hf_equivalence from 128 to 77 s cold on 2 cores (2026-12-02).
+# On the CPU the tests' programs are tiny and compile-bound: LLVM at -O0 (XLA's HLO passes unchanged) saves far
+# more compile time than the slower code costs (benchmarks/notes/cpu_suite.md).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4"
                       + (" --xla_backend_optimization_level=0" if ON_CPU else ""))
 # On the CPU, one on-disk compilation cache per run, shared by the xdist workers, the notebook kernels and the CLI
@@ -62,16 +62,16 @@ def pytest_cmdline_main(config):
     """With -n and no --dist: xdist's work-stealing schedule instead of its default 'load'. 'load' deals the first
     quarter of the tests out one at a time, alternating workers, so nearly every module ran on both workers and
     both built its module fixtures and compiled its shared programs; worksteal gives each worker a contiguous half
-    and moves tests only when one runs dry (tests/model + tests/weights on 2 cores: 351 -> 335 CPU-s)."""
+    and moves tests only when one runs dry."""
     if getattr(config.option, "numprocesses", None) and getattr(config.option, "dist", None) == "no":
         config.option.dist = "worksteal"
 
 
 def pytest_collection_finish(session):
     """Python's cyclic GC, tuned for this suite: the objects imported and collected so far are frozen (never scanned
-    again) and the youngest generation is collected every 20,000 net allocations instead of 700. JAX's tracing
-    allocates heavily; with the defaults the collector ran ~3,000 times in 80 s of tests and took 4-5% of the time
-    (0.7 s with these settings). Each module's end still collects everything (_release_compiled_programs)."""
+    again) and the youngest generation is collected every 20,000 net allocations instead of 700: JAX's tracing
+    allocates heavily, and with the defaults the collector runs thousands of times a run for a few percent of the
+    time. Each module's end still collects everything (_release_compiled_programs)."""
     gc.collect()
     gc.freeze()
     gc.set_threshold(20_000, 10, 10)

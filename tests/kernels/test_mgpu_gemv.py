@@ -190,7 +190,7 @@ def test_rows_are_batch_invariant(rng, interpret, kernel, config):
         np.testing.assert_array_equal(run(x16[i:i + 1], small_m=False)[0], y16[i])
     x40 = jnp.concatenate([x16, _x(rng, 24, K)])
     np.testing.assert_array_equal(run(x40, m_tiles=1)[:16], y16)                     # one 16-row tile per CTA
-    if interpret:        # n48 against n16: XLA's CPU dot blocks by N on some CPUs (AMD EPYC, 2026-12-02)
+    if interpret:        # n48 against n16: XLA's CPU dot blocks by N on some CPUs (AMD EPYC)
         assert rel_err(run(x40)[:16], y16) < 1e-6
     else:                                                                             # several tiles per CTA
         np.testing.assert_array_equal(run(x40)[:16], y16)
