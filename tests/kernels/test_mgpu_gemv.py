@@ -16,6 +16,7 @@ from pallas_kernels import mgpu_gemv_w4 as w4m
 from pallas_kernels import mgpu_gemv_w8 as w8m
 from pallas_kernels import epilogues, registry, w4a16, w8a16
 from pallas_kernels.mgpu_gemv import GemvConfig
+from tests.kernels.mosaic_smem import check_lowered
 from tests.kernels.ptx_emulator import bf16_pairs, element_map, run_ptx
 from tests.numpy_refs import rel_err
 
@@ -536,8 +537,7 @@ def test_lowers_for_cuda_on_every_output_path(kernel, config, split, out_dtype, 
     else:
         args = (sd((N, K // 2), jnp.uint8), sd((N, K // 16), jnp.float8_e4m3fn), sd((), F32))
         fn = lambda x, p, s, g: w4m.w4a16_gemv_mosaic(x, p, s, g, **kw)
-    text = jax.jit(fn).trace(x, *args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    check_lowered(jax.jit(fn).trace(x, *args).lower(lowering_platforms=("cuda",)))
 
 
 @pytest.mark.parametrize("reduce", ["cluster", "xla"])
@@ -549,9 +549,8 @@ def test_tail_split_lowers_for_cuda(M, reduce):
     config = dataclasses.replace(w8m.w8a16_gemv_blocks(N, K), reduce=reduce)
     for out_dtype, epilogue in ((jnp.bfloat16, None), (F32, None), (jnp.bfloat16, "relu2")):
         fn = lambda x, w, s: w8m.w8a16_gemv_mosaic(x, w, s, out_dtype=out_dtype, epilogue=epilogue, config=config)
-        text = jax.jit(fn).trace(sd((M, K), jnp.bfloat16), sd((N, K), jnp.float8_e4m3fn),
-                                 sd((N // 128, K // 128), F32)).lower(lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text
+        check_lowered(jax.jit(fn).trace(sd((M, K), jnp.bfloat16), sd((N, K), jnp.float8_e4m3fn),
+                                        sd((N // 128, K // 128), F32)).lower(lowering_platforms=("cuda",)))
 
 
 @pytest.mark.parametrize("M", [1, 16, 40])
@@ -566,8 +565,7 @@ def test_split_k_cluster_reduction_lowers_for_cuda(M):
         fn = lambda x, p, s, g: w4m.w4a16_gemv_mosaic(x, p, s, g, out_dtype=out_dtype, epilogue=epilogue,
                                                       config=config)
         assert config.split_k > 1
-        text = jax.jit(fn).trace(x, *args).lower(lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text
+        check_lowered(jax.jit(fn).trace(x, *args).lower(lowering_platforms=("cuda",)))
 
 
 @pytest.mark.parametrize("kernel", ["w8a16", "w4a16"])
@@ -582,5 +580,4 @@ def test_up_proj_relu2_epilogue_lowers_for_cuda(kernel, M):
     else:
         args = (sd((N, K // 2), jnp.uint8), sd((N, K // 16), jnp.float8_e4m3fn), sd((), F32))
         fn = lambda x, p, s, g: w4m.w4a16_gemv_mosaic(x, p, s, g, epilogue="relu2")
-    text = jax.jit(fn).trace(x, *args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    check_lowered(jax.jit(fn).trace(x, *args).lower(lowering_platforms=("cuda",)))

@@ -16,6 +16,7 @@ from pallas_kernels import epilogues, registry, w8a16
 from pallas_kernels import mgpu_gemv_w8 as w8m
 from pallas_kernels.formats import Fp8Activations
 from pallas_kernels.mgpu_gemv import GemvConfig
+from tests.kernels.mosaic_smem import check_lowered
 from tests.kernels.test_mgpu_gemv import _fp8, _reset_interpreter  # noqa: F401 (an autouse fixture)
 from tests.numpy_refs import rel_err
 
@@ -161,9 +162,32 @@ def test_lowers_for_cuda_at_the_8b_shapes(N, K, M):
     x = Fp8Activations(sd((M, K), jnp.float8_e4m3fn), sd((M, K // 128), F32))
     for out_dtype, epilogue in ((jnp.bfloat16, None), (F32, None), (jnp.bfloat16, "relu2")):
         fn = lambda x, w, s: w8m.w8a8_gemv_mosaic(x, w, s, out_dtype=out_dtype, epilogue=epilogue)
-        text = jax.jit(fn).trace(x, sd((N, K), jnp.float8_e4m3fn), sd((N // 128, K // 128), F32)).lower(
-            lowering_platforms=("cuda",)).as_text()
-        assert "mosaic_gpu" in text
+        check_lowered(jax.jit(fn).trace(x, sd((N, K), jnp.float8_e4m3fn), sd((N // 128, K // 128), F32)).lower(
+            lowering_platforms=("cuda",)))
+
+
+@pytest.mark.parametrize("M,N,K,config", CASES, ids=str)
+def test_shared_memory_stages_are_tma_aligned(M, N, K, config):
+    """Every config the GPU tests run lowers with each shared-memory buffer, and each pipeline stage of it, on 128
+    bytes (TMA's alignment; the x scales' 32-byte stages once failed every GPU test), x producer-quantized."""
+    sd = jax.ShapeDtypeStruct
+    x = Fp8Activations(sd((M, K), jnp.float8_e4m3fn), sd((M, K // 128), F32))
+    fn = lambda x, w, s: w8m.w8a8_gemv_mosaic(x, w, s, out_dtype=F32, config=config)
+    buffers = check_lowered(jax.jit(fn).trace(x, sd((N, K), jnp.float8_e4m3fn), sd((-(-N // 128), K // 128), F32))
+                            .lower(lowering_platforms=("cuda",)))
+    scales = [b for b in buffers if b.dtype == "f32" and len(b.shape) == 3]      # [stages, K blocks, columns]
+    assert len(scales) == 1 and scales[0].shape[-1] % 32 == 0            # the x scales' pipeline buffer is there
+
+
+def test_the_alignment_check_sees_unpadded_scales(monkeypatch):
+    """The check above fails on the layout that failed on the GPU: x scales padded to the tile's rows only."""
+    monkeypatch.setattr(w8m, "x_scale_cols", lambda xr: xr)
+    jax.clear_caches()                                   # an earlier trace of the same launch would be reused
+    try:
+        with pytest.raises(AssertionError, match="a stage of 32 bytes"):
+            test_shared_memory_stages_are_tma_aligned(*CASES[0])
+    finally:
+        jax.clear_caches()
 
 
 # ---- compiled on the GPU at the 8B shapes ------------------------------------------------------------------------

@@ -18,6 +18,7 @@ from pallas_kernels import registry, ssd, ssd_mgpu
 from pallas_kernels.ssd_mgpu import ssd_scan_mosaic
 from tests.kernels.ssd_checks import (call_ssd as _call, check_offsets_past_4gib, compare_ssd as _compare,
                                       cu_seqlens as _cu, ssd_inputs)
+from tests.kernels.mosaic_smem import check_lowered
 from tests.numpy_refs import rel_err, ssm_recurrence
 
 reference = jax.jit(ssd.ssd_scan_reference, static_argnames=(
@@ -113,8 +114,9 @@ def test_lowers_to_mosaic_gpu(a_regs):
     kw = dict(D=sd((H,), jnp.float32), dt_bias=sd((H,), jnp.float32), initial_states=sd((S, H, P, N), jnp.float32),
               cu_seqlens=sd((S + 1,), jnp.int32))
     fn = jax.jit(functools.partial(ssd_scan_mosaic, chunk_size=128, return_chunk_states=True, a_regs=a_regs))
-    text = fn.trace(*args, **kw).lower(lowering_platforms=("cuda",)).as_text()
-    assert "ssd_scan_mgpu" in text
+    lowered = fn.trace(*args, **kw).lower(lowering_platforms=("cuda",))
+    assert "ssd_scan_mgpu" in lowered.as_text()
+    check_lowered(lowered)
 
 
 def test_registered_and_resolves():
