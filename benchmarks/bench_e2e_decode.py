@@ -17,6 +17,7 @@ Nemotron-H-8B shapes with random weights (64-token prompts, 64 new tokens, greed
     PYTHONPATH=. python benchmarks/bench_e2e_decode.py [--weights bf16,fp8-block,nvfp4] [--states float32,bfloat16]
         [--batches 1,8,32,64,256] [--out benchmarks/results/e2e_decode.json] [--update]
         [--fp8-decode-activations e4m3]   (the FP8 decode on the FP8 matrix units: e2e_decode_fp8-decode-e4m3.json)
+        [--gpu-default w8a8_gemv=mosaic]  (a kernel's other GPU arm; recorded under `levers`)
     CPU dry run: JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_e2e_decode.py --tiny --out /tmp/e2e.json
 The JSON holds the rows of this run (`rows`), and the date, device and copy bandwidth; a weight format that
 failed is named in `errors` (its message) and the run exits non-zero after writing the others. With --update, the
@@ -28,6 +29,7 @@ joined.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import functools
 import hashlib
@@ -46,6 +48,7 @@ from benchmarks.bench_runtime import (CONFIG_8B, TINY, block, copy_bandwidth, de
 from metrale_jax.config import ModelConfig
 from metrale_jax.runtime import Engine, Executables, steps
 from metrale_jax.runtime.sampling import sample_slots
+from pallas_kernels import registry
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T0 = time.time()
@@ -204,8 +207,20 @@ def main():
     ap.add_argument("--fp8-decode-activations", default="bf16", choices=("bf16", "e4m3"),
                     help="ModelLevers.fp8_decode_activations of the FP8 models (e4m3: w8a8_gemv; the default --out "
                          "becomes e2e_decode_fp8-decode-e4m3.json)")
+    ap.add_argument("--gpu-default", action="append", default=[], metavar="KERNEL=ARM",
+                    help="time a kernel's other GPU arm (registry.gpu_default), e.g. w8a8_gemv=mosaic; repeatable")
     args = ap.parse_args()
     os.environ["METRALE_FP8_DECODE_ACTIVATIONS"] = args.fp8_decode_activations     # every model of this run
+    if any("=" not in a for a in args.gpu_default):
+        ap.error(f"--gpu-default takes KERNEL=ARM, got {args.gpu_default}")
+    arms = dict(a.split("=", 1) for a in args.gpu_default)
+    with contextlib.ExitStack() as stack:
+        for kernel, arm in arms.items():
+            stack.enter_context(registry.gpu_default(kernel, arm))
+        run(args, arms)
+
+
+def run(args, arms: dict):
     if args.out is None:
         variant = "" if args.fp8_decode_activations == "bf16" else "_fp8-decode-e4m3"
         args.out = os.path.join(ROOT, "benchmarks", "results", f"e2e_decode{variant}.json")
@@ -218,7 +233,8 @@ def main():
            "jax": jax.__version__, "python": platform.python_version(), "copy_bytes_per_s": bw,
            "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "config": "tiny" if args.tiny else "nemotron_h_8b", "sizes": sz,
-           "levers": {"fp8_decode_activations": args.fp8_decode_activations}, "rows": [], "errors": {}}
+           "levers": {"fp8_decode_activations": args.fp8_decode_activations,
+                      **({"gpu_defaults": arms} if arms else {})}, "rows": [], "errors": {}}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
     previous = read_previous(args.out, out["device"], out["config"], out["levers"]) if args.update else None

@@ -223,6 +223,24 @@ def disabled(*kernel_names: str) -> Iterator[None]:
         _DISABLED.difference_update(added)
 
 
+@contextlib.contextmanager
+def gpu_default(name: str, arm: str) -> Iterator[None]:
+    """Make `arm` ("triton" or "mosaic") the GPU default of kernel `name` inside the block: timing an arm that is not
+    the default yet against the one that is, in one process (benchmarks' --gpu-default)."""
+    _load_all()
+    spec = _KERNELS.get(name)
+    if spec is None:
+        raise KernelUnavailableError(f"no kernel named {name!r} is registered (known: {names()})")
+    if arm not in GPU_ARMS or spec.arm(arm) is None:
+        raise KernelUnavailableError(f"kernel {name!r} has no {arm!r} arm to make its GPU default "
+                                     f"(arms: {[a for a in GPU_ARMS if spec.arm(a) is not None]})")
+    _KERNELS[name] = dataclasses.replace(spec, gpu_default=arm)
+    try:
+        yield
+    finally:
+        _KERNELS[name] = spec
+
+
 def _load_all() -> None:
     """Import every kernel module so that each registers itself."""
     import pallas_kernels  # noqa: F401  (its __init__ imports the kernel modules)

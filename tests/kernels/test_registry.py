@@ -54,6 +54,24 @@ def test_two_arms_follow_gpu_default(names):
     assert registry.resolve(mos, "auto", platform="cpu").fn(5) == ("reference", 5)
 
 
+def test_gpu_default_switches_the_arm_inside_its_block_only(names):
+    tri = names("switch", reference=_ref, pallas=_triton, mosaic=_mosaic)
+    only = names("only_triton", reference=_ref, pallas=_triton)
+    with registry.gpu_default(tri, "mosaic"):
+        assert registry.resolve(tri, "auto", platform="gpu").fn(1) == ("mosaic", False, 1)
+    assert registry.resolve(tri, "auto", platform="gpu").fn(2) == ("triton", False, 2)
+    with pytest.raises(KernelUnavailableError, match="no 'mosaic' arm"):
+        with registry.gpu_default(only, "mosaic"):
+            pass
+    with pytest.raises(KernelUnavailableError, match="no kernel named"):
+        with registry.gpu_default("_test_registry_nope", "triton"):
+            pass
+    with pytest.raises(RuntimeError):                    # an error inside the block restores the default too
+        with registry.gpu_default(tri, "mosaic"):
+            raise RuntimeError
+    assert registry._KERNELS[tri].gpu_default == "triton"
+
+
 @pytest.mark.parametrize("grad_wrt", ["x", "weight", ("x", 3)])
 def test_grad_wrt_must_name_arguments(names, grad_wrt):
     """A string grad_wrt was split into its letters ("weight" -> "w", "e", ...), so no argument got a gradient."""
