@@ -86,7 +86,7 @@ def test_e4m3_decode_rounds_activations_as_prefill_does(ckpts, rng):
     """fp8_decode_activations "e4m3": every whole FP8 projection decodes through w8a8_gemv, its activations rounded
     to E4M3 per row per 128 columns (the Mamba norms hand them over quantized, as in prefill), so decoded logits
     equal the E4M3 prefill's (forward) to float32 summation order, except in a row where that order moved a value
-    across an E4M3 rounding boundary (then ~1e-3 from there on: measured in about one row of four); the default
+    across an E4M3 rounding boundary (then ~1e-3 from there on: about one row in twenty); the default
     "bf16" decode differs in every row."""
     d = ckpts["fp8-block"]
     model = NemotronH.from_pretrained(d, dtype=F32, levers=ModelLevers(fp8_decode_activations="e4m3"))
