@@ -10,6 +10,7 @@ helpers let the lowering tests check it without a GPU."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from jax._src.interpreters import mlir as jax_mlir
 from jax._src.lib import mosaic_gpu_dialect
@@ -57,28 +58,33 @@ def mosaic_modules(lowered) -> list[bytes]:
     return found
 
 
+# in the module's generic form (its ops carry a versioned dialect prefix, hence no dialect names here)
+_FUNC = re.compile(r'func\.func"')
+_CONST = re.compile(r'(%[\w#]+) = "[\w.]*arith\.constant"\(\) <?\{value = (-?\d+) : index\}')
+_VIEW = re.compile(r'= "[\w.]*memref\.view"\(%[\w#]+, (%[\w#]+)\).*-> memref<((?:\d+x)+)(\w+), '
+                   r'#gpu\.address_space<workgroup>>')
+
+
 def shared_buffers(module: bytes) -> list[SharedBuffer]:
-    """Every view of the dynamic shared memory in a serialized Mosaic module (ops carry a versioned dialect
-    prefix there, hence the suffix matches); a view at a computed offset raises (the checks need constants)."""
+    """Every view of the dynamic shared memory in a serialized Mosaic module, from its printed generic form (a
+    Python walk over the ops takes seconds on a pipelined kernel; the text, milliseconds). A view at an offset
+    that is not a constant of its function raises (the checks need constants)."""
     ctx = jax_mlir.make_ir_context()
-    ctx.allow_unregistered_dialects = True           # the ops' versioned prefix; Mosaic's own types need its dialect
+    ctx.allow_unregistered_dialects = True           # the versioned op names; Mosaic's own types need its dialect
     mosaic_gpu_dialect.register_dialect(ctx)
-    out = []
-
-    def visit(o):
-        if not o.operation.name.endswith("memref.view"):
-            return
-        t = ir.MemRefType(o.results[0].type)
-        if "workgroup" not in str(t.memory_space):
-            return
-        offset = o.operands[1].owner
-        if not offset.name.endswith("arith.constant"):
-            raise AssertionError(f"a shared-memory view at a computed offset: {o}")
-        out.append(SharedBuffer(ir.IntegerAttr(offset.attributes["value"]).value, tuple(t.shape),
-                                str(t.element_type)))
-
     with ctx:
-        _walk(ir.Module.parse(module).operation, visit)
+        text = ir.Module.parse(module).operation.get_asm(print_generic_op_form=True)
+    out, consts = [], {}
+    for line in text.splitlines():
+        if _FUNC.search(line):
+            consts = {}                                  # value names are scoped per function
+        if m := _CONST.search(line):
+            consts[m.group(1)] = int(m.group(2))
+        elif m := _VIEW.search(line):
+            offset, dims, dtype = m.groups()
+            if offset not in consts:
+                raise AssertionError(f"a shared-memory view at a computed offset: {line.strip()[:200]}")
+            out.append(SharedBuffer(consts[offset], tuple(int(d) for d in dims[:-1].split("x")), dtype))
     return out
 
 
