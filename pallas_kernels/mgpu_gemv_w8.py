@@ -271,7 +271,7 @@ def w8a8_gemv_mosaic(x, w, scale, *, out_dtype=None, epilogue: str | None = None
 # w8a16_gemv's GPU default: faster than the Triton arm at the 8B shapes on the H200 (benchmarks/notes/gemv.md).
 # w8a8_gemv's Mosaic arm has not passed its GPU tests (a misaligned shared-memory access, fixed since, not yet rerun
 # on a GPU: gemv.md): its GPU default is the Triton arm, the Mosaic one runs only where asked for
-# (METRALE_KERNELS=mosaic, the tests).
+# (METRALE_KERNELS=mosaic, registry.gpu_default, the tests).
 registry.register("w8a16_gemv", reference=w8a16_reference, mosaic=w8a16_gemv_mosaic, gpu_default="mosaic",
                   mosaic_supports=lambda x, w, scale, **_: supports("w8a16_gemv", *w.shape, x.dtype))
 registry.register("w8a8_gemv", reference=w8a8_gemv_reference, mosaic=w8a8_gemv_mosaic, gpu_default="triton",
