@@ -18,6 +18,7 @@ Nemotron-H-8B shapes with random weights (64-token prompts, 64 new tokens, greed
         [--batches 1,8,32,64,256] [--out benchmarks/results/e2e_decode.json] [--update]
         [--fp8-decode-activations e4m3]   (the FP8 decode on the FP8 matrix units: e2e_decode_fp8-decode-e4m3.json)
         [--gpu-default w8a8_gemv=mosaic]  (a kernel's other GPU arm; recorded under `levers`)
+        [--disable add_rmsnorm]           (a kernel made unresolvable, its callers' fallback timed; `levers`)
     CPU dry run: JAX_PLATFORMS=cpu PYTHONPATH=. python benchmarks/bench_e2e_decode.py --tiny --out /tmp/e2e.json
 The JSON holds the rows of this run (`rows`), and the date, device and copy bandwidth; a weight format that
 failed is named in `errors` (its message) and the run exits non-zero after writing the others. With --update, the
@@ -209,6 +210,9 @@ def main():
                          "becomes e2e_decode_fp8-decode-e4m3.json)")
     ap.add_argument("--gpu-default", action="append", default=[], metavar="KERNEL=ARM",
                     help="time a kernel's other GPU arm (registry.gpu_default), e.g. w8a8_gemv=mosaic; repeatable")
+    ap.add_argument("--disable", action="append", default=[], metavar="KERNEL",
+                    help="make a kernel unresolvable (registry.disabled), e.g. add_rmsnorm: its callers' fallback "
+                         "is timed; repeatable")
     args = ap.parse_args()
     os.environ["METRALE_FP8_DECODE_ACTIVATIONS"] = args.fp8_decode_activations     # every model of this run
     if any("=" not in a for a in args.gpu_default):
@@ -217,6 +221,8 @@ def main():
     with contextlib.ExitStack() as stack:
         for kernel, arm in arms.items():
             stack.enter_context(registry.gpu_default(kernel, arm))
+        if args.disable:
+            stack.enter_context(registry.disabled(*args.disable))
         run(args, arms)
 
 
@@ -234,7 +240,8 @@ def run(args, arms: dict):
            "xla_flags": os.environ.get("XLA_FLAGS", ""),
            "config": "tiny" if args.tiny else "nemotron_h_8b", "sizes": sz,
            "levers": {"fp8_decode_activations": args.fp8_decode_activations,
-                      **({"gpu_defaults": arms} if arms else {})}, "rows": [], "errors": {}}
+                      **({"gpu_defaults": arms} if arms else {}),
+                      **({"disabled": sorted(args.disable)} if args.disable else {})}, "rows": [], "errors": {}}
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
 
     previous = read_previous(args.out, out["device"], out["config"], out["levers"]) if args.update else None

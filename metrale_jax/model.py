@@ -50,6 +50,7 @@ from metrale_jax.layers.mlp import NemotronMLPLayer
 from metrale_jax.layers.moe import NemotronMoELayer
 from metrale_jax.layers.mtp import MtpCache, NemotronMTP
 from metrale_jax.layers.projection import Projection
+from metrale_jax.layers.blocks import PendingResidual, open_block
 from metrale_jax.layers.stack import DecodeRows, PrefillRows, run_blocks
 from metrale_jax.runtime.executables import bucket
 from metrale_jax.state.cache import ModelCache
@@ -529,7 +530,10 @@ class NemotronH(nnx.Module):
 
 
 # ---- the compiled steps (pure functions of the model) ----------------------------------------------
-def _rmsnorm(model: NemotronH, x: jax.Array) -> jax.Array:
+def _rmsnorm(model: NemotronH, x) -> jax.Array:
+    """norm_f over the last block's stream x [..., D] (or its PendingResidual: added in the norm, blocks.py)."""
+    if isinstance(x, PendingResidual):
+        return open_block(x, model.norm_f[...], eps=model.config.layer_norm_epsilon, kernels=model.levers.kernels)[1]
     return registry.get("rmsnorm", model.levers.kernels)(x, model.norm_f[...], eps=model.config.layer_norm_epsilon)
 
 
@@ -614,7 +618,7 @@ def decode_step(model: NemotronH, cache: ModelCache, slots, tokens, adapters=Non
     pos = cache.seq_lens[slots]
     h = model.embeddings[...][tokens]                                       # [B, D]
     with lora.slot_adapters(adapters):
-        h, new, _ = run_blocks(model.layers, DecodeRows(slots, pos), cache, h)
+        h, new, _ = run_blocks(model.layers, DecodeRows(slots, pos), cache, h, pending_out=True)
         logits = _logits(model, _rmsnorm(model, h), "decode", slots=slots)
     seq_lens = cache.seq_lens.at[slots].set(pos + 1).at[cache.padding_slot].set(0)   # padding never grows
     return logits, dataclasses.replace(new, seq_lens=seq_lens)

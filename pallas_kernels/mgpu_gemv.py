@@ -47,6 +47,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import epilogues
 from pallas_kernels.errors import ShapeError
+from pallas_kernels.split_partials import SplitPartials, chain_sum, split_halves
 from pallas_kernels.w8a16 import H200_SMS
 
 BM = 16            # x rows per tile (the wgmma N dimension); never chosen from M beyond `x_rows`, so rows stay
@@ -114,22 +115,27 @@ def _mma_values(a_fns, b_refs, a_smem, n: int):
 
 
 def _store_out(accs, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, xr: int = BM, epilogue: str | None = None):
-    """accs: per 64-row group, a [64, xr] tile of out^T (xr: x rows per CTA, see `x_rows`).
-    direct: the complete sums, through `epilogue`, into o_gmem [M, N] through transposed SMEM views (TMA clips
-    rows past M and columns past N; 16-bit outputs only). Else as float32 out^T partials into o_gmem
-    [split, N, Mp] (summed, put through the epilogue and transposed by `_finish`)."""
+    """accs: per 64-row group, a [64, xr] tile of out^T (xr: x rows per CTA, see `x_rows`), stored through a
+    transposed SMEM view [xr, bn] so the output is row-major. direct: the complete sums, through `epilogue`, into
+    o_gmem [M, N] (TMA clips rows past M and columns past N; 16-bit outputs only). Else float32 partials, as their
+    uint16 halves into o_gmem [2, split, Mp, N] (split_partials.py: a transposed 32-bit store does not lower),
+    summed and put through the epilogue by `_finish`, or handed on unreduced."""
     if direct:
         accs = [epilogues.apply(acc, epilogue) for acc in accs]
     for g, acc in enumerate(accs):
         rows, cols = pl.ds(g * ROWS, ROWS), pl.ds(0, xr)
-        dst = o_smem.at[cols, rows].transpose((1, 0)) if direct else o_smem.at[rows, cols]
-        dst[...] = acc.astype(o_smem.dtype)
+        if direct:
+            o_smem.at[cols, rows].transpose((1, 0))[...] = acc.astype(o_smem.dtype)
+        else:
+            for half, part in enumerate(split_halves(acc)):
+                o_smem.at[half, cols, rows].transpose((1, 0))[...] = part
     plgpu.commit_smem()
-    mrows = pl.ds(m_blk * xr, xr)
+    mrows, ncols = pl.ds(m_blk * xr, xr), pl.ds(n_blk * bn, bn)
     if direct:
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[mrows, pl.ds(n_blk * bn, bn)])
+        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[mrows, ncols])
     else:
-        plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[split, pl.ds(n_blk * bn, bn), mrows])
+        for half in range(2):
+            plgpu.copy_smem_to_gmem(o_smem.at[half], o_gmem.at[half, split, mrows, ncols])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -144,7 +150,8 @@ def _out_spec(M: int, N: int, bn: int, split: int, out_dtype, xr: int = BM):
     direct = _direct(split, out_dtype)
     if direct:
         return True, jax.ShapeDtypeStruct((M, N), out_dtype), plgpu.SMEM((xr, bn), out_dtype)
-    return False, jax.ShapeDtypeStruct((split, N, pl.cdiv(M, xr) * xr), jnp.float32), plgpu.SMEM((bn, xr), jnp.float32)
+    return (False, jax.ShapeDtypeStruct((2, split, pl.cdiv(M, xr) * xr, N), jnp.uint16),
+            plgpu.SMEM((2, xr, bn), jnp.uint16))
 
 
 def _pad_rows(x):
@@ -166,17 +173,16 @@ def _check_dims(name: str, N: int, K: int, k_multiple: int):
                          "use the Triton arm for other shapes")
 
 
-def _finish(out, direct: bool, M: int, out_dtype, epilogue: str | None = None):
-    """Direct: cut padded rows (the kernel applied the epilogue). Else sum the split-K partials as a chain of
-    elementwise adds (a fixed order whatever the shape: a reduce could be emitted with an M-dependent order),
-    apply the epilogue to the sum and transpose."""
+def _finish(out, direct: bool, M: int, out_dtype, epilogue: str | None = None, unreduced: bool = False):
+    """Direct: cut padded rows (the kernel applied the epilogue). Else `out` holds the split-K partials as uint16
+    halves [2, split, Mp, N]: handed on as SplitPartials (unreduced), or summed as a chain of elementwise adds (a
+    fixed order whatever the shape: a reduce could be emitted with an M-dependent order) and put through the
+    epilogue."""
     if direct:
         return out[:M]
-    out = out[:, :, :M]
-    y = out[0]
-    for i in range(1, out.shape[0]):
-        y = y + out[i]
-    return epilogues.apply(y, epilogue).T.astype(out_dtype)
+    if unreduced:
+        return SplitPartials(out)
+    return epilogues.apply(chain_sum(SplitPartials(out), M), epilogue).astype(out_dtype)
 
 
 def _cluster_sum(acc, c, size, ready, red_bar, bn: int, xr: int, store):

@@ -19,6 +19,7 @@ from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import epilogues, registry
+from pallas_kernels.split_partials import check_unreduced
 from pallas_kernels.mgpu_gemv import (ROWS, W4_BK, W4_K, GemvConfig, _check_config, _check_dims, _check_x_bf16,
                                       _cluster_launch, _cluster_sum, _finish, _grid, _interpret_kw, _mma, _out_spec,
                                       _pad_rows, _store_out, _tf, auto_split, launch_tiles, resolve_k_blocks,
@@ -179,8 +180,9 @@ def _w4_kernel(x_gmem, p_gmem, s_gmem, g_gmem, o_gmem, o_smem, a_smem, ready=Non
         _store_out(acc, o_smem, o_gmem, split, m_blk, n_blk, bn, direct, xr, epilogue)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "epilogue", "config", "interpret"))
-def _w4_call(x, packed, scale, global_scale, *, out_dtype, epilogue, config: GemvConfig, interpret: bool):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "epilogue", "config", "interpret", "unreduced"))
+def _w4_call(x, packed, scale, global_scale, *, out_dtype, epilogue, config: GemvConfig, interpret: bool,
+             unreduced: bool = False):
     M, K = x.shape
     N = packed.shape[0]
     bn, nb, mb, split, steps = _grid("w4a16_gemv", M, N, K, W4_BK * config.k_blocks, config)
@@ -200,7 +202,7 @@ def _w4_call(x, packed, scale, global_scale, *, out_dtype, epilogue, config: Gem
         scratch.update(barriers)
     f = plgpu.kernel(kernel, out_type=out_type, **launch, scratch_types=scratch, **_interpret_kw(interpret))
     g = jnp.asarray(global_scale, jnp.float32).reshape(1)
-    return _finish(f(xp, packed, scale, g), direct, M, out_dtype, epilogue)
+    return _finish(f(xp, packed, scale, g), direct, M, out_dtype, epilogue, unreduced)
 
 
 def w4a16_gemv_blocks(N: int, K: int, M: int = 1) -> GemvConfig:
@@ -214,19 +216,21 @@ def w4a16_gemv_blocks(N: int, K: int, M: int = 1) -> GemvConfig:
 
 
 def w4a16_gemv_mosaic(x, packed, scale, global_scale, *, out_dtype=None, epilogue: str | None = None,
-                      interpret: bool = False, config: GemvConfig | None = None):
+                      interpret: bool = False, config: GemvConfig | None = None, unreduced: bool = False):
     """Decode GEMV on NVFP4 weights, Mosaic GPU arm; same call and result as `w4a16_reference`
     (bf16 x, N % 64 == 0, K % 512 == 0); the epilogue in the kernel where it stores the output dtype straight
     away."""
     check_nvfp4_args("w4a16_gemv", x, packed, scale, global_scale, transposed=False)
     epilogues.check("w4a16_gemv", epilogue)
+    check_unreduced("w4a16_gemv", unreduced, epilogue, out_dtype)
     _check_x_bf16("w4a16_gemv", x)
     N, K = packed.shape[0], 2 * packed.shape[1]
     _check_dims("w4a16_gemv", N, K, W4_K)
     config = resolve_k_blocks(config or w4a16_gemv_blocks(N, K, x.shape[0]), x.shape[0])
     _check_config("w4a16_gemv", config)
-    return _w4_call(x, packed, scale, global_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), epilogue=epilogue,
-                    config=config, interpret=interpret)
+    return _w4_call(x, packed, scale, global_scale, out_dtype=jnp.dtype(jnp.float32 if unreduced else out_dtype or
+                                                                         x.dtype),
+                    epilogue=epilogue, config=config, interpret=interpret, unreduced=unreduced)
 
 
 # Registered beside the Triton arm; shapes the Mosaic arm does not take go to the Triton arm (registry). Mosaic is

@@ -24,6 +24,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import epilogues, registry
 from pallas_kernels.errors import ShapeError
 from pallas_kernels.formats import FP8_BLOCK
+from pallas_kernels.split_partials import check_unreduced, of_output
 from pallas_kernels.mgpu_gemv import (ROWS, W8_BK, GemvConfig, _check_config, _check_dims, _check_x_bf16,
                                       _cluster_launch, _cluster_sum, _finish, _grid, _interpret_kw, _mma_values,
                                       _out_spec, _pad_rows, _store_out, _tf, auto_split, launch_tiles,
@@ -44,7 +45,7 @@ def _w8_kernel(*refs, n_in, o_smem, a_smem, ready=None, red_bar=None, bn, steps,
     kb blocks, whose wgmmas are all issued before the wait. A wgmma computes each output column the same way
     whatever its N (rows bit-identical at M = 1, 16, 40 and 256 on the GPU), so a row's result does not depend
     on M. tail > 0: CTAs n < dp take row block n whole; the others piece (n - dp) % tail of the K range of row
-    block dp + (n - dp) // tail, as float32 partials into t_gmem [tail, tail rows, Mp]. cluster > 0: the tail
+    block dp + (n - dp) // tail, as float32 partials into t_gmem [2, tail, Mp, tail rows] (uint16 halves). cluster > 0: the tail
     pieces of one output tile form a cluster and add their partials in the kernel (`_w8_tail_cluster`). A direct
     store puts the complete sums through `epilogue` first (`_store_out`). refs: the n_in inputs (x, w, scale and,
     with E4M3 x, its scales: `_w8a8_blocks`), the output, the tail partials if any."""
@@ -70,7 +71,7 @@ def _w8_kernel(*refs, n_in, o_smem, a_smem, ready=None, red_bar=None, bn, steps,
         t, piece = (n - dp) // tail, (n - dp) % tail
         acc = run(dp + t, m_blk, piece * (steps // tail), steps=steps // tail)
         pl.run_scoped(lambda t_smem: _store_out(acc, t_smem, t_gmem, piece, m_blk, t, bn, False, xr),
-                      plgpu.SMEM((bn, xr), jnp.float32))         # in the space the pipeline used
+                      plgpu.SMEM((2, xr, bn), jnp.uint16))       # in the space the pipeline used
 
 
 def _w8_tail_cluster(run, store, ready, red_bar, m_blk, *, bn, steps, xr, dp, tail):
@@ -167,9 +168,11 @@ def _tile_scales(x_scales, xr: int):
     return jnp.pad(xs, ((0, 0), (0, 0), (0, cols - xr)), constant_values=1.0).reshape(kblocks, tiles * cols)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "epilogue", "config", "interpret"))
-def _w8_call(x, w, scale, x_scales=None, *, out_dtype, epilogue, config: GemvConfig, interpret: bool):
-    """x bf16 [M, K] (w8a16_gemv), or E4M3 with x_scales f32 [M, K/128] (w8a8_gemv)."""
+@functools.partial(jax.jit, static_argnames=("out_dtype", "epilogue", "config", "interpret", "unreduced"))
+def _w8_call(x, w, scale, x_scales=None, *, out_dtype, epilogue, config: GemvConfig, interpret: bool,
+             unreduced: bool = False):
+    """x bf16 [M, K] (w8a16_gemv), or E4M3 with x_scales f32 [M, K/128] (w8a8_gemv). unreduced (float32
+    out_dtype, no epilogue): SplitPartials, the launch's split partials (one for a tail-split launch)."""
     M, K = x.shape
     N = w.shape[0]
     name = "w8a16_gemv" if x_scales is None else "w8a8_gemv"
@@ -196,7 +199,7 @@ def _w8_call(x, w, scale, x_scales=None, *, out_dtype, epilogue, config: GemvCon
         kernel = functools.partial(kernel, dp=dp, tail=tail)
         grid = (dp // tail + nt if size else dp + nt * tail, *grid[1:])
         if not size:
-            out_type = (out_type, jax.ShapeDtypeStruct((tail, nt * bn, pl.cdiv(xp.shape[0], xr) * xr), jnp.float32))
+            out_type = (out_type, jax.ShapeDtypeStruct((2, tail, pl.cdiv(xp.shape[0], xr) * xr, nt * bn), jnp.uint16))
     launch = dict(grid=grid, grid_names=("n", "m", "s"))
     if size:              # the tail pieces meet in CTA 0 of each cluster (interpret mode: XLA adds them)
         kernel = functools.partial(kernel, cluster=size)
@@ -204,10 +207,11 @@ def _w8_call(x, w, scale, x_scales=None, *, out_dtype, epilogue, config: GemvCon
         scratch.update(barriers)
     f = plgpu.kernel(kernel, out_type=out_type, **launch, scratch_types=scratch, **_interpret_kw(interpret))
     if not nt or size:
-        return _finish(f(*ins), direct, M, out_dtype, epilogue)
+        return _finish(f(*ins), direct, M, out_dtype, epilogue, unreduced)
     out, parts = f(*ins)
     y = _finish(out, direct, M, out_dtype, epilogue)
-    return jnp.concatenate([y[:, :dp * bn], _finish(parts, False, M, out_dtype, epilogue)], axis=1)
+    y = jnp.concatenate([y[:, :dp * bn], _finish(parts, False, M, out_dtype, epilogue)], axis=1)
+    return of_output(y) if unreduced else y
 
 
 def tail_blocks(n_blocks: int, tail_split: int) -> tuple[int, int]:
@@ -232,22 +236,23 @@ def w8a16_gemv_blocks(N: int, K: int) -> GemvConfig:
 
 
 def w8a16_gemv_mosaic(x, w, scale, *, out_dtype=None, epilogue: str | None = None, interpret: bool = False,
-                      config: GemvConfig | None = None):
+                      config: GemvConfig | None = None, unreduced: bool = False):
     """Decode GEMV, Mosaic GPU arm; same call and result as `w8a16_reference` (bf16 x, N % 64 == 0,
     K % 128 == 0); the epilogue in the kernel where it stores the output dtype straight away."""
     _check_w8a16("w8a16_gemv", x, w, scale)
     epilogues.check("w8a16_gemv", epilogue)
+    check_unreduced("w8a16_gemv", unreduced, epilogue, out_dtype)
     _check_x_bf16("w8a16_gemv", x)
     N, K = w.shape
     _check_dims("w8a16_gemv", N, K, W8_BK)
     config = resolve_k_blocks(config or w8a16_gemv_blocks(N, K), x.shape[0])
     _check_config("w8a16_gemv", config)
-    return _w8_call(x, w, scale, out_dtype=jnp.dtype(out_dtype or x.dtype), epilogue=epilogue, config=config,
-                    interpret=interpret)
+    return _w8_call(x, w, scale, out_dtype=jnp.dtype(jnp.float32 if unreduced else out_dtype or x.dtype),
+                    epilogue=epilogue, config=config, interpret=interpret, unreduced=unreduced)
 
 
 def w8a8_gemv_mosaic(x, w, scale, *, out_dtype=None, epilogue: str | None = None, interpret: bool = False,
-                     config: GemvConfig | None = None):
+                     config: GemvConfig | None = None, unreduced: bool = False):
     """Decode GEMV on the FP8 matrix units, Mosaic GPU arm of `w8a8_gemv`; same call and result as
     `w8a8_gemv_reference` (x bf16 [M, K], quantized here per row per 128 columns, or Fp8Activations from its
     producer per row per a multiple of 128 columns; N % 64 == 0, K % 128 == 0). The launch is w8a16_gemv's (from
@@ -255,6 +260,7 @@ def w8a8_gemv_mosaic(x, w, scale, *, out_dtype=None, epilogue: str | None = None
     from pallas_kernels.mgpu_gemm import _quantized_x      # the prefill arms' quantizers (same bits as the reference)
     _check_w8a16("w8a8_gemv", x, w, scale)
     epilogues.check("w8a8_gemv", epilogue)
+    check_unreduced("w8a8_gemv", unreduced, epilogue, out_dtype)
     N, K = w.shape
     _check_dims("w8a8_gemv", N, K, W8_BK)
     M = x.shape[0]
@@ -263,8 +269,8 @@ def w8a8_gemv_mosaic(x, w, scale, *, out_dtype=None, epilogue: str | None = None
     xq, xs, width = _quantized_x(x, FP8_BLOCK, M, K, interpret, "fused", None)
     if width != FP8_BLOCK:         # a producer's per-group scales, one per 128 columns
         xs = jnp.repeat(xs, width // FP8_BLOCK, axis=1)[:, :K // FP8_BLOCK]
-    return _w8_call(xq, w, scale, xs, out_dtype=jnp.dtype(out_dtype or x.dtype), epilogue=epilogue, config=config,
-                    interpret=interpret)
+    return _w8_call(xq, w, scale, xs, out_dtype=jnp.dtype(jnp.float32 if unreduced else out_dtype or x.dtype),
+                    epilogue=epilogue, config=config, interpret=interpret, unreduced=unreduced)
 
 
 # Registered beside the Triton arm; shapes the Mosaic arm does not take go to the Triton arm (registry). Mosaic is

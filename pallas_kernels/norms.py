@@ -1,6 +1,10 @@
-"""RMSNorm and the gated group RMSNorm of the Mamba-2 mixer: jnp references and Pallas kernels.
+"""RMSNorm, the gated group RMSNorm of the Mamba-2 mixer, and the residual add + RMSNorm between two blocks:
+jnp references and Pallas kernels.
 
-Both normalise in float32 and multiply by the weight in float32 before casting to the output dtype.
+Each normalises in float32 and multiplies by the weight in float32 before casting to the output dtype.
+`add_rmsnorm` opens a block in decode: it adds the previous block's output projection (its split-K partials, as
+the GEMV left them: split_partials.py) to the residual stream and normalises the sum, in one kernel where the
+unfused step takes two (the partials' sum + residual add, then the norm); the same bits as that composition.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import registry
+from pallas_kernels.split_partials import SplitPartials, chain_sum, join_halves
+from pallas_kernels.errors import ShapeError
 from pallas_kernels.triton_util import check_columns, check_floating, check_shape, columns, compiler_params, next_pow2
 
 
@@ -22,6 +28,14 @@ def rmsnorm_reference(x: jax.Array, weight: jax.Array, *, eps: float, out_dtype=
     var = jnp.mean(xf * xf, axis=-1, keepdims=True)
     y = xf * jax.lax.rsqrt(var + eps)
     return (y * weight.astype(jnp.float32)).astype(out_dtype or x.dtype)
+
+
+def add_rmsnorm_reference(hidden: jax.Array, partials: SplitPartials, weight: jax.Array, *, eps: float,
+                          out_dtype=None) -> tuple[jax.Array, jax.Array]:
+    """(h, rmsnorm(h)) with h = hidden + the partials' sum (in split order, rounded to hidden's dtype): the
+    residual stream after a block and the next block's normalised input.  hidden [M, D], partials [S, R >= M, D]."""
+    h = hidden + chain_sum(partials, hidden.shape[0]).astype(hidden.dtype)
+    return h, rmsnorm_reference(h, weight, eps=eps, out_dtype=out_dtype)
 
 
 def gated_rmsnorm_reference(y: jax.Array, z: jax.Array, weight: jax.Array, *, group_size: int, eps: float,
@@ -44,6 +58,14 @@ def gated_rmsnorm_reference(y: jax.Array, z: jax.Array, weight: jax.Array, *, gr
 # registers: read once, write once. Width up to 16384 per group in one block.
 
 
+def _normalized(h, w_ref, cols, cm, GS, eps):
+    """h [BM, BG] float32 (zero past the group) normalised per row over GS columns, times the weight (float32)."""
+    var = jnp.sum(h * h, axis=1) / GS
+    out = h * jax.lax.rsqrt(var + eps)[:, None]
+    w = plgpu.load(w_ref.at[cols], mask=cm, other=0.0).astype(jnp.float32)
+    return out * w[None, :]
+
+
 def _norm_kernel(x_ref, z_ref, w_ref, o_ref, *, M, W, GS, BM, BG, eps, gated, z_col):
     g, i = pl.program_id(0), pl.program_id(1)
     f32 = jnp.float32
@@ -55,10 +77,8 @@ def _norm_kernel(x_ref, z_ref, w_ref, o_ref, *, M, W, GS, BM, BG, eps, gated, z_
     if gated:
         z = plgpu.load(z_ref.at[rows[:, None], z_col + cols[None, :]], mask=m, other=0.0).astype(f32)
         h = h * (z * jax.nn.sigmoid(z))
-    var = jnp.sum(h * h, axis=1) / GS
-    out = h * jax.lax.rsqrt(var + eps)[:, None]
-    w = plgpu.load(w_ref.at[cols], mask=cm, other=0.0).astype(f32)
-    plgpu.store(o_ref.at[rows[:, None], cols[None, :]], (out * w[None, :]).astype(o_ref.dtype), mask=m)
+    out = _normalized(h, w_ref, cols, cm, GS, eps)
+    plgpu.store(o_ref.at[rows[:, None], cols[None, :]], out.astype(o_ref.dtype), mask=m)
 
 
 @functools.partial(jax.jit, static_argnames=("group_size", "eps", "out_dtype", "gated", "interpret", "z_col"))
@@ -102,5 +122,68 @@ def gated_rmsnorm_pallas(y: jax.Array, z: jax.Array, weight: jax.Array, *, group
                  gated=True, interpret=interpret, z_col=z_col or 0)
 
 
+def _add_norm_kernel(x_ref, p_ref, w_ref, h_ref, o_ref, *, M, D, S, BM, BD, eps, halves):
+    """BM rows whole: h = x + bf16(p_0 + p_1 + ... in split order), stored, then normalised as `_norm_kernel`."""
+    rows = pl.program_id(0) * BM + jnp.arange(BM)
+    cols = jnp.arange(BD)
+    cm = cols < D
+    m = (rows < M)[:, None] & cm[None, :]
+    at = (rows[:, None], cols[None, :])
+
+    def part(s):
+        if halves:
+            hi, lo = (plgpu.load(p_ref.at[half, s, *at], mask=m, other=0) for half in range(2))
+            return join_halves(hi, lo)
+        return plgpu.load(p_ref.at[s, *at], mask=m, other=0.0)
+
+    y = part(0)
+    for s in range(1, S):
+        y = y + part(s)
+    x = plgpu.load(x_ref.at[at], mask=m, other=0.0)
+    h = (x.astype(jnp.float32) + y.astype(x.dtype).astype(jnp.float32)).astype(h_ref.dtype)
+    plgpu.store(h_ref.at[at], h, mask=m)
+    out = _normalized(h.astype(jnp.float32), w_ref, cols, cm, D, eps)
+    plgpu.store(o_ref.at[at], out.astype(o_ref.dtype), mask=m)
+
+
+ADD_NORM_WARPS = 8     # a program reads S float32 rows per row of h: more loads in flight than the plain norm's
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "out_dtype", "interpret"))
+def _add_norm(hidden, values, weight, *, eps, out_dtype, interpret):
+    M, D = hidden.shape
+    halves = values.dtype == jnp.uint16
+    BD = next_pow2(D)
+    BM = max(1, min(next_pow2(M), 4096 // BD))
+    kernel = functools.partial(_add_norm_kernel, M=M, D=D, S=values.shape[-3], BM=BM, BD=BD, eps=eps,
+                               halves=halves)
+    return pl.pallas_call(
+        kernel, out_shape=(jax.ShapeDtypeStruct((M, D), hidden.dtype), jax.ShapeDtypeStruct((M, D), out_dtype)),
+        grid=(pl.cdiv(M, BM),), compiler_params=compiler_params(ADD_NORM_WARPS), interpret=interpret,
+        name="add_rmsnorm",
+    )(hidden, values, weight)
+
+
+def add_rmsnorm_pallas(hidden: jax.Array, partials: SplitPartials, weight: jax.Array, *, eps: float, out_dtype=None,
+                       interpret: bool = False) -> tuple[jax.Array, jax.Array]:
+    """The Pallas residual add + RMSNorm; same call and results (bitwise) as `add_rmsnorm_reference`."""
+    check_floating("add_rmsnorm", "hidden", hidden)
+    if hidden.ndim != 2:
+        raise ShapeError(f"add_rmsnorm: hidden expected [M, D], got shape {tuple(hidden.shape)}")
+    M, D = hidden.shape
+    check_shape("add_rmsnorm", "weight", weight, (D,))
+    v = partials.values
+    lead = (2,) if partials.halves else ()
+    if (v.dtype not in (jnp.float32, jnp.uint16) or v.ndim != len(lead) + 3 or v.shape[:len(lead)] != lead
+            or v.shape[-2] < M or v.shape[-1] != D):
+        raise ShapeError(f"add_rmsnorm: partials expected float32 [S, R >= {M}, {D}] or uint16 halves [2, S, R, {D}],"
+                         f" got {v.dtype} {tuple(v.shape)}")
+    if next_pow2(D) > 16384:
+        raise ShapeError(f"add_rmsnorm: width {D} is over the kernel's 16384")
+    return _add_norm(hidden, v, weight, eps=float(eps), out_dtype=jnp.dtype(out_dtype or hidden.dtype),
+                     interpret=interpret)
+
+
 registry.register("rmsnorm", reference=rmsnorm_reference, pallas=rmsnorm_pallas)
+registry.register("add_rmsnorm", reference=add_rmsnorm_reference, pallas=add_rmsnorm_pallas)
 registry.register("gated_rmsnorm", reference=gated_rmsnorm_reference, pallas=gated_rmsnorm_pallas)

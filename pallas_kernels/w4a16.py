@@ -32,19 +32,22 @@ from pallas_kernels import epilogues
 from pallas_kernels.errors import ShapeError
 from pallas_kernels.formats import NVFP4_GROUP, dequantize_nvfp4
 from pallas_kernels import registry
+from pallas_kernels.split_partials import SplitPartials, check_unreduced, of_output
 from pallas_kernels.triton_util import compiler_params, dot, dot_dtype
 from pallas_kernels.w8a16 import (GEMV_SWAP, QuantBlocks, check_activations, check_array, finish_split, fit_blocks,
                                   gemv_split_k, grid_ids, matmul_f32, row_tile, store_tile)
 
 
 # ---- references ----------------------------------------------------------------------------------------
-def w4a16_reference(x, packed, scale, global_scale, *, out_dtype=None, epilogue: str | None = None):
+def w4a16_reference(x, packed, scale, global_scale, *, out_dtype=None, epilogue: str | None = None,
+                    unreduced: bool = False):
     """Dequantize then matmul, then the epilogue (`epilogues`) on the float32 result.  x [M, K], packed uint8
-    [N, K/2], scale E4M3 [N, K/16], global f32 []."""
+    [N, K/2], scale E4M3 [N, K/16], global f32 []; unreduced: the float32 result as one SplitPartials."""
     check_nvfp4_args("w4a16", x, packed, scale, global_scale, transposed=False)
     epilogues.check("w4a16", epilogue)
+    check_unreduced("w4a16", unreduced, epilogue, out_dtype)
     y = matmul_f32(x, dequantize_nvfp4(packed, scale, global_scale))
-    return epilogues.apply(y, epilogue).astype(out_dtype or x.dtype)
+    return of_output(y) if unreduced else epilogues.apply(y, epilogue).astype(out_dtype or x.dtype)
 
 
 def w4a16_t_reference(x, packed_t, scale_t, global_scale, *, out_dtype=None):
@@ -171,9 +174,9 @@ def _w4_kernel(*refs, M, N, K, bm, bn, bk, k_split, num_m, cdt, transposed, deco
     store_tile(o_ref, split, acc * g_ref[ex[0] if grouped else 0], m0, n0, m_mask, n_mask, swap)
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "blocks", "interpret", "transposed", "name"))
+@functools.partial(jax.jit, static_argnames=("out_dtype", "blocks", "interpret", "transposed", "name", "unreduced"))
 def _w4_call(x, packed, scale, global_scale, tiles=None, *, out_dtype, blocks: W4Blocks, interpret: bool,
-             transposed: bool, name: str):
+             transposed: bool, name: str, unreduced: bool = False):
     """tiles: None, or the grouped form's row tiles [3, tiles] (packed [E, N, K/2], scale [E, N, K/16],
     global_scale [E]; plain layout)."""
     M, K = x.shape
@@ -197,7 +200,7 @@ def _w4_call(x, packed, scale, global_scale, tiles=None, *, out_dtype, blocks: W
         kernel, out_shape=jax.ShapeDtypeStruct((split, M, N), out_t), grid=(num_m * num_n, split),
         compiler_params=compiler_params(blocks.num_warps, blocks.num_stages), interpret=interpret, name=name,
     )(*(() if tiles is None else (tiles,)), x, p3, scale, jnp.asarray(global_scale, jnp.float32).reshape(-1))
-    return finish_split(out, split, M, out_dtype)
+    return SplitPartials(out) if unreduced else finish_split(out, split, M, out_dtype)
 
 
 # Defaults from the H200 sweeps (benchmarks/notes/quant.md): the PTX nibble decoder on the GPU
@@ -222,22 +225,24 @@ def w4a16_gemm_blocks(N: int, K: int, block_m: int = 64) -> W4Blocks:
                     decode=DEFAULT_DECODE)
 
 
-def _run(name, x, packed, scale, global_scale, blocks, out_dtype, interpret, transposed):
+def _run(name, x, packed, scale, global_scale, blocks, out_dtype, interpret, transposed, unreduced=False):
     check_nvfp4_args(name, x, packed, scale, global_scale, transposed=transposed)
     blk = fit_blocks(blocks, x.shape[0], x.shape[1], k_unit=2)
     return _w4_call(x, packed, scale, global_scale, out_dtype=jnp.dtype(out_dtype or x.dtype), blocks=blk,
-                    interpret=interpret, transposed=transposed, name=name)
+                    interpret=interpret, transposed=transposed, name=name, unreduced=unreduced)
 
 
 def w4a16_gemv_pallas(x, packed, scale, global_scale, *, out_dtype=None, epilogue: str | None = None,
-                      interpret=False, blocks=None):
-    """Decode GEMV; same call and result as `w4a16_reference` (the epilogue by XLA on the float32 output)."""
+                      interpret=False, blocks=None, unreduced: bool = False):
+    """Decode GEMV; same call and result as `w4a16_reference` (the epilogue by XLA on the float32 output;
+    unreduced: the split partials)."""
     epilogues.check("w4a16_gemv", epilogue)
+    check_unreduced("w4a16_gemv", unreduced, epilogue, out_dtype)
     N, K = packed.shape[0], 2 * packed.shape[1]
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    out_dtype = jnp.dtype(jnp.float32 if unreduced else out_dtype or x.dtype)
     y = _run("w4a16_gemv", x, packed, scale, global_scale, blocks or w4a16_gemv_blocks(N, K),
-             jnp.float32 if epilogue else out_dtype, interpret, False)
-    return epilogues.apply(y, epilogue).astype(out_dtype)
+             jnp.float32 if epilogue else out_dtype, interpret, False, unreduced)
+    return y if unreduced else epilogues.apply(y, epilogue).astype(out_dtype)
 
 
 def w4a16_gemm_pallas(x, packed, scale, global_scale, *, out_dtype=None, interpret=False, blocks=None):

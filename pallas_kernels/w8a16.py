@@ -29,6 +29,7 @@ from pallas_kernels import epilogues
 from pallas_kernels.errors import ShapeError
 from pallas_kernels.formats import FP8_BLOCK, block_grid, expand_block_scale, fp8_dequantized
 from pallas_kernels import registry
+from pallas_kernels.split_partials import SplitPartials, check_unreduced, of_output
 from pallas_kernels.triton_util import compiler_params, dot, dot_dtype, next_pow2
 
 H200_SMS = 132
@@ -115,12 +116,15 @@ def finish_split(out: jax.Array, split: int, M: int, out_dtype) -> jax.Array:
 
 # ---- reference -----------------------------------------------------------------------------------------
 def w8a16_reference(x: jax.Array, w: jax.Array, scale: jax.Array, *, out_dtype=None,
-                    epilogue: str | None = None) -> jax.Array:
+                    epilogue: str | None = None, unreduced: bool = False):
     """Dequantize then matmul, then the epilogue (`epilogues`) on the float32 result.  x [M, K], w E4M3 [N, K],
-    scale f32 [ceil(N/128), ceil(K/128)] -> [M, N]."""
+    scale f32 [ceil(N/128), ceil(K/128)] -> [M, N]; unreduced: the float32 result as one SplitPartials."""
     epilogues.check("w8a16", epilogue)
+    check_unreduced("w8a16", unreduced, epilogue, out_dtype)
     N, K = w.shape
     wd = w.astype(jnp.float32) * expand_block_scale(scale, N, K)
+    if unreduced:
+        return of_output(matmul_f32(x, wd))
     return epilogues.apply(matmul_f32(x, wd), epilogue).astype(out_dtype or x.dtype)
 
 
@@ -175,9 +179,11 @@ def store_tile(o_ref, split, acc, m0, n0, m_mask, n_mask, swap):
                     mask=m_mask[:, None] & n_mask[None, :])
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "blocks", "interpret", "name"))
-def _w8a16_call(x, w, scale, tiles=None, *, out_dtype, blocks: QuantBlocks, interpret: bool, name: str):
-    """tiles: None, or the grouped form's row tiles [3, tiles] (w [E, N, K], scale [E, ...])."""
+@functools.partial(jax.jit, static_argnames=("out_dtype", "blocks", "interpret", "name", "unreduced"))
+def _w8a16_call(x, w, scale, tiles=None, *, out_dtype, blocks: QuantBlocks, interpret: bool, name: str,
+                unreduced: bool = False):
+    """tiles: None, or the grouped form's row tiles [3, tiles] (w [E, N, K], scale [E, ...]). unreduced (with a
+    float32 out_dtype): the split partials [split, M, N] as SplitPartials."""
     M, K = x.shape
     N = w.shape[-2]
     bm, bn, bk, split = blocks.block_m, blocks.block_n, blocks.block_k, blocks.split_k
@@ -194,7 +200,7 @@ def _w8a16_call(x, w, scale, tiles=None, *, out_dtype, blocks: QuantBlocks, inte
         kernel, out_shape=jax.ShapeDtypeStruct((split, M, N), out_t), grid=(num_m * num_n, split),
         compiler_params=compiler_params(blocks.num_warps, blocks.num_stages), interpret=interpret, name=name,
     )(*(() if tiles is None else (tiles,)), x, w, scale)
-    return finish_split(out, split, M, out_dtype)
+    return SplitPartials(out) if unreduced else finish_split(out, split, M, out_dtype)
 
 
 # Defaults from the H200 sweep (benchmarks/notes/quant.md): the weight tile as the B operand
@@ -217,16 +223,17 @@ def w8a16_gemm_blocks(N: int, K: int) -> QuantBlocks:
 
 
 def w8a16_gemv_pallas(x, w, scale, *, out_dtype=None, epilogue: str | None = None, interpret: bool = False,
-                      blocks: QuantBlocks | None = None):
+                      blocks: QuantBlocks | None = None, unreduced: bool = False):
     """Decode GEMV (any M, rows tiled by 16); same call and result as `w8a16_reference` (the epilogue by XLA on
-    the float32 output)."""
+    the float32 output; unreduced: the split partials)."""
     _check_w8a16("w8a16_gemv", x, w, scale)
     epilogues.check("w8a16_gemv", epilogue)
+    check_unreduced("w8a16_gemv", unreduced, epilogue, out_dtype)
     blk = fit_blocks(blocks or w8a16_gemv_blocks(*w.shape), x.shape[0], w.shape[1])
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    out_dtype = jnp.dtype(jnp.float32 if unreduced else out_dtype or x.dtype)
     y = _w8a16_call(x, w, scale, out_dtype=jnp.float32 if epilogue else out_dtype, blocks=blk,
-                    interpret=interpret, name="w8a16_gemv")
-    return epilogues.apply(y, epilogue).astype(out_dtype)
+                    interpret=interpret, name="w8a16_gemv", unreduced=unreduced)
+    return y if unreduced else epilogues.apply(y, epilogue).astype(out_dtype)
 
 
 def w8a16_gemm_pallas(x, w, scale, *, out_dtype=None, interpret: bool = False, blocks: QuantBlocks | None = None):
@@ -251,18 +258,22 @@ def w8a16_gemm_pipelined_pallas(x, w, scale, *, out_dtype=None, interpret: bool 
     return fp8_block_gemm(x, w, scale, out_dtype=out_dtype, interpret=interpret, blocks=blocks)
 
 
-def w8a8_gemv_reference(x, w, scale, *, out_dtype=None, epilogue: str | None = None):
+def w8a8_gemv_reference(x, w, scale, *, out_dtype=None, epilogue: str | None = None, unreduced: bool = False):
     """Decode on the FP8 matrix units: x quantized per row per 128 columns to E4M3 (or Fp8Activations as their
     producer quantized them), both operands dequantized, matmul in float32, then the epilogue."""
     _check_w8a16("w8a8_gemv", x, w, scale)
-    return w8a16_reference(fp8_dequantized(x, FP8_BLOCK), w, scale, out_dtype=out_dtype or x.dtype, epilogue=epilogue)
+    return w8a16_reference(fp8_dequantized(x, FP8_BLOCK), w, scale, out_dtype=out_dtype or (
+        jnp.float32 if unreduced else x.dtype), epilogue=epilogue, unreduced=unreduced)
 
 
-def w8a8_gemv_pallas(x, w, scale, *, out_dtype=None, epilogue: str | None = None, interpret: bool = False):
-    """Triton arm of w8a8_gemv: w8a16_gemm_pipelined's block-scaled FP8 GEMM, the epilogue on its float32 output."""
+def w8a8_gemv_pallas(x, w, scale, *, out_dtype=None, epilogue: str | None = None, interpret: bool = False,
+                     unreduced: bool = False):
+    """Triton arm of w8a8_gemv: w8a16_gemm_pipelined's block-scaled FP8 GEMM, the epilogue on its float32 output
+    (unreduced: that output as one SplitPartials)."""
     epilogues.check("w8a8_gemv", epilogue)
+    check_unreduced("w8a8_gemv", unreduced, epilogue, out_dtype)
     y = w8a16_gemm_pipelined_pallas(x, w, scale, out_dtype=jnp.float32, interpret=interpret)
-    return epilogues.apply(y, epilogue).astype(out_dtype or x.dtype)
+    return of_output(y) if unreduced else epilogues.apply(y, epilogue).astype(out_dtype or x.dtype)
 
 
 registry.register("w8a16_gemv", reference=w8a16_reference, pallas=w8a16_gemv_pallas)

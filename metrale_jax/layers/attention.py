@@ -20,7 +20,8 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import ShapeError, WeightFormatError
-from metrale_jax.layers.blocks import input_rmsnorm, linear, optional_param, param, reduced_linear, value_of
+from metrale_jax.layers.blocks import (close_block, input_rmsnorm, linear, optional_param, param, reduced_linear,
+                                      rows_of, value_of)
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import (check_array, check_layer_index, check_one_slot, check_slots, host_integers,
                                        positive_int, start_positions, static_int)
@@ -127,14 +128,16 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
         check_array("pool.k", pool.k, (None, None, None, c.num_key_value_heads, c.head_dim))
         check_array("pool.v", pool.v, tuple(pool.k.shape))
 
-    def _run(self, pool: KvPool, slots: jax.Array, hidden: jax.Array, lengths: jax.Array, starts, phase: str):
-        """hidden [B, T, D]: rows t < lengths[b] at positions starts[b] + t.  starts None: new sequences that
-        attend only to their own rows; else the rows also attend to the slot's cached prefix."""
+    def _run(self, pool: KvPool, slots: jax.Array, hidden, lengths: jax.Array, starts, phase: str, B: int, T: int,
+             hand_on: bool = False):
+        """hidden [B*T, D] (or a PendingResidual, layers/blocks.py): rows t < lengths[b] at positions
+        starts[b] + t, row b*T + t.  starts None: new sequences that attend only to their own rows; else the rows
+        also attend to the slot's cached prefix. Returns ([B*T, D] or, with hand_on, maybe pending; the pool)."""
         c = self.config
-        B, T, D = hidden.shape
         H, KVH, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        x = input_rmsnorm(hidden.reshape(B * T, D), self.input_norm[...], eps=c.layer_norm_epsilon,
-                          projections=(self.q_proj, self.k_proj, self.v_proj), phase=phase, kernels=self.kernels)
+        hidden, x = input_rmsnorm(hidden, self.input_norm[...], eps=c.layer_norm_epsilon,
+                                  projections=(self.q_proj, self.k_proj, self.v_proj), phase=phase,
+                                  kernels=self.kernels)
         q = linear(self.q_proj, self.q_bias, x, phase).reshape(B, T, KVH, H // KVH, hd)
         k = linear(self.k_proj, self.k_bias, x, phase).reshape(B, T, KVH, hd).astype(pool.k.dtype)
         v = linear(self.v_proj, self.v_bias, x, phase).reshape(B, T, KVH, hd).astype(pool.v.dtype)
@@ -155,10 +158,12 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
             o = attend(q, pk[l, slots], pv[l, slots], pos, jnp.arange(L, dtype=jnp.int32), base + lengths,
                        self.scale)
         o = o.astype(hidden.dtype).reshape(B * T, H * hd)
-        if self.tp_axis is None:
-            out = hidden + linear(self.o_proj, self.o_bias, o, phase).reshape(B, T, D)
+        if self.tp_axis is not None:
+            out = hidden + reduced_linear(self.o_proj, self.o_bias, o, phase, self.tp_axis)
+        elif self.o_bias is None:
+            out = close_block(hidden, self.o_proj, o, phase, hand_on)
         else:
-            out = hidden + reduced_linear(self.o_proj, self.o_bias, o, phase, self.tp_axis).reshape(B, T, D)
+            out = hidden + linear(self.o_proj, self.o_bias, o, phase)
         return out, KvPool(pk, pv)
 
     def _check(self, pool: KvPool, hidden: jax.Array, name: str = "hidden") -> None:
@@ -182,7 +187,10 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
                              f"got {known.tolist()!s:.80}")
         starts = None if seq_len_starts is None else start_positions("seq_len_starts", seq_len_starts, B)
         _check_span("seq_len_starts", 0 if seq_len_starts is None else seq_len_starts, known, pool.max_len)
-        return self._run(pool, slots, hidden, lengths.astype(jnp.int32), starts, "prefill")
+        B, T, D = hidden.shape
+        out, pool = self._run(pool, slots, hidden.reshape(B * T, D), lengths.astype(jnp.int32), starts, "prefill",
+                              B, T)
+        return out.reshape(B, T, D), pool
 
     def prefill(self, pool: KvPool, slot, hidden: jax.Array, seq_len_start=0) -> tuple[jax.Array, KvPool]:
         """T tokens of one sequence at positions seq_len_start.. .  hidden [T, D] -> ([T, D], pool)."""
@@ -213,28 +221,28 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
         hidden, pool = self.prefill_batched(pool, rows.slots, hidden, rows.lengths, rows.starts)
         return hidden, pool, None
 
-    def decode_rows(self, pool: KvPool, rows, hidden: jax.Array):
-        """hidden [n*k, D] of DecodeRows -> (hidden, pool, None)."""
-        hidden, pool = self.decode_verify_multi(pool, rows.slots, hidden, rows.positions, rows.k)
+    def decode_rows(self, pool: KvPool, rows, hidden):
+        """hidden [n*k, D] of DecodeRows (or pending) -> (hidden, maybe handed on as pending; pool, None)."""
+        hidden, pool = self.decode_verify_multi(pool, rows.slots, hidden, rows.positions, rows.k, hand_on=True)
         return hidden, pool, None
 
     # ---- decode --------------------------------------------------------------------------
     def decode_verify_multi(self, pool: KvPool, slots: jax.Array, hidden: jax.Array, positions: jax.Array,
-                            k: int) -> tuple[jax.Array, KvPool]:
+                            k: int, *, hand_on: bool = False) -> tuple[jax.Array, KvPool]:
         """k consecutive tokens for each of n sequences, rows sequence-major (r = i*k + j), sequence i's
-        first row at positions[i].  slots [n], hidden [n*k, D] -> ([n*k, D], pool)."""
-        check_array("hidden", hidden, (None, self.config.hidden_size), floating=True)
+        first row at positions[i].  slots [n], hidden [n*k, D] -> ([n*k, D], pool). In the block loop
+        (hand_on) the stream may come in and go out as a PendingResidual (layers/blocks.py)."""
+        rows = rows_of(hidden)
+        check_array("hidden", rows, (None, self.config.hidden_size), floating=True)
         self._check_pool(pool)
         k = positive_int("k", k)
-        if hidden.shape[0] % k:
-            raise ShapeError(f"hidden: {hidden.shape[0]} rows is not a multiple of k={k}")
-        n = hidden.shape[0] // k
+        if rows.shape[0] % k:
+            raise ShapeError(f"hidden: {rows.shape[0]} rows is not a multiple of k={k}")
+        n = rows.shape[0] // k
         slots = check_slots("slots", slots, n, pool.num_slots)
         _check_span("positions", positions, np.full((n,), k), pool.max_len)
         positions = start_positions("positions", positions, n)
-        out, pool = self._run(pool, slots, hidden.reshape(n, k, -1), jnp.full((n,), k, jnp.int32), positions,
-                              "decode")
-        return out.reshape(n * k, -1), pool
+        return self._run(pool, slots, hidden, jnp.full((n,), k, jnp.int32), positions, "decode", n, k, hand_on)
 
     def decode_multi_seq(self, pool: KvPool, slots: jax.Array, hidden: jax.Array,
                          positions: jax.Array) -> tuple[jax.Array, KvPool]:

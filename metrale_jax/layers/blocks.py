@@ -1,6 +1,15 @@
-"""Small pieces the attention, MLP and MoE blocks share: optional-bias linear maps and parameter checks."""
+"""Small pieces the blocks share: a block's opening (input RMSNorm) and closing (residual add), optional-bias
+linear maps and parameter checks.
+
+In decode a block may close with its output projection's split-K partials not yet added (`PendingResidual`):
+the next block opens by adding them to the residual stream and normalising the sum in one kernel
+(norms.add_rmsnorm), where the plain order takes two (the partials' sum + residual add, the norm). The same bits
+either way; `settled` adds them alone where no norm follows.
+"""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -10,6 +19,7 @@ from metrale_jax.errors import ShapeError
 from metrale_jax.layers.projection import Projection
 from metrale_jax.weights.containers import DenseWeight, as_dense
 from pallas_kernels import norm_fp8, registry
+from pallas_kernels.split_partials import SplitPartials, chain_sum
 from pallas_kernels.triton_util import columns
 
 
@@ -21,18 +31,61 @@ def linear(proj: Projection, bias, x: jax.Array, phase: str) -> jax.Array:
     return y.astype(x.dtype)
 
 
-def input_rmsnorm(hidden: jax.Array, weight: jax.Array, *, eps: float, projections: tuple[Projection, ...],
-                  phase: str, kernels: str | None):
-    """A block's input RMSNorm in front of `projections` (which all read its output). In decode, where each of
-    them rounds its activations to E4M3 per 128 columns itself (w8a8_gemv) and the fused norm takes the width, the
-    norm hands them over quantized (norm_fp8): the same bits, one quantization fewer per step. Prefill and LoRA
-    overlays (their low-rank term reads the unquantized rows) keep the bf16 norm."""
-    width = hidden.shape[-1]
-    if (phase == "decode" and all(p.input_quant(phase, hidden.shape[0]) == "blocks" and p.lora is None
-                                  for p in projections)
-            and registry.resolved("rmsnorm_fp8", kernels) and norm_fp8.supports(width, width, per_block=True)):
-        return registry.get("rmsnorm_fp8", kernels)(hidden, weight, eps=eps, per_block=True)
-    return registry.get("rmsnorm", kernels)(hidden, weight, eps=eps)
+@dataclasses.dataclass(frozen=True)
+class PendingResidual:
+    """The residual stream after a decode block whose output projection handed on its split-K partials:
+    hidden + (the partials' sum in split order, rounded to hidden's dtype).  hidden [M, D], partials [S, R >= M, D]."""
+    hidden: jax.Array
+    partials: SplitPartials
+
+
+def settled(hidden: jax.Array | PendingResidual) -> jax.Array:
+    """The residual stream as an array (a PendingResidual's partials added: what the block would have returned)."""
+    if not isinstance(hidden, PendingResidual):
+        return hidden
+    h = hidden.hidden
+    return h + chain_sum(hidden.partials, h.shape[0]).astype(h.dtype)
+
+
+def rows_of(hidden: jax.Array | PendingResidual) -> jax.Array:
+    """The array that fixes the stream's shape and dtype (for argument checks)."""
+    return hidden.hidden if isinstance(hidden, PendingResidual) else hidden
+
+
+def open_block(hidden: jax.Array | PendingResidual, weight: jax.Array, *, eps: float, kernels: str | None,
+               fp8: dict | None = None) -> tuple[jax.Array, jax.Array]:
+    """(the residual stream as an array, the block's normalised input) for a stream [M, D] or a PendingResidual.
+    fp8: rmsnorm_fp8's keyword arguments where the norm hands its output on quantized (then the stream is settled
+    first); else the plain RMSNorm, fused with a pending residual add (add_rmsnorm) where that kernel resolves."""
+    if fp8 is None and isinstance(hidden, PendingResidual) and registry.resolved("add_rmsnorm", kernels):
+        return registry.get("add_rmsnorm", kernels)(hidden.hidden, hidden.partials, weight, eps=eps)
+    hidden = settled(hidden)
+    if fp8 is not None:
+        return hidden, registry.get("rmsnorm_fp8", kernels)(hidden, weight, eps=eps, **fp8)
+    return hidden, registry.get("rmsnorm", kernels)(hidden, weight, eps=eps)
+
+
+def close_block(hidden: jax.Array, proj: Projection, x: jax.Array, phase: str,
+                hand_on: bool) -> jax.Array | PendingResidual:
+    """hidden + proj(x); with hand_on, as a PendingResidual where the projection can hand on its split partials."""
+    if hand_on and proj.hands_on_partials(phase, x.shape[0]):
+        return PendingResidual(hidden, proj.partials(x, phase=phase))
+    return hidden + proj(x, phase=phase)
+
+
+def input_rmsnorm(hidden: jax.Array | PendingResidual, weight: jax.Array, *, eps: float,
+                  projections: tuple[Projection, ...], phase: str, kernels: str | None):
+    """A block's input RMSNorm in front of `projections` (which all read its output): (stream, normalised rows),
+    as `open_block`. In decode, where each of them rounds its activations to E4M3 per 128 columns itself
+    (w8a8_gemv) and the fused norm takes the width, the norm hands them over quantized (norm_fp8): the same bits,
+    one quantization fewer per step. Prefill and LoRA overlays (their low-rank term reads the unquantized rows)
+    keep the bf16 norm."""
+    rows = rows_of(hidden)
+    width = rows.shape[-1]
+    quantized = (phase == "decode" and all(p.input_quant(phase, rows.shape[0]) == "blocks" and p.lora is None
+                                           for p in projections)
+                 and registry.resolved("rmsnorm_fp8", kernels) and norm_fp8.supports(width, width, per_block=True))
+    return open_block(hidden, weight, eps=eps, kernels=kernels, fp8=dict(per_block=True) if quantized else None)
 
 
 def reduced_linear(proj: Projection, bias, x: jax.Array, phase: str, axis: str) -> jax.Array:
@@ -87,9 +140,9 @@ class StatelessRows:
         B, T, D = hidden.shape
         return self(hidden.reshape(B * T, D), phase="prefill").reshape(B, T, D), pool, None
 
-    def decode_rows(self, pool, rows, hidden: jax.Array):
-        """The block loop's decode / verify: hidden [n*k, D], no pool."""
-        return self(hidden, phase="decode"), pool, None
+    def decode_rows(self, pool, rows, hidden: jax.Array | PendingResidual):
+        """The block loop's decode / verify: hidden [n*k, D] (or pending), no pool; may hand on its residual."""
+        return self(hidden, phase="decode", hand_on=True), pool, None
 
     def decode_multi_seq(self, hidden: jax.Array) -> jax.Array:
         """One token for each of N sequences.  hidden [N, D]."""

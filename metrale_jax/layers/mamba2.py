@@ -18,7 +18,8 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import ShapeError, WeightFormatError
-from metrale_jax.layers.blocks import gated_rmsnorm_across_devices, reduced_linear
+from metrale_jax.layers.blocks import (close_block, gated_rmsnorm_across_devices, open_block, reduced_linear, rows_of,
+                                      settled)
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import (check_array, check_layer_index, check_one_slot, check_slots, host_integers,
                                        positive_int, start_positions, static_int)
@@ -181,15 +182,13 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         # arm's own quantization straight through in float32 (formats.straight_through)
         return kw if norm_fp8.supports(width, group, **kw) else None
 
-    def _project_in(self, hidden: jax.Array, phase: str) -> jax.Array:
-        """RMSNorm + in_proj.  hidden [T, D] -> zxbcdt [T, I + conv_dim + H]."""
+    def _project_in(self, hidden, phase: str) -> tuple[jax.Array, jax.Array]:
+        """RMSNorm + in_proj.  hidden [T, D] (or a PendingResidual, layers/blocks.py) -> (hidden as an array,
+        zxbcdt [T, I + conv_dim + H])."""
         D, eps = self.config.hidden_size, self.config.layer_norm_epsilon
-        quant = self._fp8_input(self.in_proj, "rmsnorm_fp8", phase, hidden.shape[0], D, D)
-        if quant:
-            h = self._kernel("rmsnorm_fp8")(hidden, self.input_norm[...], eps=eps, **quant)
-        else:
-            h = self._kernel("rmsnorm")(hidden, self.input_norm[...], eps=eps)
-        return self.in_proj(h, phase=phase)
+        quant = self._fp8_input(self.in_proj, "rmsnorm_fp8", phase, rows_of(hidden).shape[0], D, D)
+        hidden, h = open_block(hidden, self.input_norm[...], eps=eps, kernels=self.kernels, fp8=quant)
+        return hidden, self.in_proj(h, phase=phase)
 
     def _split_in(self, zxbcdt: jax.Array):
         I, C = self.config.d_inner, self.config.conv_dim
@@ -212,9 +211,9 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         return rates | dict(D=self.D[...], dt_bias=self.dt_bias[...], dt_limit=tuple(self.config.time_step_limit))
 
     def _project_out(self, y: jax.Array, z: jax.Array, hidden: jax.Array, phase: str,
-                     z_col: int | None = None) -> jax.Array:
+                     z_col: int | None = None, hand_on: bool = False):
         """Gated group norm + out_proj + residual.  y [T, H, P], z [T, I] (or its columns from z_col on),
-        hidden [T, D] -> [T, D]."""
+        hidden [T, D] -> [T, D] (hand_on: maybe a PendingResidual, layers/blocks.py)."""
         c = self.config
         quant = self._fp8_input(self.out_proj, "gated_rmsnorm_fp8", phase, y.shape[0], c.d_inner,
                                 c.gated_norm_group_size)
@@ -230,7 +229,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
             g = self._kernel("gated_rmsnorm")(y, z, self.norm_weight[...], z_col=z_col, **kw)
         if self.tp_axis is not None:
             return hidden + reduced_linear(self.out_proj, None, g, phase, self.tp_axis)
-        return hidden + self.out_proj(g, phase=phase)
+        return close_block(hidden, self.out_proj, g, phase, hand_on)
 
     def _pool_rows(self, pool: SsmPool, skip_padding_slot: bool) -> dict:
         """The decode kernels' row arguments for slots of this layer on the flattened [layers * slots] pool: the
@@ -285,10 +284,10 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
     def decode_rows(self, pool: SsmPool, rows, hidden: jax.Array):
         """hidden [n*k, D] of DecodeRows -> (hidden, pool, SlotState with rows.verify else None)."""
         if rows.verify:
-            return self.decode_verify_multi(pool, rows.slots, hidden, rows.k, skip_padding_slot=True)
+            return self.decode_verify_multi(pool, rows.slots, hidden, rows.k, skip_padding_slot=True, hand_on=True)
         if rows.k != 1:
             raise ShapeError(f"rows: a decode step takes one token per sequence, got k={rows.k} (verify=False)")
-        hidden, pool = self.decode_multi_seq(pool, rows.slots, hidden, skip_padding_slot=True)
+        hidden, pool = self.decode_multi_seq(pool, rows.slots, hidden, skip_padding_slot=True, hand_on=True)
         return hidden, pool, None
 
     # ---- decode ------------------------------------------------------------------------
@@ -303,17 +302,19 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         return (out[0] if squeeze else out), pool
 
     def decode_multi_seq(self, pool: SsmPool, slots: jax.Array, hidden: jax.Array, *,
-                         skip_padding_slot: bool = False) -> tuple[jax.Array, SsmPool]:
+                         skip_padding_slot: bool = False, hand_on: bool = False) -> tuple[jax.Array, SsmPool]:
         """One token for each of N sequences.  slots [N], hidden [N, D] -> ([N, D], pool).
         skip_padding_slot: the pool's padding slot holds no sequence (the model's steps pad their batches with
-        it), so the conv and state kernels neither read nor write it (rows naming it give padding)."""
-        self._check_hidden(hidden)
+        it), so the conv and state kernels neither read nor write it (rows naming it give padding). In the block
+        loop (hand_on) the stream may come in and go out as a PendingResidual (layers/blocks.py)."""
+        self._check_hidden(rows_of(hidden))
         self._check_pool(pool)
-        slots = check_slots("slots", slots, hidden.shape[0], pool.num_slots)
-        if hidden.shape[0] == 1:
-            out, pool = self.decode_multi_seq(*_pad_one(pool, slots, hidden), skip_padding_slot=skip_padding_slot)
+        slots = check_slots("slots", slots, rows_of(hidden).shape[0], pool.num_slots)
+        if rows_of(hidden).shape[0] == 1:
+            out, pool = self.decode_multi_seq(*_pad_one(pool, slots, settled(hidden)),
+                                              skip_padding_slot=skip_padding_slot)
             return out[:1], pool
-        zxbcdt = self._project_in(hidden, "decode")                   # [N, I + conv_dim + H], read in place
+        hidden, zxbcdt = self._project_in(hidden, "decode")           # [N, I + conv_dim + H], read in place
         I, dt_col = self.config.d_inner, self.config.d_inner + self.config.conv_dim
         w, b = self._conv()
         conv, ssm = _flat(pool.conv_state), _flat(pool.ssm_state)
@@ -322,25 +323,27 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         y, ssm = self._kernel("state_update_xbc")(ssm, slots, xbc, zxbcdt, dt_col=dt_col, **at,
                                                   **self._ssm_args(a_log=True))
         pool = SsmPool(conv.reshape(pool.conv_state.shape), ssm.reshape(pool.ssm_state.shape))
-        return self._project_out(y, zxbcdt, hidden, "decode", z_col=0), pool
+        return self._project_out(y, zxbcdt, hidden, "decode", z_col=0, hand_on=hand_on), pool
 
     def decode_verify_multi(self, pool: SsmPool, slots: jax.Array, hidden: jax.Array, k: int, *,
-                            skip_padding_slot: bool = False) -> tuple[jax.Array, SsmPool, SlotState]:
+                            skip_padding_slot: bool = False,
+                            hand_on: bool = False) -> tuple[jax.Array, SsmPool, SlotState]:
         """k consecutive tokens for each of n sequences in one sweep; rows sequence-major (r = i*k + j).
-        slots [n], hidden [n*k, D] -> ([n*k, D], pool, state after every token); skip_padding_slot as
+        slots [n], hidden [n*k, D] -> ([n*k, D], pool, state after every token); skip_padding_slot and hand_on as
         `decode_multi_seq`'s."""
-        self._check_hidden(hidden)
+        rows = rows_of(hidden)
+        self._check_hidden(rows)
         self._check_pool(pool)
         k = positive_int("k", k)
-        if hidden.shape[0] % k:
-            raise ShapeError(f"hidden: {hidden.shape[0]} rows is not a multiple of k={k}")
-        n = hidden.shape[0] // k
+        if rows.shape[0] % k:
+            raise ShapeError(f"hidden: {rows.shape[0]} rows is not a multiple of k={k}")
+        n = rows.shape[0] // k
         slots = check_slots("slots", slots, n, pool.num_slots)
         if n == 1:
-            out, pool, steps = self.decode_verify_multi(*_pad_one(pool, slots, hidden), k,
+            out, pool, steps = self.decode_verify_multi(*_pad_one(pool, slots, settled(hidden)), k,
                                                         skip_padding_slot=skip_padding_slot)
             return out[:k], pool, jax.tree.map(lambda a: a[:1], steps)
-        zxbcdt = self._project_in(hidden, "decode")                   # [n*k, I + conv_dim + H], read in place
+        hidden, zxbcdt = self._project_in(hidden, "decode")           # [n*k, I + conv_dim + H], read in place
         I, dt_col = self.config.d_inner, self.config.d_inner + self.config.conv_dim
         w, b = self._conv()
         conv, ssm = _flat(pool.conv_state), _flat(pool.ssm_state)
@@ -350,7 +353,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         y, ssm_steps, ssm = self._kernel("state_update_multi_xbc")(ssm, slots, xbc, packed, dt_col=dt_col, **at,
                                                                    **self._ssm_args(a_log=True))
         pool = SsmPool(conv.reshape(pool.conv_state.shape), ssm.reshape(pool.ssm_state.shape))
-        out = self._project_out(y.reshape(n * k, *y.shape[2:]), zxbcdt, hidden, "decode", z_col=0)
+        out = self._project_out(y.reshape(n * k, *y.shape[2:]), zxbcdt, hidden, "decode", z_col=0, hand_on=hand_on)
         return out, pool, SlotState(conv=conv_steps, ssm=ssm_steps)
 
     def decode_batched(self, pool: SsmPool, slot, hidden: jax.Array) -> tuple[jax.Array, SsmPool, SlotState]:
@@ -364,7 +367,7 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
     def prefill_phase1_proj_batched(self, hidden_stacked: jax.Array) -> jax.Array:
         """Norm + in_proj over all stacked requests in one GEMM.  [T, D] -> zxbcdt [T, in_proj_dim]."""
         self._check_hidden(hidden_stacked, "hidden_stacked")
-        return self._project_in(hidden_stacked, "prefill")
+        return self._project_in(hidden_stacked, "prefill")[1]
 
     def prefill_phase1_conv1d(self, pool: SsmPool, slots: jax.Array, zxbcdt: jax.Array, cu_seqlens: jax.Array,
                               seq_len_starts: jax.Array) -> tuple[SsmPrefillBuffers, SsmPool]:

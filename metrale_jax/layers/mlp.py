@@ -15,8 +15,8 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import WeightFormatError
-from metrale_jax.layers.blocks import (StatelessRows, input_rmsnorm, linear, optional_param, param, plus_bias,
-                                      value_of)
+from metrale_jax.layers.blocks import (PendingResidual, StatelessRows, close_block, input_rmsnorm, linear,
+                                      optional_param, param, plus_bias, rows_of, value_of)
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import check_array, check_layer_index
 from metrale_jax.layers.projection import Projection
@@ -59,14 +59,14 @@ class Relu2MLP(nnx.Module):
 
     def __call__(self, x: jax.Array, *, phase: str = "prefill") -> jax.Array:
         """x [T, D] -> [T, D] in x.dtype; relu^2 is applied to the float32 accumulator."""
-        return linear(self.down_proj, self.down_bias, self._act(x, phase), phase)
+        return linear(self.down_proj, self.down_bias, self.act(x, phase), phase)
 
     def partial_sum(self, x: jax.Array, *, phase: str = "prefill") -> jax.Array:
         """Tensor parallel: this device's share of down_proj(act) in float32 [T, D], without the down bias
         (the caller sums the shares over the mesh axis and adds the bias once)."""
-        return self.down_proj(self._act(x, phase), phase=phase, out_dtype=jnp.float32)
+        return self.down_proj(self.act(x, phase), phase=phase, out_dtype=jnp.float32)
 
-    def _act(self, x: jax.Array, phase: str) -> jax.Array:
+    def act(self, x: jax.Array, phase: str) -> jax.Array:
         """relu(up_proj(x) + up_bias)^2 [T, I] in x.dtype, relu^2 on the float32 sum (without a bias, in the
         up_proj kernel's epilogue where it takes one: no separate elementwise kernel)."""
         if self.up_bias is None:
@@ -104,12 +104,15 @@ class NemotronMLPLayer(StatelessRows, LayerCapabilities, nnx.Module):
 
     checkpoint_weights = mlp_weights          # what every block kind answers (the model's state_dict)
 
-    def __call__(self, hidden: jax.Array, *, phase: str = "prefill") -> jax.Array:
-        """hidden [T, D] -> hidden + mlp(norm(hidden)), rows independent."""
-        check_array("hidden", hidden, (None, self.config.hidden_size), floating=True)
-        x = input_rmsnorm(hidden, self.input_norm[...], eps=self.config.layer_norm_epsilon,
-                          projections=(self.mlp.up_proj,), phase=phase, kernels=self.kernels)
+    def __call__(self, hidden: jax.Array | PendingResidual, *, phase: str = "prefill", hand_on: bool = False):
+        """hidden [T, D] -> hidden + mlp(norm(hidden)), rows independent. In the block loop's decode the stream
+        may come in and (hand_on) go out as a PendingResidual (layers/blocks.py)."""
+        check_array("hidden", rows_of(hidden), (None, self.config.hidden_size), floating=True)
+        hidden, x = input_rmsnorm(hidden, self.input_norm[...], eps=self.config.layer_norm_epsilon,
+                                  projections=(self.mlp.up_proj,), phase=phase, kernels=self.kernels)
         if self.tp_axis is not None:
             y = jax.lax.psum(self.mlp.partial_sum(x, phase=phase), self.tp_axis)
             return hidden + plus_bias(y, self.mlp.down_bias).astype(hidden.dtype)
+        if self.mlp.down_bias is None:
+            return close_block(hidden, self.mlp.down_proj, self.mlp.act(x, phase), phase, hand_on)
         return hidden + self.mlp(x, phase=phase)

@@ -25,7 +25,8 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import ConfigError, WeightFormatError
-from metrale_jax.layers.blocks import StatelessRows, linear, optional_param, param, plus_bias, value_of
+from metrale_jax.layers.blocks import (PendingResidual, StatelessRows, linear, open_block, optional_param, param,
+                                      plus_bias, rows_of, value_of)
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import check_array, check_layer_index
 from metrale_jax.layers.lora import row_adapters
@@ -261,8 +262,11 @@ class NemotronMoELayer(StatelessRows, LayerCapabilities, nnx.Module):
             y = plus_bias(y, self.shared_experts.down_bias)
         return y.astype(x.dtype)
 
-    def __call__(self, hidden: jax.Array, *, phase: str = "prefill") -> jax.Array:
-        """hidden [T, D] -> hidden + moe(norm(hidden)), rows independent."""
-        check_array("hidden", hidden, (None, self.config.hidden_size), floating=True)
-        x = registry.get("rmsnorm", self.kernels)(hidden, self.input_norm[...], eps=self.config.layer_norm_epsilon)
+    def __call__(self, hidden: jax.Array | PendingResidual, *, phase: str = "prefill",
+                 hand_on: bool = False) -> jax.Array:
+        """hidden [T, D] -> hidden + moe(norm(hidden)), rows independent. A pending residual from the block
+        before is added in the input norm (layers/blocks.py); the output is always an array (hand_on has nothing
+        to hand on: the experts' sum is not one projection's)."""
+        check_array("hidden", rows_of(hidden), (None, self.config.hidden_size), floating=True)
+        hidden, x = open_block(hidden, self.input_norm[...], eps=self.config.layer_norm_epsilon, kernels=self.kernels)
         return hidden + self.mixer(x, phase=phase)

@@ -32,6 +32,7 @@ from metrale_jax.weights.containers import (DenseWeight, Fp8PrefillWeight, Fp8Sh
                                             fp8_to_block_scaled)
 from metrale_jax.weights.quant_formats import Fp8Activations
 from pallas_kernels import epilogues, registry
+from pallas_kernels.split_partials import SplitPartials
 
 DECODE_ORDER = ("dense", "fp8_native", "w4a4", "nvfp4")
 PREFILL_ORDER = ("dense", "fp8_native", "w4a4", "fp8_prefill", "nvfp4_t", "nvfp4")
@@ -48,6 +49,7 @@ ARM_KERNELS = {
 # kernels that quantize their activations to E4M3 (and so also take Fp8Activations): how
 INPUT_QUANT = {"fp8_gemm_t": "rows", "w8a16_gemm_pipelined": "blocks", "w8a8_gemv": "blocks"}
 EPILOGUE_KERNELS = ("w8a16_gemv", "w8a8_gemv", "w4a16_gemv")   # kernels that take `epilogue` (every arm of theirs)
+UNREDUCED_KERNELS = ("w8a16_gemv", "w8a8_gemv", "w4a16_gemv")  # kernels that hand on split partials (unreduced)
 PREFILL_ONLY_ARMS = ("fp8_prefill", "nvfp4_t")   # copies no decode call reads
 M128_ABOVE = 128   # prefill tokens above which the transposed NVFP4 arm takes w4a16_gemm_t_m128
 # the layer's own ("base") weights: the first installed of these (what ssm_weights() reports)
@@ -259,6 +261,28 @@ class Projection(nnx.Module):
         128 columns. None: the kernel takes unquantized x only."""
         return INPUT_QUANT.get(self.active_kernel(phase, tokens))
 
+    def hands_on_partials(self, phase: str, tokens: int) -> bool:
+        """Whether a call can return its split-K partials unreduced (`partials`): a decode GEMV of the layer's own
+        weights (no tensor-parallel share) with no LoRA overlay."""
+        if phase != "decode" or self.lora is not None:
+            return False
+        arm = self.active_arm(phase, tokens)
+        return (self.active_kernel(phase, tokens) in UNREDUCED_KERNELS
+                and not isinstance(self.arm_weight(arm), Fp8Share))
+
+    def partials(self, x: jax.Array | Fp8Activations, *, phase: str) -> SplitPartials:
+        """The float32 split-K partials of this call (pallas_kernels/split_partials.py), for a consumer that adds
+        them itself (norms.add_rmsnorm); their sum in split order, rounded, is `self(x, phase=phase)` bit for
+        bit. Only where `hands_on_partials` (else ShapeError)."""
+        if x.ndim != 2 or x.shape[1] != self.in_features:
+            raise ShapeError(f"{self.name}: input must be [M, {self.in_features}], got {tuple(x.shape)}")
+        if not self.hands_on_partials(phase, x.shape[0]):
+            raise ShapeError(f"{self.name}: a {phase} call of {x.shape[0]} rows cannot hand on split partials (arm "
+                             f"{self.active_arm(phase, x.shape[0])!r}, LoRA {self.lora is not None})")
+        arm = self.active_arm(phase, x.shape[0])
+        fn = registry.get(self.active_kernel(phase, x.shape[0]), self.kernels)
+        return _run_arm(fn, arm, self.arm_weight(arm), x, phase, jnp.float32, unreduced=True)
+
     # ---- calling -----------------------------------------------------------------------------------------
     def __call__(self, x: jax.Array | Fp8Activations, *, phase: str = "prefill", out_dtype=None,
                  epilogue: str | None = None) -> jax.Array:
@@ -287,7 +311,7 @@ class Projection(nnx.Module):
 
 
 def _run_arm(fn, arm: str, w, x, phase: str, out_dtype, **epilogue) -> jax.Array:
-    """The arm's kernel `fn` on its weight container `w` (epilogue: only to the EPILOGUE_KERNELS)."""
+    """The arm's kernel `fn` on its weight container `w` (epilogue, or unreduced: only to the EPILOGUE_KERNELS)."""
     if arm == "dense":
         return fn(x, w.weight, out_dtype=out_dtype)
     if arm == "fp8_native" and isinstance(w, Fp8Share):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from metrale_jax.layers import lora
+from metrale_jax.layers.blocks import settled
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,11 +70,14 @@ def pack_rows(lengths: jax.Array, T: int):
     return valid, cu, src, dst
 
 
-def run_blocks(layers, rows: PrefillRows | DecodeRows, cache, h: jax.Array):
+def run_blocks(layers, rows: PrefillRows | DecodeRows, cache, h: jax.Array, *, pending_out: bool = False):
     """Every block of `layers` in order over h ([B, T, D] for PrefillRows, [n*k, D] for DecodeRows).
     cache: a dataclass holding the pools the blocks name (a ModelCache: ssm, kv; an MtpCache: kv).
     Returns (h, cache, captured): captured[i] is what block i returned beside its rows (None for most).
-    Each block runs with its rows' LoRA adapter indices in scope (layers/lora.py), in its own row order."""
+    Each block runs with its rows' LoRA adapter indices in scope (layers/lora.py), in its own row order.
+    In decode a block may hand the stream to the next as a PendingResidual, whose input norm adds the pending
+    partials (layers/blocks.py); the h returned is settled to an array unless pending_out (the caller's final
+    norm opens it: blocks.open_block)."""
     prefill = isinstance(rows, PrefillRows)
     captured = []
     for layer in layers:
@@ -86,4 +90,4 @@ def run_blocks(layers, rows: PrefillRows | DecodeRows, cache, h: jax.Array):
             if field is not None:
                 cache = dataclasses.replace(cache, **{field: pool})
             captured.append(extra)
-    return h, cache, captured
+    return (h if pending_out else settled(h)), cache, captured

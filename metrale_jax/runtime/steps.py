@@ -181,7 +181,7 @@ def verify_step(model, cache: ModelCache, slots, tokens, num_draft, temperature,
     pad = cache.padding_slot
     pos = cache.seq_lens[slots]
     h = model.embeddings[...][tokens.reshape(-1)]                           # [n*k, D]
-    h, new, captured = run_blocks(model.layers, DecodeRows(slots, pos, k, verify=True), cache, h)
+    h, new, captured = run_blocks(model.layers, DecodeRows(slots, pos, k, verify=True), cache, h, pending_out=True)
     steps = [(layer.pool_layer, st) for layer, st in zip(model.layers, captured) if st is not None]
     hn = _rmsnorm(model, h)                                                 # [n*k, D]
     logits = _logits(model, hn, "decode", slots=jnp.repeat(slots, k))     # [n*k, V]

@@ -17,6 +17,7 @@ from metrale_jax.weights import quant_formats as qf
 from pallas_kernels import registry
 from pallas_kernels.errors import KernelUnavailableError
 from pallas_kernels.autodiff import with_reference_vjp
+from pallas_kernels.split_partials import SplitPartials
 from pallas_kernels.ssd import ssd_scan_reference
 from pallas_kernels.ssd_mgpu import ssd_scan_mosaic
 from tests.numpy_refs import rel_err
@@ -72,6 +73,8 @@ def _packed(a):
 # name -> rng -> (args, kwargs): float32 operands at small ragged sizes
 CASES = {
     "rmsnorm": lambda r: ((_a(r, 6, 40), 1 + _a(r, 40, scale=0.1)), dict(eps=1e-5)),
+    "add_rmsnorm": lambda r: ((_a(r, 6, 40), SplitPartials(_a(r, 3, 8, 40)), 1 + _a(r, 40, scale=0.1)),
+                              dict(eps=1e-5)),
     "gated_rmsnorm": lambda r: ((_a(r, 6, 32), _a(r, 6, 45), 1 + _a(r, 32, scale=0.1)),
                                 dict(group_size=16, eps=1e-5, z_col=7)),
     "rmsnorm_fp8": lambda r: ((_a(r, 6, 256), 1 + _a(r, 256, scale=0.1)), dict(eps=1e-5, per_block=True)),

@@ -16,6 +16,7 @@ from pallas_kernels import mgpu_gemv_w4 as w4m
 from pallas_kernels import mgpu_gemv_w8 as w8m
 from pallas_kernels import epilogues, registry, w4a16, w8a16
 from pallas_kernels.mgpu_gemv import GemvConfig
+from pallas_kernels.split_partials import SplitPartials, split_halves
 from tests.kernels.mosaic_smem import check_lowered
 from tests.kernels.ptx_emulator import bf16_pairs, element_map, run_ptx
 from tests.numpy_refs import rel_err
@@ -337,12 +338,16 @@ def test_tail_split_matches_reference(rng, interpret, monkeypatch):
 
 
 def test_split_k_partials_sum_in_a_fixed_order():
-    """The split-K epilogue adds partials as ((p0 + p1) + p2) + p3 for every M (no shape-dependent reduce)."""
+    """The split-K epilogue adds partials (stored as uint16 halves) as ((p0 + p1) + p2) + p3 for every M (no
+    shape-dependent reduce), and hands them on unreduced when asked."""
     rng = np.random.default_rng(0)
-    parts = jnp.asarray(rng.standard_normal((4, 64, 16)), F32)
-    want = (((parts[0] + parts[1]) + parts[2]) + parts[3]).T
+    parts = jnp.asarray(rng.standard_normal((4, 16, 64)), F32)
+    halves = jnp.stack(split_halves(parts))                                      # [2, 4, 16, 64]
+    want = ((parts[0] + parts[1]) + parts[2]) + parts[3]
     for m in (1, 4, 16):
-        np.testing.assert_array_equal(np.asarray(mg._finish(parts, False, m, F32)), np.asarray(want[:m]))
+        np.testing.assert_array_equal(np.asarray(mg._finish(halves, False, m, F32)), np.asarray(want[:m]))
+    unreduced = mg._finish(halves, False, 1, F32, unreduced=True)
+    assert isinstance(unreduced, SplitPartials) and unreduced.values is halves
 
 
 # ---- the NVFP4 decoder's PTX, run by a small PTX emulator, and its register map against Mosaic's layouts ------

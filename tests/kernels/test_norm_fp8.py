@@ -210,7 +210,7 @@ def test_layer_feeds_the_fp8_arms_from_the_fused_norms(rng, prefill_arm, gated_q
     y = jnp.asarray(rng.standard_normal((T, CFG.mamba_num_heads, CFG.mamba_head_dim)), jnp.bfloat16)
     z = jnp.asarray(rng.standard_normal((T, CFG.d_inner)), jnp.bfloat16)
     def run():      # fresh functions per call: jax caches traces by function, and the dispatch is decided at trace
-        fns = (lambda h: layer._project_in(h, "prefill"), lambda a, b, h: layer._project_out(a, b, h, "prefill"))
+        fns = (lambda h: layer._project_in(h, "prefill")[1], lambda a, b, h: layer._project_out(a, b, h, "prefill"))
         text = str(jax.make_jaxpr(fns[0])(hidden)) + str(jax.make_jaxpr(fns[1])(y, z, hidden))
         return text, (fns[0](hidden), fns[1](y, z, hidden))
 

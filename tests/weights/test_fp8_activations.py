@@ -139,7 +139,7 @@ def test_e4m3_decode_norms_hand_over_the_same_bits(rng):
     projs[0].set_fp8_decode_activations("e4m3")
     h = jnp.asarray(rng.standard_normal((3, K)) * 4, jnp.bfloat16)
     w = jnp.asarray(rng.uniform(0.5, 1.5, K), F32)
-    norm = lambda phase, ps: input_rmsnorm(h, w, eps=eps, projections=ps, phase=phase, kernels=None)
+    norm = lambda phase, ps: input_rmsnorm(h, w, eps=eps, projections=ps, phase=phase, kernels=None)[1]
     x = norm("decode", projs[:1])
     assert isinstance(x, Fp8Activations)
     assert not isinstance(norm("prefill", projs[:1]), Fp8Activations)

@@ -1,0 +1,154 @@
+"""The residual add + RMSNorm between blocks (`norms.add_rmsnorm`) and the unreduced GEMV output it reads
+(`split_partials`): bitwise against the unfused composition, every GEMV arm's partials against its own sum."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from metrale_jax.errors import ShapeError
+from metrale_jax.weights import quant_formats as qf
+from pallas_kernels import mgpu_gemv_w4 as w4m
+from pallas_kernels import mgpu_gemv_w8 as w8m
+from pallas_kernels import norms, w4a16, w8a16
+from pallas_kernels.mgpu_gemv import GemvConfig
+from pallas_kernels.split_partials import SplitPartials, chain_sum, join_halves, split_halves
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+@pytest.fixture(autouse=True)
+def _reset_interpreter():
+    """The GPU interpreter keeps global state that an exception leaves dirty."""
+    yield
+    if jax.default_backend() != "gpu":
+        from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import reset_gpu_interpret_mode_state
+        reset_gpu_interpret_mode_state()
+
+
+def _same(a, b):
+    np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+
+
+def test_halves_round_trip_every_float32_class(rng):
+    x = np.concatenate([rng.standard_normal(4096) * 10.0 ** rng.integers(-40, 38, 4096),
+                        [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 3.4e38]]).astype(np.float32)
+    hi, lo = split_halves(jnp.asarray(x))
+    assert hi.dtype == lo.dtype == jnp.uint16
+    _same(join_halves(hi, lo), x)
+
+
+def _partials(rng, S, R, D, M, halves):
+    """Random float32 partials with the padding rows past M poisoned (NaN): a kernel that reads them fails."""
+    p = (rng.standard_normal((S, R, D)) * rng.uniform(0.1, 4.0, (S, 1, D))).astype(np.float32)
+    p[:, M:] = np.nan
+    p = jnp.asarray(p)
+    return p, SplitPartials(jnp.stack(split_halves(p)) if halves else p)
+
+
+@pytest.mark.parametrize("halves", [False, True])
+@pytest.mark.parametrize("M,R,S,D", [(1, 8, 8, 256), (3, 8, 1, 384), (5, 16, 3, 256), (17, 24, 2, 128)])
+def test_fused_equals_the_unfused_composition_bitwise(rng, interpret, halves, M, R, S, D):
+    """h = hidden + bf16(p0 + p1 + ...) and rmsnorm(h) as the Pallas norm computes it: the same bits, whatever
+    the layout of the partials (D = 384: a width that is not a power of two, masked)."""
+    hidden = jnp.asarray(rng.standard_normal((M, D)) * 3, BF16)
+    weight = jnp.asarray(rng.uniform(0.5, 1.5, D), BF16)
+    raw, parts = _partials(rng, S, R, D, M, halves)
+    y = raw[0, :M]
+    for s in range(1, S):
+        y = y + raw[s, :M]
+    h_want = hidden + y.astype(BF16)
+    x_want = norms.rmsnorm_pallas(h_want, weight, eps=1e-5, interpret=interpret)
+    h, x = norms.add_rmsnorm_pallas(hidden, parts, weight, eps=1e-5, interpret=interpret)
+    assert h.dtype == x.dtype == BF16 and h.shape == x.shape == (M, D)
+    _same(h, h_want)
+    _same(x, x_want)
+    h_ref, x_ref = norms.add_rmsnorm_reference(hidden, parts, weight, eps=1e-5)
+    _same(h_ref, h_want)
+    _same(x_ref, norms.rmsnorm_reference(h_want, weight, eps=1e-5))
+    assert np.abs(np.asarray(x, F32) - np.asarray(x_ref, F32)).max() <= 2 ** -6 * np.abs(np.asarray(x_ref, F32)).max()
+
+
+def test_output_dtype_and_float64_check(rng, interpret):
+    """The normalised rows take out_dtype (float32 here) and agree with a float64 numpy recurrence."""
+    M, D, S = 2, 256, 4
+    hidden = jnp.asarray(rng.standard_normal((M, D)), BF16)
+    weight = jnp.asarray(rng.uniform(0.5, 1.5, D), F32)
+    raw, parts = _partials(rng, S, 8, D, M, True)
+    h, x = norms.add_rmsnorm_pallas(hidden, parts, weight, eps=1e-6, out_dtype=F32, interpret=interpret)
+    assert x.dtype == F32
+    y = np.asarray(raw[:, :M], np.float64).sum(0)
+    h64 = np.asarray(hidden, np.float64) + y
+    assert np.abs(np.asarray(h, np.float64) - h64).max() <= 2 ** -7 * np.abs(h64).max()
+    hb = np.asarray(h, np.float64)
+    x64 = hb / np.sqrt((hb * hb).mean(-1, keepdims=True) + 1e-6) * np.asarray(weight, np.float64)
+    np.testing.assert_allclose(np.asarray(x), x64, rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_raise_shape_errors(rng):
+    hidden = jnp.asarray(rng.standard_normal((3, 256)), BF16)
+    w = jnp.ones(256, BF16)
+    good = SplitPartials(jnp.asarray(rng.standard_normal((2, 8, 256)), F32))
+    fn = functools.partial(norms.add_rmsnorm_pallas, eps=1e-5, interpret=True)
+    with pytest.raises(ShapeError, match="partials expected"):
+        fn(hidden, SplitPartials(good.values[:, :2]), w)                   # fewer rows than hidden
+    with pytest.raises(ShapeError, match="partials expected"):
+        fn(hidden, SplitPartials(good.values[..., :128]), w)               # another width
+    with pytest.raises(ShapeError, match="partials expected"):
+        fn(hidden, SplitPartials(good.values.astype(BF16)), w)             # neither float32 nor uint16 halves
+    with pytest.raises(ShapeError, match="partials expected"):
+        fn(hidden, SplitPartials(jnp.zeros((3, 2, 8, 256), jnp.uint16)), w)   # halves need a leading 2
+    with pytest.raises(ShapeError, match="weight"):
+        fn(hidden, good, jnp.ones(128, BF16))
+    with pytest.raises(ShapeError, match="hidden expected"):
+        fn(hidden[None], good, w)
+
+
+# ---- every decode GEMV arm hands on partials whose chain sum is its own output, bit for bit ----------------
+def _fp8(rng, N, K):
+    w = (rng.standard_normal((N, K)) * rng.uniform(0.1, 3.0, (N, 1))).astype(np.float32)
+    return tuple(jnp.asarray(a) for a in qf.quantize_fp8_block(w))
+
+
+def _nvfp4(rng, N, K):
+    w = (rng.standard_normal((N, K)) * rng.uniform(0.1, 3.0, (N, 1))).astype(np.float32)
+    return tuple(jnp.asarray(a) for a in qf.quantize_nvfp4(w))
+
+
+ARMS = {
+    "w8a16 triton": (_fp8, lambda x, *w, **kw: w8a16.w8a16_gemv_pallas(x, *w, **kw)),
+    "w8a16 mosaic split": (_fp8, lambda x, *w, **kw: w8m.w8a16_gemv_mosaic(x, *w, config=GemvConfig(64, 2, 4), **kw)),
+    "w8a16 mosaic unsplit": (_fp8, lambda x, *w, **kw: w8m.w8a16_gemv_mosaic(x, *w, config=GemvConfig(64, 2, 1),
+                                                                              **kw)),
+    "w8a8 triton": (_fp8, lambda x, *w, **kw: w8a16.w8a8_gemv_pallas(x, *w, **kw)),
+    "w8a8 mosaic": (_fp8, lambda x, *w, **kw: w8m.w8a8_gemv_mosaic(x, *w, config=GemvConfig(64, 2, 2), **kw)),
+    "w4a16 triton": (_nvfp4, lambda x, *w, **kw: w4a16.w4a16_gemv_pallas(x, *w, **kw)),
+    "w4a16 mosaic": (_nvfp4, lambda x, *w, **kw: w4m.w4a16_gemv_mosaic(x, *w, config=GemvConfig(64, 3, 2), **kw)),
+}
+
+
+@pytest.mark.parametrize("arm", list(ARMS))
+@pytest.mark.parametrize("M", [1, 5])
+def test_unreduced_partials_sum_to_the_output(rng, interpret, arm, M):
+    make, fn = ARMS[arm]
+    N, K = 128, 1024
+    w = make(rng, N, K)
+    x = jnp.asarray(rng.standard_normal((M, K)), BF16)
+    call = functools.partial(fn, interpret=interpret) if "mosaic" in arm or interpret else fn
+    parts = call(x, *w, unreduced=True)
+    assert isinstance(parts, SplitPartials) and parts.rows >= M and parts.width == N
+    _same(chain_sum(parts, M).astype(BF16), call(x, *w))
+    _same(chain_sum(parts, M), call(x, *w, out_dtype=F32))
+
+
+def test_unreduced_takes_no_epilogue_and_no_other_dtype(rng):
+    q, s = _fp8(rng, 128, 256)
+    x = jnp.asarray(rng.standard_normal((1, 256)), BF16)
+    with pytest.raises(ShapeError, match="unreduced=True"):
+        w8a16.w8a16_gemv_pallas(x, q, s, unreduced=True, epilogue="relu2", interpret=True)
+    with pytest.raises(ShapeError, match="unreduced=True"):
+        w8m.w8a16_gemv_mosaic(x, q, s, unreduced=True, out_dtype=BF16, interpret=True)
+    ref = w8a16.w8a16_reference(x, q, s, unreduced=True)
+    _same(chain_sum(ref, 1), w8a16.w8a16_reference(x, q, s, out_dtype=F32))

@@ -1,0 +1,103 @@
+"""The fused block boundary in decode (layers/blocks.py): an output projection hands on its split-K partials and
+the next block's input norm (or norm_f) adds them to the residual stream in one kernel (norms.add_rmsnorm).
+Quantized models in interpret mode: decode and speculative verify give the same logits, states and tokens, bit
+for bit, with the fused kernel as with it disabled (the partials' sum + residual add, then the plain norm)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from metrale_jax.config import ModelLevers
+from metrale_jax.layers.blocks import PendingResidual, close_block, settled
+from metrale_jax.model import NemotronH, decode_step, random_tensors
+from metrale_jax.runtime import steps
+from metrale_jax.weights.checkpoint import linear_module
+from metrale_jax.weights.containers import quantize_fp8_block_weight, quantize_nvfp4_weight
+from pallas_kernels import registry
+from tests.tiny_models import ALL_KINDS
+
+QUANT = {"fp8-block": quantize_fp8_block_weight, "nvfp4": quantize_nvfp4_weight}
+V = ALL_KINDS.vocab_size
+
+
+def _model(fmt: str, seed: int, kernels: str = "interpret") -> NemotronH:
+    """ALL_KINDS (Mamba, attention, MoE, MLP) in bf16 with every linear the format takes quantized."""
+    tensors = random_tensors(ALL_KINDS, jax.random.key(seed), jnp.bfloat16)
+    tensors = {n: QUANT[fmt](v) if linear_module(n) and n != "lm_head.weight" and v.shape[-1] % 16 == 0 else v
+               for n, v in tensors.items()}
+    return NemotronH(ALL_KINDS, tensors, dtype=jnp.bfloat16, levers=ModelLevers(kernels=kernels))
+
+
+def _fused_and_unfused(fn, *args):
+    """fn(*args) traced afresh (the dispatch is decided at trace time) with add_rmsnorm and with it disabled:
+    ((jaxpr text, outputs) fused, (jaxpr text, outputs) unfused); args are copied per run."""
+    def run():      # a fresh function per run: jax caches traces by function
+        text = str(jax.make_jaxpr(lambda *a: fn(*a))(*args))
+        return text, jax.jit(lambda *a: fn(*a))(*jax.tree.map(jnp.copy, args))
+    fused = run()
+    with registry.disabled("add_rmsnorm"):
+        unfused = run()
+    return fused, unfused
+
+
+def _same_trees(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("fmt", list(QUANT))
+def test_decode_is_bitwise_the_unfused_step(rng, fmt):
+    """Three sequences at their own lengths, two steps: the three boundaries after an output projection (Mamba
+    -> attention, attention -> MoE, MLP -> norm_f; the MoE's expert sum is not one projection's) run fused."""
+    model = _model(fmt, int(rng.integers(1 << 30)))
+    ids = rng.integers(0, V, (3, 7)).astype(np.int32)
+    lens = np.array([7, 3, 5])
+    _, cache = model.prefill(model.new_cache(3, 16), [2, 0, 1], np.where(np.arange(7) < lens[:, None], ids, 0), lens)
+    slots, tok = jnp.asarray([2, 0, 1]), jnp.asarray(rng.integers(0, V, 3), jnp.int32)
+    (text, (logits, new)), (text_u, (logits_u, new_u)) = _fused_and_unfused(
+        lambda c, s, t: decode_step(model, c, s, t), cache, slots, tok)
+    assert text.count("add_rmsnorm") == 3 and "add_rmsnorm" not in text_u
+    _same_trees((logits, new), (logits_u, new_u))
+    assert np.all(np.isfinite(np.asarray(logits)))
+    # a lone sequence (padded to two rows by the step) and a second step on the new cache
+    (_, one), (_, one_u) = _fused_and_unfused(lambda c, s, t: decode_step(model, c, s, t), new, slots[:1], tok[:1])
+    _same_trees(one, one_u)
+
+
+def test_speculative_verify_is_bitwise_the_unfused_step(rng):
+    """Two sequences, a pending token and three drafts each: the verify sweep (Mamba states after every row) and
+    its acceptance."""
+    model = _model("fp8-block", int(rng.integers(1 << 30)))
+    ids = rng.integers(0, V, (2, 6)).astype(np.int32)
+    _, cache = model.prefill(model.new_cache(2, 16), [0, 1], ids)
+    tokens = jnp.asarray(rng.integers(0, V, (2, 4)), jnp.int32)
+    z, o = jnp.zeros(2, jnp.float32), jnp.ones(2, jnp.float32)
+    fn = lambda c, t: steps.verify_step(model, c, jnp.asarray([0, 1]), t, jnp.asarray([3, 3]), z, o,
+                                        jnp.zeros(2, jnp.uint32), jnp.zeros(2, jnp.uint32), sampling=False)
+    (text, out), (text_u, out_u) = _fused_and_unfused(fn, cache, tokens)
+    assert "add_rmsnorm" in text and "add_rmsnorm" not in text_u
+    _same_trees(out, out_u)
+
+
+def test_only_decode_gemvs_of_own_weights_hand_on(rng):
+    """Prefill, a dense (BF16) arm and a LoRA overlay return the sum; settled() adds a pending residual as the
+    plain block would."""
+    model = _model("fp8-block", int(rng.integers(1 << 30)), kernels="reference")
+    proj = model.layers[0].out_proj
+    g = jnp.asarray(rng.standard_normal((3, proj.in_features)), jnp.bfloat16)
+    hidden = jnp.asarray(rng.standard_normal((3, proj.out_features)), jnp.bfloat16)
+    assert proj.hands_on_partials("decode", 3) and not proj.hands_on_partials("prefill", 3)
+    pending = close_block(hidden, proj, g, "decode", hand_on=True)
+    assert isinstance(pending, PendingResidual)
+    np.testing.assert_array_equal(np.asarray(settled(pending)), np.asarray(hidden + proj(g, phase="decode")))
+    assert not isinstance(close_block(hidden, proj, g, "decode", hand_on=False), PendingResidual)
+    assert not isinstance(close_block(hidden, proj, g, "prefill", hand_on=True), PendingResidual)
+    tensors = random_tensors(ALL_KINDS, jax.random.key(1), jnp.bfloat16)
+    dense = NemotronH(ALL_KINDS, tensors, dtype=jnp.bfloat16, levers=ModelLevers(kernels="reference"))
+    assert not dense.layers[0].out_proj.hands_on_partials("decode", 3)
+    model.add_adapter("a", r=2, lora_alpha=4.0, target_modules=["out_proj"], key=jax.random.key(2))
+    assert proj.lora is not None and not proj.hands_on_partials("decode", 3)
+    assert not isinstance(close_block(hidden, proj, g, "decode", hand_on=True), PendingResidual)
