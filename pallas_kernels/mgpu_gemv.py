@@ -14,9 +14,10 @@ several 16-row x tiles (`m_tiles`) and issues one m64 x n(16 m_tiles) wgmma per 
          are applied during the decode; the global scale multiplies the result.
 
 Launches (`GemvConfig`, defaults from `w8a16_gemv_blocks` / `w4a16_gemv_blocks`): K is split across CTAs until the
-SMs are covered (float32 partials added by XLA in a fixed order, `_finish`). Where the row blocks alone fill two
-CTAs per SM (in_proj) w8 runs unsplit with two K blocks per pipeline step and splits only the row blocks past a
-whole number per SM into K pieces (`tail_split`), so every SM streams about the same bytes; those pieces (and w4's
+SMs are covered (float32 partials added by XLA in a fixed order, `_finish`, or handed on unreduced to a consumer
+that adds them itself: split_partials.py). Where the row blocks alone fill two CTAs per SM (in_proj) w8 runs
+unsplit with two K blocks per pipeline step and splits only the row blocks past a whole number per SM into K
+pieces (`tail_split`), so every SM streams about the same bytes; those pieces (and w4's
 split halves at in_proj) are added in the kernel by 2-CTA clusters (`_cluster_sum`: CTA 0 adds the other's
 float32 partial from its shared memory in the order XLA's sum uses, so both give the same bits).
 

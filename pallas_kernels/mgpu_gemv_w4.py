@@ -19,11 +19,11 @@ from jax.experimental.mosaic.gpu import fragmented_array as mgpu_fa
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import epilogues, registry
-from pallas_kernels.split_partials import check_unreduced
 from pallas_kernels.mgpu_gemv import (ROWS, W4_BK, W4_K, GemvConfig, _check_config, _check_dims, _check_x_bf16,
                                       _cluster_launch, _cluster_sum, _finish, _grid, _interpret_kw, _mma, _out_spec,
                                       _pad_rows, _store_out, _tf, auto_split, launch_tiles, resolve_k_blocks,
                                       supports, x_rows)
+from pallas_kernels.split_partials import check_unreduced
 from pallas_kernels.w4a16 import check_nvfp4_args, w4a16_reference
 from pallas_kernels.w8a16 import H200_SMS
 

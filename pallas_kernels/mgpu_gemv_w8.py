@@ -24,11 +24,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import epilogues, registry
 from pallas_kernels.errors import ShapeError
 from pallas_kernels.formats import FP8_BLOCK
-from pallas_kernels.split_partials import check_unreduced, of_output
 from pallas_kernels.mgpu_gemv import (ROWS, W8_BK, GemvConfig, _check_config, _check_dims, _check_x_bf16,
                                       _cluster_launch, _cluster_sum, _finish, _grid, _interpret_kw, _mma_values,
                                       _out_spec, _pad_rows, _store_out, _tf, auto_split, launch_tiles,
                                       resolve_k_blocks, supports, x_rows)
+from pallas_kernels.split_partials import check_unreduced, of_output
 from pallas_kernels.w8a16 import H200_SMS, _check_w8a16, w8a16_reference, w8a8_gemv_reference
 
 
