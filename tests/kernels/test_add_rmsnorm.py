@@ -130,7 +130,7 @@ ARMS = {
 
 
 @pytest.mark.parametrize("arm", list(ARMS))
-@pytest.mark.parametrize("M", [1, 5])
+@pytest.mark.parametrize("M", [1, 5, 17])      # 17: x rows padded to 24, 16-row x tiles
 def test_unreduced_partials_sum_to_the_output(rng, interpret, arm, M):
     make, fn = ARMS[arm]
     N, K = 128, 1024
