@@ -309,7 +309,7 @@ def group_cfg(nb: norm_fp8.NormFp8Blocks) -> str:
     return f"{nb.group_rows_elems}/{nb.group_warps}{'' if nb.groups_first else ' rows first'}"
 
 
-# fused norm configs timed alone (the first: session 4's first build, one reshaped [1, 8192] tile per program)
+# fused norm configs timed alone (the first: one reshaped [1, 8192] tile per program, the kernel's first layout)
 NORM_SWEEP = list(dict.fromkeys([
     norm_fp8.NormFp8Blocks(8192, 8, False), norm_fp8.NORM_FP8_BLOCKS, norm_fp8.NormFp8Blocks(8192, 4, True),
     norm_fp8.NormFp8Blocks(16384, 8, True), norm_fp8.NormFp8Blocks(4096, 4, True)]))
