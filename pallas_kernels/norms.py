@@ -58,6 +58,13 @@ def gated_rmsnorm_reference(y: jax.Array, z: jax.Array, weight: jax.Array, *, gr
 # registers: read once, write once. Width up to 16384 per group in one block.
 
 
+def _launch(M: int, BG: int) -> tuple[int, dict]:
+    """(rows per program, compiler params) of a norm over groups BG wide (padded to a power of two). Shared by
+    every norm kernel: Triton's row sum follows the tile's shape and warps, so one launch gives one order."""
+    BM = max(1, min(next_pow2(M), 4096 // BG))
+    return BM, compiler_params(4 if BM * BG <= 4096 else 8)
+
+
 def _normalized(h, w_ref, cols, cm, GS, eps):
     """h [BM, BG] float32 (zero past the group) normalised per row over GS columns, times the weight (float32)."""
     var = jnp.sum(h * h, axis=1) / GS
@@ -89,12 +96,12 @@ def _norm(x, z, weight, *, group_size, eps, out_dtype, gated, interpret, z_col=0
     BG = next_pow2(group_size)
     if BG > 16384:
         raise ValueError(f"rmsnorm: group width {group_size} is over the kernel's 16384")
-    BM = max(1, min(next_pow2(M), 4096 // BG))
+    BM, params = _launch(M, BG)
     kernel = functools.partial(_norm_kernel, M=M, W=W, GS=group_size, BM=BM, BG=BG, eps=eps, gated=gated,
                                z_col=z_col)
     out = pl.pallas_call(
         kernel, out_shape=jax.ShapeDtypeStruct((M, W), out_dtype), grid=(W // group_size, pl.cdiv(M, BM)),
-        compiler_params=compiler_params(4 if BM * BG <= 4096 else 8), interpret=interpret, name="rmsnorm",
+        compiler_params=params, interpret=interpret, name="rmsnorm",
     )(x2, x2 if z is None else z.reshape(M, z.shape[-1]), weight)
     return out.reshape(x.shape)
 
@@ -146,21 +153,17 @@ def _add_norm_kernel(x_ref, p_ref, w_ref, h_ref, o_ref, *, M, D, S, BM, BD, eps,
     plgpu.store(o_ref.at[at], out.astype(o_ref.dtype), mask=m)
 
 
-ADD_NORM_WARPS = 8     # a program reads S float32 rows per row of h: more loads in flight than the plain norm's
-
-
 @functools.partial(jax.jit, static_argnames=("eps", "out_dtype", "interpret"))
 def _add_norm(hidden, values, weight, *, eps, out_dtype, interpret):
     M, D = hidden.shape
     halves = values.dtype == jnp.uint16
     BD = next_pow2(D)
-    BM = max(1, min(next_pow2(M), 4096 // BD))
+    BM, params = _launch(M, BD)          # the plain norm's launch: the same row sums, the same bits
     kernel = functools.partial(_add_norm_kernel, M=M, D=D, S=values.shape[-3], BM=BM, BD=BD, eps=eps,
                                halves=halves)
     return pl.pallas_call(
         kernel, out_shape=(jax.ShapeDtypeStruct((M, D), hidden.dtype), jax.ShapeDtypeStruct((M, D), out_dtype)),
-        grid=(pl.cdiv(M, BM),), compiler_params=compiler_params(ADD_NORM_WARPS), interpret=interpret,
-        name="add_rmsnorm",
+        grid=(pl.cdiv(M, BM),), compiler_params=params, interpret=interpret, name="add_rmsnorm",
     )(hidden, values, weight)
 
 
