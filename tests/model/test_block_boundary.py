@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from metrale_jax.config import ModelLevers
+from metrale_jax.errors import ShapeError
 from metrale_jax.layers.blocks import PendingResidual, close_block, settled
 from metrale_jax.model import NemotronH, decode_step, random_tensors
 from metrale_jax.runtime import steps
@@ -95,6 +96,10 @@ def test_only_decode_gemvs_of_own_weights_hand_on(rng):
     np.testing.assert_array_equal(np.asarray(settled(pending)), np.asarray(hidden + proj(g, phase="decode")))
     assert not isinstance(close_block(hidden, proj, g, "decode", hand_on=False), PendingResidual)
     assert not isinstance(close_block(hidden, proj, g, "prefill", hand_on=True), PendingResidual)
+    with pytest.raises(ShapeError, match="cannot hand on split partials"):
+        proj.partials(g, phase="prefill")
+    with pytest.raises(ShapeError, match="input must be"):
+        proj.partials(g[:, :8], phase="decode")
     tensors = random_tensors(ALL_KINDS, jax.random.key(1), jnp.bfloat16)
     dense = NemotronH(ALL_KINDS, tensors, dtype=jnp.bfloat16, levers=ModelLevers(kernels="reference"))
     assert not dense.layers[0].out_proj.hands_on_partials("decode", 3)
