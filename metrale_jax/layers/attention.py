@@ -20,8 +20,8 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import ShapeError, WeightFormatError
-from metrale_jax.layers.blocks import (close_block, input_rmsnorm, linear, optional_param, param, reduced_linear,
-                                      rows_of, value_of)
+from metrale_jax.layers.blocks import (close_block, close_block_across_devices, input_rmsnorm, linear, optional_param,
+                                      param, rows_of, value_of)
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import (check_array, check_layer_index, check_one_slot, check_slots, host_integers,
                                        positive_int, start_positions, static_int)
@@ -159,7 +159,8 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
                        self.scale)
         o = o.astype(hidden.dtype).reshape(B * T, H * hd)
         if self.tp_axis is not None:
-            out = hidden + reduced_linear(self.o_proj, self.o_bias, o, phase, self.tp_axis)
+            summed = jax.lax.psum(self.o_proj(o, phase=phase, out_dtype=jnp.float32), self.tp_axis)
+            out = close_block_across_devices(hidden, summed, self.o_bias, phase, hand_on)
         elif self.o_bias is None:
             out = close_block(hidden, self.o_proj, o, phase, hand_on)
         else:

@@ -1,10 +1,11 @@
 """Small pieces the blocks share: a block's opening (input RMSNorm) and closing (residual add), optional-bias
 linear maps and parameter checks.
 
-In decode a block may close with its output projection's split-K partials not yet added (`PendingResidual`):
-the next block opens by adding them to the residual stream and normalising the sum in one kernel
-(norms.add_rmsnorm), where the plain order takes two (the partials' sum + residual add, the norm). The same bits
-either way; `settled` adds them alone where no norm follows.
+In decode a block may close with its output projection's split-K partials not yet added (`PendingResidual`;
+on a tensor-parallel device, the all-reduced float32 output as one partial): the next block opens by adding them
+to the residual stream and normalising the sum in one kernel (norms.add_rmsnorm), where the plain order takes two
+(the partials' sum + residual add, the norm). The same bits either way; `settled` adds them alone where no norm
+follows.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from metrale_jax.errors import ShapeError
 from metrale_jax.layers.projection import Projection
 from metrale_jax.weights.containers import DenseWeight, as_dense
 from pallas_kernels import norm_fp8, registry
-from pallas_kernels.split_partials import SplitPartials, chain_sum
+from pallas_kernels.split_partials import SplitPartials, chain_sum, of_output
 from pallas_kernels.triton_util import columns
 
 
@@ -73,6 +74,17 @@ def close_block(hidden: jax.Array, proj: Projection, x: jax.Array, phase: str,
     return hidden + proj(x, phase=phase)
 
 
+def close_block_across_devices(hidden: jax.Array, summed: jax.Array, bias, phase: str,
+                               hand_on: bool) -> jax.Array | PendingResidual:
+    """hidden + (summed + bias) on a tensor-parallel device: summed [M, D] the all-reduced float32 output of the
+    block's last projection, rounded once to hidden's dtype. With hand_on in decode, a PendingResidual holding it
+    as one partial, so the next norm adds it (the same bits)."""
+    y = plus_bias(summed, bias)
+    if hand_on and phase == "decode":
+        return PendingResidual(hidden, of_output(y))
+    return hidden + y.astype(hidden.dtype)
+
+
 def input_rmsnorm(hidden: jax.Array | PendingResidual, weight: jax.Array, *, eps: float,
                   projections: tuple[Projection, ...], phase: str, kernels: str | None):
     """A block's input RMSNorm in front of `projections` (which all read its output): (stream, normalised rows),
@@ -86,12 +98,6 @@ def input_rmsnorm(hidden: jax.Array | PendingResidual, weight: jax.Array, *, eps
                                            for p in projections)
                  and registry.resolved("rmsnorm_fp8", kernels) and norm_fp8.supports(width, width, per_block=True))
     return open_block(hidden, weight, eps=eps, kernels=kernels, fp8=dict(per_block=True) if quantized else None)
-
-
-def reduced_linear(proj: Projection, bias, x: jax.Array, phase: str, axis: str) -> jax.Array:
-    """`linear` on a tensor-parallel device: this device's partial proj(x) (x split by input column) in
-    float32, summed over `axis` (the block's one all-reduce), then the bias once, then one rounding."""
-    return plus_bias(jax.lax.psum(proj(x, phase=phase, out_dtype=jnp.float32), axis), bias).astype(x.dtype)
 
 
 def gated_rmsnorm_across_devices(y: jax.Array, z: jax.Array, weight: jax.Array, *, group_size: int, eps: float,

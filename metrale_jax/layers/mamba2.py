@@ -18,8 +18,8 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import ShapeError, WeightFormatError
-from metrale_jax.layers.blocks import (close_block, gated_rmsnorm_across_devices, open_block, reduced_linear, rows_of,
-                                      settled)
+from metrale_jax.layers.blocks import (close_block, close_block_across_devices, gated_rmsnorm_across_devices,
+                                      open_block, rows_of, settled)
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import (check_array, check_layer_index, check_one_slot, check_slots, host_integers,
                                        positive_int, start_positions, static_int)
@@ -228,7 +228,8 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         else:
             g = self._kernel("gated_rmsnorm")(y, z, self.norm_weight[...], z_col=z_col, **kw)
         if self.tp_axis is not None:
-            return hidden + reduced_linear(self.out_proj, None, g, phase, self.tp_axis)
+            summed = jax.lax.psum(self.out_proj(g, phase=phase, out_dtype=jnp.float32), self.tp_axis)
+            return close_block_across_devices(hidden, summed, None, phase, hand_on)
         return close_block(hidden, self.out_proj, g, phase, hand_on)
 
     def _pool_rows(self, pool: SsmPool, skip_padding_slot: bool) -> dict:

@@ -15,8 +15,8 @@ from flax import nnx
 
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import WeightFormatError
-from metrale_jax.layers.blocks import (PendingResidual, StatelessRows, close_block, input_rmsnorm, linear,
-                                      optional_param, param, plus_bias, rows_of, value_of)
+from metrale_jax.layers.blocks import (PendingResidual, StatelessRows, close_block, close_block_across_devices,
+                                      input_rmsnorm, linear, optional_param, param, rows_of, value_of)
 from metrale_jax.layers.capabilities import LayerCapabilities
 from metrale_jax.layers.checks import check_array, check_layer_index
 from metrale_jax.layers.projection import Projection
@@ -111,8 +111,8 @@ class NemotronMLPLayer(StatelessRows, LayerCapabilities, nnx.Module):
         hidden, x = input_rmsnorm(hidden, self.input_norm[...], eps=self.config.layer_norm_epsilon,
                                   projections=(self.mlp.up_proj,), phase=phase, kernels=self.kernels)
         if self.tp_axis is not None:
-            y = jax.lax.psum(self.mlp.partial_sum(x, phase=phase), self.tp_axis)
-            return hidden + plus_bias(y, self.mlp.down_bias).astype(hidden.dtype)
+            summed = jax.lax.psum(self.mlp.partial_sum(x, phase=phase), self.tp_axis)
+            return close_block_across_devices(hidden, summed, self.mlp.down_bias, phase, hand_on)
         if self.mlp.down_bias is None:
             return close_block(hidden, self.mlp.down_proj, self.mlp.act(x, phase), phase, hand_on)
         return hidden + self.mlp(x, phase=phase)

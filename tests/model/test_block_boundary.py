@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from metrale_jax import sharding
 from metrale_jax.config import ModelLevers
 from metrale_jax.errors import ShapeError
 from metrale_jax.layers.blocks import PendingResidual, close_block, settled
@@ -106,3 +107,20 @@ def test_only_decode_gemvs_of_own_weights_hand_on(rng):
     model.add_adapter("a", r=2, lora_alpha=4.0, target_modules=["out_proj"], key=jax.random.key(2))
     assert proj.lora is not None and not proj.hands_on_partials("decode", 3)
     assert not isinstance(close_block(hidden, proj, g, "decode", hand_on=True), PendingResidual)
+
+
+def test_tensor_parallel_decode_is_bitwise_the_unfused_step(rng):
+    """Split over two devices the blocks' all-reduced outputs wait for the next norm as one partial each: the
+    same logits and states as with the fused kernel disabled."""
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
+    tensors = random_tensors(ALL_KINDS, jax.random.key(int(rng.integers(1 << 30))), jnp.bfloat16)
+    model = NemotronH(ALL_KINDS, tensors, dtype=jnp.bfloat16, levers=ModelLevers(kernels="interpret"),
+                      mesh=sharding.make_mesh(2))
+    ids = rng.integers(0, V, (2, 5)).astype(np.int32)
+    _, cache = model.prefill(model.new_cache(2, 16), [0, 1], ids)
+    tok = jnp.asarray(rng.integers(0, V, 2), jnp.int32)
+    (text, out), (text_u, out_u) = _fused_and_unfused(lambda c, s, t: decode_step(model, c, s, t), cache,
+                                                      jnp.asarray([0, 1]), tok)
+    assert "add_rmsnorm" in text and "add_rmsnorm" not in text_u
+    _same_trees(out, out_u)
