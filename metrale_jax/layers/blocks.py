@@ -34,8 +34,9 @@ def linear(proj: Projection, bias, x: jax.Array, phase: str) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class PendingResidual:
-    """The residual stream after a decode block whose output projection handed on its split-K partials:
-    hidden + (the partials' sum in split order, rounded to hidden's dtype).  hidden [M, D], partials [S, R >= M, D]."""
+    """The residual stream after a decode block whose output projection handed on its split-K partials (on a
+    tensor-parallel device: its all-reduced output, one partial): hidden + (the partials' sum in split order,
+    rounded to hidden's dtype).  hidden [M, D], partials [S, R >= M, D]."""
     hidden: jax.Array
     partials: SplitPartials
 
