@@ -169,7 +169,8 @@ def _add_norm(hidden, values, weight, *, eps, out_dtype, interpret):
 
 def add_rmsnorm_pallas(hidden: jax.Array, partials: SplitPartials, weight: jax.Array, *, eps: float, out_dtype=None,
                        interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """The Pallas residual add + RMSNorm; same call and results (bitwise) as `add_rmsnorm_reference`."""
+    """The Pallas residual add + RMSNorm; same call as `add_rmsnorm_reference`, and bitwise the unfused
+    composition it fuses (the partials' chain sum, the residual add, then `rmsnorm_pallas`)."""
     check_floating("add_rmsnorm", "hidden", hidden)
     if hidden.ndim != 2:
         raise ShapeError(f"add_rmsnorm: hidden expected [M, D], got shape {tuple(hidden.shape)}")
