@@ -43,6 +43,7 @@ from metrale_jax.init import iter_random_tensors, random_tensors  # noqa: F401  
 from metrale_jax.hub import resolve_checkpoint
 from metrale_jax.layers.attention import NemotronAttentionLayer
 from metrale_jax.layers import lora
+from metrale_jax.layers.blocks import open_block
 from metrale_jax.layers.capabilities import ModelCapabilities, combine_capabilities
 from metrale_jax.layers.install import cast_tensors, infer_quant_config, mamba_layer
 from metrale_jax.layers.mamba2 import NemotronMamba2Layer
@@ -50,7 +51,6 @@ from metrale_jax.layers.mlp import NemotronMLPLayer
 from metrale_jax.layers.moe import NemotronMoELayer
 from metrale_jax.layers.mtp import MtpCache, NemotronMTP
 from metrale_jax.layers.projection import Projection
-from metrale_jax.layers.blocks import PendingResidual, open_block
 from metrale_jax.layers.stack import DecodeRows, PrefillRows, run_blocks
 from metrale_jax.runtime.executables import bucket
 from metrale_jax.state.cache import ModelCache
@@ -532,9 +532,7 @@ class NemotronH(nnx.Module):
 # ---- the compiled steps (pure functions of the model) ----------------------------------------------
 def _rmsnorm(model: NemotronH, x) -> jax.Array:
     """norm_f over the last block's stream x [..., D] (or its PendingResidual: added in the norm, blocks.py)."""
-    if isinstance(x, PendingResidual):
-        return open_block(x, model.norm_f[...], eps=model.config.layer_norm_epsilon, kernels=model.levers.kernels)[1]
-    return registry.get("rmsnorm", model.levers.kernels)(x, model.norm_f[...], eps=model.config.layer_norm_epsilon)
+    return open_block(x, model.norm_f[...], eps=model.config.layer_norm_epsilon, kernels=model.levers.kernels)[1]
 
 
 def _logits(model: NemotronH, x: jax.Array, phase: str = "prefill", slots=None) -> jax.Array:

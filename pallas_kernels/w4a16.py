@@ -200,7 +200,7 @@ def _w4_call(x, packed, scale, global_scale, tiles=None, *, out_dtype, blocks: W
         kernel, out_shape=jax.ShapeDtypeStruct((split, M, N), out_t), grid=(num_m * num_n, split),
         compiler_params=compiler_params(blocks.num_warps, blocks.num_stages), interpret=interpret, name=name,
     )(*(() if tiles is None else (tiles,)), x, p3, scale, jnp.asarray(global_scale, jnp.float32).reshape(-1))
-    return SplitPartials(out) if unreduced else finish_split(out, split, M, out_dtype)
+    return SplitPartials(out) if unreduced else finish_split(out, M, out_dtype)
 
 
 # Defaults from the H200 sweeps (benchmarks/notes/quant.md): the PTX nibble decoder on the GPU

@@ -29,7 +29,7 @@ from pallas_kernels import epilogues
 from pallas_kernels.errors import ShapeError
 from pallas_kernels.formats import FP8_BLOCK, block_grid, expand_block_scale, fp8_dequantized
 from pallas_kernels import registry
-from pallas_kernels.split_partials import SplitPartials, check_unreduced, of_output
+from pallas_kernels.split_partials import SplitPartials, chain_sum, check_unreduced, of_output
 from pallas_kernels.triton_util import compiler_params, dot, dot_dtype, next_pow2
 
 H200_SMS = 132
@@ -105,13 +105,10 @@ def grid_ids(num_m: int):
     return pid // num_m, pid % num_m
 
 
-def finish_split(out: jax.Array, split: int, M: int, out_dtype) -> jax.Array:
+def finish_split(out: jax.Array, M: int, out_dtype) -> jax.Array:
     """Sum the split-K partials [split, Mp, N] as a chain of elementwise adds (one order whatever the shape:
     a reduce may be emitted with an M-dependent order) and cut the padding rows."""
-    y = out[0] if out.ndim == 3 else out
-    for i in range(1, split):
-        y = y + out[i]
-    return y[:M].astype(out_dtype)
+    return chain_sum(SplitPartials(out), M).astype(out_dtype)
 
 
 # ---- reference -----------------------------------------------------------------------------------------
@@ -200,7 +197,7 @@ def _w8a16_call(x, w, scale, tiles=None, *, out_dtype, blocks: QuantBlocks, inte
         kernel, out_shape=jax.ShapeDtypeStruct((split, M, N), out_t), grid=(num_m * num_n, split),
         compiler_params=compiler_params(blocks.num_warps, blocks.num_stages), interpret=interpret, name=name,
     )(*(() if tiles is None else (tiles,)), x, w, scale)
-    return SplitPartials(out) if unreduced else finish_split(out, split, M, out_dtype)
+    return SplitPartials(out) if unreduced else finish_split(out, M, out_dtype)
 
 
 # Defaults from the H200 sweep (benchmarks/notes/quant.md): the weight tile as the B operand

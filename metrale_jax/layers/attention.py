@@ -159,8 +159,8 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
                        self.scale)
         o = o.astype(hidden.dtype).reshape(B * T, H * hd)
         if self.tp_axis is not None:
-            summed = jax.lax.psum(self.o_proj(o, phase=phase, out_dtype=jnp.float32), self.tp_axis)
-            out = close_block_across_devices(hidden, summed, self.o_bias, phase, hand_on)
+            out = close_block_across_devices(hidden, self.o_proj(o, phase=phase, out_dtype=jnp.float32), self.o_bias,
+                                             self.tp_axis, phase, hand_on)
         elif self.o_bias is None:
             out = close_block(hidden, self.o_proj, o, phase, hand_on)
         else:

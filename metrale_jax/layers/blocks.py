@@ -75,12 +75,13 @@ def close_block(hidden: jax.Array, proj: Projection, x: jax.Array, phase: str,
     return hidden + proj(x, phase=phase)
 
 
-def close_block_across_devices(hidden: jax.Array, summed: jax.Array, bias, phase: str,
+def close_block_across_devices(hidden: jax.Array, partial: jax.Array, bias, axis: str, phase: str,
                                hand_on: bool) -> jax.Array | PendingResidual:
-    """hidden + (summed + bias) on a tensor-parallel device: summed [M, D] the all-reduced float32 output of the
-    block's last projection, rounded once to hidden's dtype. With hand_on in decode, a PendingResidual holding it
-    as one partial, so the next norm adds it (the same bits)."""
-    y = plus_bias(summed, bias)
+    """hidden + (all-reduce of partial + bias) on a tensor-parallel device: partial [M, D] this device's float32
+    share of the block's last projection (x split by input column), summed over `axis` (the block's one
+    all-reduce), the bias added once, rounded once to hidden's dtype. With hand_on in decode, a PendingResidual
+    holding the sum as one partial, so the next norm adds it (the same bits)."""
+    y = plus_bias(jax.lax.psum(partial, axis), bias)
     if hand_on and phase == "decode":
         return PendingResidual(hidden, of_output(y))
     return hidden + y.astype(hidden.dtype)

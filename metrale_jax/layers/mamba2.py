@@ -228,8 +228,8 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         else:
             g = self._kernel("gated_rmsnorm")(y, z, self.norm_weight[...], z_col=z_col, **kw)
         if self.tp_axis is not None:
-            summed = jax.lax.psum(self.out_proj(g, phase=phase, out_dtype=jnp.float32), self.tp_axis)
-            return close_block_across_devices(hidden, summed, None, phase, hand_on)
+            return close_block_across_devices(hidden, self.out_proj(g, phase=phase, out_dtype=jnp.float32), None,
+                                              self.tp_axis, phase, hand_on)
         return close_block(hidden, self.out_proj, g, phase, hand_on)
 
     def _pool_rows(self, pool: SsmPool, skip_padding_slot: bool) -> dict:
@@ -308,10 +308,11 @@ class NemotronMamba2Layer(LayerCapabilities, nnx.Module):
         skip_padding_slot: the pool's padding slot holds no sequence (the model's steps pad their batches with
         it), so the conv and state kernels neither read nor write it (rows naming it give padding). In the block
         loop (hand_on) the stream may come in and go out as a PendingResidual (layers/blocks.py)."""
-        self._check_hidden(rows_of(hidden))
+        rows = rows_of(hidden)
+        self._check_hidden(rows)
         self._check_pool(pool)
-        slots = check_slots("slots", slots, rows_of(hidden).shape[0], pool.num_slots)
-        if rows_of(hidden).shape[0] == 1:
+        slots = check_slots("slots", slots, rows.shape[0], pool.num_slots)
+        if rows.shape[0] == 1:
             out, pool = self.decode_multi_seq(*_pad_one(pool, slots, settled(hidden)),
                                               skip_padding_slot=skip_padding_slot)
             return out[:1], pool

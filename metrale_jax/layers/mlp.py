@@ -111,8 +111,8 @@ class NemotronMLPLayer(StatelessRows, LayerCapabilities, nnx.Module):
         hidden, x = input_rmsnorm(hidden, self.input_norm[...], eps=self.config.layer_norm_epsilon,
                                   projections=(self.mlp.up_proj,), phase=phase, kernels=self.kernels)
         if self.tp_axis is not None:
-            summed = jax.lax.psum(self.mlp.partial_sum(x, phase=phase), self.tp_axis)
-            return close_block_across_devices(hidden, summed, self.mlp.down_bias, phase, hand_on)
+            return close_block_across_devices(hidden, self.mlp.partial_sum(x, phase=phase), self.mlp.down_bias,
+                                              self.tp_axis, phase, hand_on)
         if self.mlp.down_bias is None:
             return close_block(hidden, self.mlp.down_proj, self.mlp.act(x, phase), phase, hand_on)
         return hidden + self.mlp(x, phase=phase)

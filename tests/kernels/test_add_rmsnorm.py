@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 from metrale_jax.errors import ShapeError
-from metrale_jax.weights import quant_formats as qf
 from pallas_kernels import mgpu_gemv_w4 as w4m
 from pallas_kernels import mgpu_gemv_w8 as w8m
 from pallas_kernels import norms, w4a16, w8a16
 from pallas_kernels.mgpu_gemv import GemvConfig
 from pallas_kernels.split_partials import SplitPartials, chain_sum, join_halves, split_halves
+from tests.kernels.test_mgpu_gemv import _fp8, _nvfp4
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 
@@ -110,16 +110,6 @@ def test_bad_inputs_raise_shape_errors(rng):
 
 
 # ---- every decode GEMV arm hands on partials whose chain sum is its own output, bit for bit ----------------
-def _fp8(rng, N, K):
-    w = (rng.standard_normal((N, K)) * rng.uniform(0.1, 3.0, (N, 1))).astype(np.float32)
-    return tuple(jnp.asarray(a) for a in qf.quantize_fp8_block(w))
-
-
-def _nvfp4(rng, N, K):
-    w = (rng.standard_normal((N, K)) * rng.uniform(0.1, 3.0, (N, 1))).astype(np.float32)
-    return tuple(jnp.asarray(a) for a in qf.quantize_nvfp4(w))
-
-
 ARMS = {
     "w8a16 triton": (_fp8, lambda x, *w, **kw: w8a16.w8a16_gemv_pallas(x, *w, **kw)),
     "w8a16 mosaic split": (_fp8, lambda x, *w, **kw: w8m.w8a16_gemv_mosaic(x, *w, config=GemvConfig(64, 2, 4), **kw)),
