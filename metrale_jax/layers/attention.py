@@ -161,10 +161,8 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
         if self.tp_axis is not None:
             out = close_block_across_devices(hidden, self.o_proj(o, phase=phase, out_dtype=jnp.float32), self.o_bias,
                                              self.tp_axis, phase, hand_on)
-        elif self.o_bias is None:
-            out = close_block(hidden, self.o_proj, o, phase, hand_on)
         else:
-            out = hidden + linear(self.o_proj, self.o_bias, o, phase)
+            out = close_block(hidden, self.o_proj, o, phase, hand_on, bias=self.o_bias)
         return out, KvPool(pk, pv)
 
     def _check(self, pool: KvPool, hidden: jax.Array, name: str = "hidden") -> None:

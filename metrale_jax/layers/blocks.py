@@ -2,10 +2,10 @@
 linear maps and parameter checks.
 
 In decode a block may close with its output projection's split-K partials not yet added (`PendingResidual`;
-on a tensor-parallel device, the all-reduced float32 output as one partial): the next block opens by adding them
-to the residual stream and normalising the sum in one kernel (norms.add_rmsnorm), where the plain order takes two
-(the partials' sum + residual add, the norm). The same bits either way; `settled` adds them alone where no norm
-follows.
+where the projection has none to hand on, e.g. a dense arm, or on a tensor-parallel device after the all-reduce,
+its float32 output as one partial): the next block opens by adding them to the residual stream and normalising
+the sum in one kernel (norms.add_rmsnorm), where the plain order takes two (the partials' sum + residual add, the
+norm). The same bits either way; `settled` adds them alone where no norm follows.
 """
 
 from __future__ import annotations
@@ -67,12 +67,16 @@ def open_block(hidden: jax.Array | PendingResidual, weight: jax.Array, *, eps: f
     return hidden, registry.get("rmsnorm", kernels)(hidden, weight, eps=eps)
 
 
-def close_block(hidden: jax.Array, proj: Projection, x: jax.Array, phase: str,
-                hand_on: bool) -> jax.Array | PendingResidual:
-    """hidden + proj(x); with hand_on, as a PendingResidual where the projection can hand on its split partials."""
-    if hand_on and proj.hands_on_partials(phase, x.shape[0]):
+def close_block(hidden: jax.Array, proj: Projection, x: jax.Array, phase: str, hand_on: bool,
+                bias=None) -> jax.Array | PendingResidual:
+    """hidden + proj(x) (+ bias, added to the float32 accumulator). With hand_on in decode, a PendingResidual: the
+    projection's split partials where its GEMV hands them on, else its float32 output (+ bias) as one partial
+    (a dense arm, a LoRA overlay, ...): the next norm rounds and adds it, the same bits."""
+    if not (hand_on and phase == "decode"):
+        return hidden + linear(proj, bias, x, phase)
+    if bias is None and proj.hands_on_partials(phase, x.shape[0]):
         return PendingResidual(hidden, proj.partials(x, phase=phase))
-    return hidden + proj(x, phase=phase)
+    return PendingResidual(hidden, of_output(plus_bias(proj(x, phase=phase, out_dtype=jnp.float32), bias)))
 
 
 def close_block_across_devices(hidden: jax.Array, partial: jax.Array, bias, axis: str, phase: str,

@@ -113,6 +113,4 @@ class NemotronMLPLayer(StatelessRows, LayerCapabilities, nnx.Module):
         if self.tp_axis is not None:
             return close_block_across_devices(hidden, self.mlp.partial_sum(x, phase=phase), self.mlp.down_bias,
                                               self.tp_axis, phase, hand_on)
-        if self.mlp.down_bias is None:
-            return close_block(hidden, self.mlp.down_proj, self.mlp.act(x, phase), phase, hand_on)
-        return hidden + self.mlp(x, phase=phase)
+        return close_block(hidden, self.mlp.down_proj, self.mlp.act(x, phase), phase, hand_on, bias=self.mlp.down_bias)

@@ -1,17 +1,20 @@
-"""The fused block boundary in decode (layers/blocks.py): an output projection hands on its split-K partials and
-the next block's input norm (or norm_f) adds them to the residual stream in one kernel (norms.add_rmsnorm).
-Quantized models in interpret mode: decode and speculative verify give the same logits, states and tokens, bit
-for bit, with the fused kernel as with it disabled (the partials' sum + residual add, then the plain norm)."""
+"""The fused block boundary in decode (layers/blocks.py): an output projection hands on its split-K partials (a
+dense one its float32 output) and the next block's input norm (or norm_f) adds them to the residual stream in one
+kernel (norms.add_rmsnorm). Quantized and BF16 models in interpret mode: decode and speculative verify give the
+same logits, states and tokens, bit for bit, with the fused kernel as with it disabled (the partials' sum +
+residual add, then the plain norm)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from metrale_jax import sharding
 from metrale_jax.config import ModelLevers
 from metrale_jax.errors import ShapeError
-from metrale_jax.layers.blocks import PendingResidual, close_block, settled
+from metrale_jax.layers.blocks import PendingResidual, close_block, linear, settled
+from metrale_jax.layers.lora import head_rows, slot_adapters
 from metrale_jax.model import NemotronH, decode_step, random_tensors
 from metrale_jax.runtime import steps
 from metrale_jax.weights.checkpoint import linear_module
@@ -19,12 +22,12 @@ from metrale_jax.weights.containers import quantize_fp8_block_weight, quantize_n
 from pallas_kernels import registry
 from tests.tiny_models import ALL_KINDS
 
-QUANT = {"fp8-block": quantize_fp8_block_weight, "nvfp4": quantize_nvfp4_weight}
+QUANT = {"fp8-block": quantize_fp8_block_weight, "nvfp4": quantize_nvfp4_weight, "bf16": lambda w: w}
 V = ALL_KINDS.vocab_size
 
 
 def _model(fmt: str, seed: int, kernels: str = "interpret") -> NemotronH:
-    """ALL_KINDS (Mamba, attention, MoE, MLP) in bf16 with every linear the format takes quantized."""
+    """ALL_KINDS (Mamba, attention, MoE, MLP) in bf16 with every linear the format takes quantized (bf16: none)."""
     tensors = random_tensors(ALL_KINDS, jax.random.key(seed), jnp.bfloat16)
     tensors = {n: QUANT[fmt](v) if linear_module(n) and n != "lm_head.weight" and v.shape[-1] % 16 == 0 else v
                for n, v in tensors.items()}
@@ -84,17 +87,49 @@ def test_speculative_verify_is_bitwise_the_unfused_step(rng):
     _same_trees(out, out_u)
 
 
-def test_only_decode_gemvs_of_own_weights_hand_on(rng):
-    """Prefill, a dense (BF16) arm and a LoRA overlay return the sum; settled() adds a pending residual as the
-    plain block would."""
+def test_decode_with_lora_is_bitwise_the_unfused_step(rng):
+    """An adapter on every output projection: each block hands on its float32 output (base + low-rank term) as one
+    partial, and the step is the unfused one bit for bit."""
+    model = _model("fp8-block", int(rng.integers(1 << 30)))
+    model.add_adapter("a", r=2, lora_alpha=4.0, target_modules=["out_proj", "o_proj", "down_proj"],
+                      key=jax.random.key(3))
+    for layer in model.layers:
+        for proj in (getattr(layer, "out_proj", None), getattr(layer, "o_proj", None),
+                     getattr(getattr(layer, "mlp", None), "down_proj", None)):
+            if proj is not None and proj.lora is not None:
+                proj.lora.b.set_value(jnp.asarray(rng.standard_normal(proj.lora.b.shape), proj.lora.b.dtype))
+    ids = rng.integers(0, V, (2, 5)).astype(np.int32)
+    _, cache = model.prefill(model.new_cache(2, 16), [0, 1], ids)
+    tok = jnp.asarray(rng.integers(0, V, 2), jnp.int32)
+    (text, out), (text_u, out_u) = _fused_and_unfused(lambda c, s, t: decode_step(model, c, s, t), cache,
+                                                      jnp.asarray([0, 1]), tok)
+    assert text.count("add_rmsnorm") == 3 and "add_rmsnorm" not in text_u
+    _same_trees(out, out_u)
+
+
+def _closings(proj, hidden, g, bias=None):
+    """close_block in decode with hand_on, and the plain block's stream hidden + linear(proj, bias, g)."""
+    return close_block(hidden, proj, g, "decode", hand_on=True, bias=bias), hidden + linear(proj, bias, g, "decode")
+
+
+def _same_settled(pending, plain, splits):
+    assert isinstance(pending, PendingResidual) and pending.partials.splits == splits
+    assert pending.partials.values.dtype == jnp.float32 or pending.partials.halves
+    np.testing.assert_array_equal(np.asarray(settled(pending)), np.asarray(plain))
+
+
+def test_what_a_block_hands_on(rng):
+    """In decode a quantized GEMV hands on its split partials; a dense arm, a biased projection and a LoRA overlay
+    their float32 output as one partial; settled() of each is the plain block's stream bit for bit. Prefill and
+    hand_on=False return the sum."""
     model = _model("fp8-block", int(rng.integers(1 << 30)), kernels="reference")
     proj = model.layers[0].out_proj
     g = jnp.asarray(rng.standard_normal((3, proj.in_features)), jnp.bfloat16)
     hidden = jnp.asarray(rng.standard_normal((3, proj.out_features)), jnp.bfloat16)
+    bias = nnx.Param(jnp.asarray(rng.standard_normal(proj.out_features), jnp.bfloat16))
     assert proj.hands_on_partials("decode", 3) and not proj.hands_on_partials("prefill", 3)
-    pending = close_block(hidden, proj, g, "decode", hand_on=True)
-    assert isinstance(pending, PendingResidual)
-    np.testing.assert_array_equal(np.asarray(settled(pending)), np.asarray(hidden + proj(g, phase="decode")))
+    _same_settled(*_closings(proj, hidden, g), splits=proj.partials(g, phase="decode").splits)
+    _same_settled(*_closings(proj, hidden, g, bias), splits=1)
     assert not isinstance(close_block(hidden, proj, g, "decode", hand_on=False), PendingResidual)
     assert not isinstance(close_block(hidden, proj, g, "prefill", hand_on=True), PendingResidual)
     with pytest.raises(ShapeError, match="cannot hand on split partials"):
@@ -103,10 +138,16 @@ def test_only_decode_gemvs_of_own_weights_hand_on(rng):
         proj.partials(g[:, :8], phase="decode")
     tensors = random_tensors(ALL_KINDS, jax.random.key(1), jnp.bfloat16)
     dense = NemotronH(ALL_KINDS, tensors, dtype=jnp.bfloat16, levers=ModelLevers(kernels="reference"))
-    assert not dense.layers[0].out_proj.hands_on_partials("decode", 3)
+    dense_proj = dense.layers[0].out_proj
+    assert dense_proj.active_arm("decode", 3) == "dense" and not dense_proj.hands_on_partials("decode", 3)
+    _same_settled(*_closings(dense_proj, hidden, g), splits=1)
     model.add_adapter("a", r=2, lora_alpha=4.0, target_modules=["out_proj"], key=jax.random.key(2))
-    assert proj.lora is not None and not proj.hands_on_partials("decode", 3)
-    assert not isinstance(close_block(hidden, proj, g, "decode", hand_on=True), PendingResidual)
+    proj.lora.b.set_value(jnp.asarray(rng.standard_normal(proj.lora.b.shape), proj.lora.b.dtype))  # PEFT's is 0
+    assert not proj.hands_on_partials("decode", 3)
+    with slot_adapters(jnp.ones(3, jnp.int32)), head_rows(jnp.arange(3)):
+        pending, plain = _closings(proj, hidden, g)
+        _same_settled(pending, plain, splits=1)
+    assert not np.array_equal(np.asarray(plain), np.asarray(hidden + proj(g, phase="decode")))   # delta is live
 
 
 def test_tensor_parallel_decode_is_bitwise_the_unfused_step(rng):
