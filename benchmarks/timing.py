@@ -11,6 +11,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import tempfile
 import time
 
@@ -81,14 +82,21 @@ def gpu_kernel_events(trace_dir: str) -> list[dict] | None:
     return sorted(kernels, key=lambda e: e.get("ts", 0))
 
 
+def kernel_family(name: str) -> str:
+    """A kernel's name without the `__N` suffix that tells apart launches of one kernel (each layer's
+    `ssm_state_update__7`), cut to 100 characters."""
+    return re.sub(r"__\d+$", "", name[:100])
+
+
 def kernel_breakdown(events: list[dict], steps: int, classify, top: int = 25) -> dict:
     """Per step of a traced run of `steps` steps: kernel time and count per class (classify(name)) and for the
-    `top` longest kernel names, the busy time, the trace span from the first kernel's start to the last one's
-    end, and the span's idle part (launch gaps, host waits). events: gpu_kernel_events' list."""
+    `top` longest kernels (by `kernel_family`: the launches of one kernel in every layer together), the busy
+    time, the trace span from the first kernel's start to the last one's end, and the span's idle part (launch
+    gaps, host waits). events: gpu_kernel_events' list."""
     names, classes = {}, {}
     for e in events:
         n, us = str(e.get("name", "")), e.get("dur", 0) / steps
-        k = names.setdefault(n[:100], {"us_per_step": 0.0, "count_per_step": 0.0, "class": classify(n)})
+        k = names.setdefault(kernel_family(n), {"us_per_step": 0.0, "count_per_step": 0.0, "class": classify(n)})
         c = classes.setdefault(k["class"], {"us_per_step": 0.0, "count_per_step": 0.0})
         for row in (k, c):
             row["us_per_step"] += us

@@ -145,11 +145,11 @@ def causal_conv1d_update_multi_reference(pool: jax.Array, rows: jax.Array, x: ja
 # Forward: grid (channel blocks, token blocks); a token's tap at lag l reads x[t - l] when it lies in the same
 # sequence (position >= l), else entry K-1+pos-l of the sequence's initial state. Taps accumulate in f32 in the
 # reference's order. The final states (S x C x (K-1) values) are gathered by the same jnp code as the reference.
-# Update: grid (channel blocks, batch rows): each program reads its row's [BC, K-1] window from the pool, runs
-# its k tokens (y = silu(sum_k w_k window_k), the window shifts by one) and writes the window back into the
-# same buffer: the pool is an input aliased to an output, so with the pool donated nothing else of it is
-# read, written or copied (no gather / scatter around the kernel). Rows naming the padding row race only there,
-# and with skip_row (the padding row) they neither read nor write it.
+# Update: grid (channel blocks, batch rows): each program reads its row's [BC, K-1] window from the pool (as one
+# [BC, KW] tile), runs its k tokens (y = silu(sum_k w_k window_k), the window shifts by one) and writes the window
+# back into the same buffer: the pool is an input aliased to an output, so with the pool donated nothing else of
+# it is read, written or copied (no gather / scatter around the kernel). Rows naming the padding row race only
+# there, and with skip_row (the padding row) they neither read nor write it.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -239,31 +239,54 @@ def _conv_fwd(x, weight, bias, initial_states, cu_seqlens, *, activation, interp
     return y, _final_states(x, init, cu, K)
 
 
-def _conv_update_kernel(rows_ref, x_ref, w_ref, b_ref, pool_in_ref, y_ref, pool_ref, *steps_ref, C, K, KT, BC,
+def _column(tile: jax.Array, k: int) -> jax.Array:
+    """Column k of a [BC, KW] float32 tile, exactly: the other entries become -0.0, the identity of addition."""
+    kk = jnp.arange(tile.shape[1])
+    return jnp.sum(jnp.where(kk[None, :] == k, tile, -0.0), axis=1)
+
+
+def _tile(columns: list, KW: int) -> jax.Array:
+    """[BC, KW] with the given [BC] columns first (the rest zero): the inverse of `_column`."""
+    kk = jnp.arange(KW)[None, :]
+    out = jnp.zeros((columns[0].shape[0], KW), columns[0].dtype)
+    for k, col in enumerate(columns):
+        out = jnp.where(kk == k, col[:, None], out)
+    return out
+
+
+def _conv_update_kernel(rows_ref, x_ref, w_ref, b_ref, pool_in_ref, y_ref, pool_ref, *steps_ref, C, K, KW, KT, BC,
                         x_col, has_bias, activation, multi, skip_row, row_offset):
+    """The window and the weights move as [BC, KW] tiles (a channel's K-1 window entries and K taps side by side,
+    as they lie in memory), so a warp's access covers consecutive bytes, where one load per tap would touch a
+    sector per channel; columns are taken out exactly (`_column`)."""
     del pool_in_ref  # aliased to pool_ref
     cb, b = pl.program_id(0), pl.program_id(1)
     f32 = jnp.float32
     ch = cb * BC + jnp.arange(BC)
+    kk = jnp.arange(KW)
     cm = ch < C
     r = rows_ref[b] + row_offset
     pm = cm if skip_row is None else cm & (r != skip_row)               # skip_row: no pool traffic
-    window = [plgpu.load(pool_ref.at[r, ch, k], mask=pm, other=0.0) for k in range(K - 1)]   # oldest first
-    w = [plgpu.load(w_ref.at[ch, k], mask=cm, other=0.0).astype(f32) for k in range(K)]
+    wm = pm[:, None] & (kk < K - 1)[None, :]                            # [BC, KW]: the window's entries
+    at = (ch[:, None], kk[None, :])
+    win = plgpu.load(pool_ref.at[(r, *at)], mask=wm, other=0.0).astype(f32)
+    window = [_column(win, k) for k in range(K - 1)]                    # oldest first, [BC] each
+    taps = plgpu.load(w_ref.at[at], mask=cm[:, None] & (kk < K)[None, :], other=0.0).astype(f32)
+    w = [_column(taps, k) for k in range(K)]
     bias = plgpu.load(b_ref.at[ch], mask=cm, other=0.0).astype(f32) if has_bias else None
     for t in range(KT):
-        at = (b, t) if multi else (b,)
-        x = plgpu.load(x_ref.at[(*at, x_col + ch)], mask=cm, other=0.0)
+        step = (b, t) if multi else (b,)
+        x = plgpu.load(x_ref.at[(*step, x_col + ch)], mask=cm, other=0.0)
         acc = jnp.zeros((BC,), f32) if bias is None else bias
         for k in range(K):
-            acc = acc + w[k] * (x.astype(f32) if k == K - 1 else window[k].astype(f32))
-        plgpu.store(y_ref.at[(*at, ch)], _act(acc, activation).astype(y_ref.dtype), mask=cm)
-        window = window[1:] + [x.astype(pool_ref.dtype)] if K > 1 else window
-        if multi:
-            for k in range(K - 1):
-                plgpu.store(steps_ref[0].at[b, t, ch, k], window[k], mask=cm)
-    for k in range(K - 1):
-        plgpu.store(pool_ref.at[r, ch, k], window[k], mask=pm)
+            acc = acc + w[k] * (x.astype(f32) if k == K - 1 else window[k])
+        plgpu.store(y_ref.at[(*step, ch)], _act(acc, activation).astype(y_ref.dtype), mask=cm)
+        window = window[1:] + [x.astype(pool_ref.dtype).astype(f32)] if K > 1 else window
+        if multi and K > 1:
+            plgpu.store(steps_ref[0].at[(b, t, *at)], _tile(window, KW).astype(pool_ref.dtype),
+                        mask=cm[:, None] & (kk < K - 1)[None, :])
+    if K > 1:
+        plgpu.store(pool_ref.at[(r, *at)], _tile(window, KW).astype(pool_ref.dtype), mask=wm)
 
 
 def _check_update(kernel, pool, rows, x, weight, bias, lead, x_col, row_offset) -> int:
@@ -321,7 +344,7 @@ def _conv_update(pool, rows, x, weight, bias, *, activation, interpret, blocks, 
     out_shape = [jax.ShapeDtypeStruct((*x.shape[:-1], C), x.dtype), jax.ShapeDtypeStruct(pool.shape, pool.dtype)]
     if multi:
         out_shape.append(jax.ShapeDtypeStruct((Bt, KT, C, K - 1), pool.dtype))
-    kernel = functools.partial(_conv_update_kernel, C=C, K=K, KT=KT, BC=BC, x_col=x_col or 0,
+    kernel = functools.partial(_conv_update_kernel, C=C, K=K, KW=next_pow2(K), KT=KT, BC=BC, x_col=x_col or 0,
                                has_bias=bias is not None, activation=activation, multi=multi, skip_row=skip_row,
                                row_offset=row_offset)
     return pl.pallas_call(

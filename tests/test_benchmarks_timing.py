@@ -65,6 +65,16 @@ def test_kernel_breakdown_from_a_trace(tmp_path):
     assert timing.gpu_kernel_us(str(tmp_path), 2)[0] == 25
 
 
+def test_kernel_breakdown_sums_one_kernel_over_layers():
+    """Launches named `kernel__N` (one per layer) count as one kernel; XLA's own `_N` fusion names stay apart."""
+    events = [{"name": n, "ts": i * 10, "dur": d} for i, (n, d) in enumerate(
+        [("ssm_state_update", 4), ("ssm_state_update__1", 6), ("ssm_state_update__12", 5), ("loop_add_fusion_5", 2),
+         ("loop_add_fusion_50", 3)])]
+    top = timing.kernel_breakdown(events, 1, lambda n: "k")["top_kernels"]
+    assert top["ssm_state_update"] == {"us_per_step": 15, "count_per_step": 3, "class": "k"}
+    assert set(top) == {"ssm_state_update", "loop_add_fusion_5", "loop_add_fusion_50"}
+
+
 def test_decode_profile_kernel_classes():
     from benchmarks.bench_runtime import kernel_class
     assert kernel_class("w8a16_gemv_kernel") == "projections (Pallas)"

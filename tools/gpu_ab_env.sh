@@ -1,32 +1,35 @@
 #!/usr/bin/env bash
-# One device call: end-to-end decode rows without and then with extra environment settings (a lever such as
-# XLA_FLAGS=...), same model and batches, so that the two runs' device_tok_s compare on one machine and their
-# chained_tokens_sha256 say whether the bits held.
+# One device call: end-to-end decode rows without and then with a change, same model, batches and machine, so that
+# the two runs' device_tok_s compare and their chained_tokens_sha256 say whether the bits held. The change is
+# extra environment settings (a lever such as XLA_FLAGS=...), or this tree against an earlier one (BASE_TREE):
 #   tools/gpu_ab_env.sh "VAR=VALUE [VAR=VALUE...]" [WEIGHTS (fp8-block)] [STATES (float32)] [BATCHES (1,256)] [LIMIT_S (200)]
 #   e.g. tools/gpu_ab_env.sh XLA_FLAGS=--xla_gpu_enable_command_buffer= fp8-block float32 1,64
+#   BASE_TREE=ab_base tools/gpu_ab_env.sh "" bf16 bfloat16 64,256     (the baseline: an earlier commit unpacked
+#   here first, `mkdir -p ab_base && git archive REV | tar -x -C ab_base`, and carried: run's carry ["ab_base"])
 # Writes $OUT/ab_base.json and $OUT/ab_lever.json (never benchmarks/results: a lever is not the default table).
 set -o pipefail
-OUT=${OUT:-gpu_out}
-mkdir -p "$OUT"
-LEVER=${1:?environment settings to try, e.g. XLA_FLAGS=--xla_gpu_enable_command_buffer=}
+OUT=$(mkdir -p "${OUT:-gpu_out}" && cd "${OUT:-gpu_out}" && pwd)
+LEVER=${1?environment settings to try (\"\" with BASE_TREE), e.g. XLA_FLAGS=--xla_gpu_enable_command_buffer=}
+[ -n "$LEVER" ] || [ -n "$BASE_TREE" ] || { echo "nothing to compare: give settings or BASE_TREE" >&2; exit 2; }
 WEIGHTS=${2:-fp8-block}
 STATES=${3:-float32}
 BATCHES=${4:-1,256}
 LIMIT=${5:-200}
-export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv 2>&1 | tee -a "$OUT/env.txt"
 for arm in base lever; do
-  settings=""; [ "$arm" = lever ] && settings="$LEVER"
+  settings=""; tree=.
+  if [ "$arm" = lever ]; then settings="$LEVER"; else tree=${BASE_TREE:-.}; fi
   # shellcheck disable=SC2086
-  env $settings timeout "$LIMIT" python3 benchmarks/bench_e2e_decode.py --weights "$WEIGHTS" --states "$STATES" \
-    --batches "$BATCHES" --out "$OUT/ab_$arm.json" > "$OUT/ab_$arm.log" 2>&1
-  echo "$arm exit: $?" | tee -a "$OUT/ab_$arm.log"
+  (cd "$tree" && env PYTHONPATH=. $settings timeout "$LIMIT" python3 benchmarks/bench_e2e_decode.py \
+    --weights "$WEIGHTS" --states "$STATES" --batches "$BATCHES" --out "$OUT/ab_$arm.json") > "$OUT/ab_$arm.log" 2>&1
+  echo "$arm ($tree) exit: $?" | tee -a "$OUT/ab_$arm.log"
 done
 python3 - "$OUT" "$LEVER" <<'PY'
 import json, sys
 runs = {arm: json.load(open(f"{sys.argv[1]}/ab_{arm}.json")) for arm in ("base", "lever")}
-print("lever:", sys.argv[2])
+print("lever:", sys.argv[2] or "this tree against BASE_TREE")
 rows = {arm: {(r["weights"], r["state_dtype"], r["batch"]): r for r in d["rows"]} for arm, d in runs.items()}
 for key, b in rows["base"].items():
     f = rows["lever"].get(key)

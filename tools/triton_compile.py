@@ -67,7 +67,7 @@ def dump(out: pathlib.Path) -> int:
     H, P, N, C = 128, 64, 128, 8192 + 2 * 8 * 128          # heads, head dim, state size, conv channels (8 groups)
     zxbcdt = jnp.zeros((B, 8192 + C + H), jnp.bfloat16)
     cases["causal_conv1d_update_8b_skip"] = (conv1d.causal_conv1d_update_pallas, (
-        jnp.zeros((8, C, 3), jnp.float32), rows, zxbcdt, jnp.zeros((C, 4), jnp.bfloat16)), dict(x_col=8192, skip_row=7,
+        jnp.zeros((8, C, 3), jnp.bfloat16), rows, zxbcdt, jnp.zeros((C, 4), jnp.bfloat16)), dict(x_col=8192, skip_row=7,
                                                                              row_offset=4))
     cases["state_update_xbc_8b_skip"] = (state_update.state_update_xbc_pallas, (
         jnp.zeros((8, H, P, N), jnp.float32), rows, zxbcdt[:, 8192:8192 + C], zxbcdt), dict(
