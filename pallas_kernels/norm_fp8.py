@@ -1,7 +1,8 @@
 """RMSNorm and the gated group RMSNorm with E4M3 output: the norm in front of a projection served by an
-FP8-matrix-unit arm (fp8_gemm_t, w8a16_gemm_pipelined) quantizes its own output, so the arm skips its
-activation-quantization pass (one read of x and one write of E4M3 + scales: ~35-40 us per out_proj call at
-the 8B shape, M = 4096, on the H200; benchmarks/notes/quant_prefill.md).
+FP8-matrix-unit arm (fp8_gemm_t, w8a16_gemm_pipelined, w8a8_gemv) quantizes its own output, so the arm skips its
+activation-quantization pass (one read of x and one write of E4M3 + scales; benchmarks/notes/quant_prefill.md).
+`add_rmsnorm_fp8` is the decode block boundary's form (norms.add_rmsnorm): the previous block's split partials
+added to the residual stream, then this RMSNorm and its quantization, in one kernel.
 
 Results are `Fp8Activations`: exactly what the unfused path gives, i.e. the norm's output rounded to its
 output dtype (bf16), then quantized per row (`per_block=False`) or per row per 128 columns (`True`) with
@@ -25,7 +26,10 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.formats import (E4M3_MAX, FP8_BLOCK, Fp8Activations, quantize_rows_fp8,
                                               quantize_rows_fp8_blocks)
 from pallas_kernels import registry
-from pallas_kernels.norms import gated_rmsnorm_reference, rmsnorm_reference
+from pallas_kernels.errors import ShapeError
+from pallas_kernels.norms import (add_rmsnorm_reference, check_residual, gated_rmsnorm_reference, residual_sum,
+                                  rmsnorm_reference)
+from pallas_kernels.split_partials import SplitPartials
 from pallas_kernels.triton_util import check_floating, check_shape, compiler_params, next_pow2
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +64,14 @@ def _quantize(y, group: int | None) -> Fp8Activations:
 def rmsnorm_fp8_reference(x, weight, *, eps: float, per_block: bool, out_dtype=None) -> Fp8Activations:
     """rmsnorm_reference, rounded to out_dtype, then quantized to E4M3.  x [M, D] -> Fp8Activations."""
     return _quantize(rmsnorm_reference(x, weight, eps=eps, out_dtype=out_dtype), FP8_BLOCK if per_block else None)
+
+
+def add_rmsnorm_fp8_reference(hidden, partials: SplitPartials, weight, *, eps: float, per_block: bool,
+                              out_dtype=None) -> tuple[jax.Array, Fp8Activations]:
+    """(h, rmsnorm_fp8(h)) with h = hidden + the partials' sum (norms.add_rmsnorm_reference's h): the residual
+    stream after a block and the next block's input for an FP8-matrix-unit projection."""
+    h, _ = add_rmsnorm_reference(hidden, partials, weight, eps=eps)
+    return h, rmsnorm_fp8_reference(h, weight, eps=eps, per_block=per_block, out_dtype=out_dtype)
 
 
 def gated_rmsnorm_fp8_reference(y, z, weight, *, group_size: int, eps: float, per_block: bool = False,
@@ -111,9 +123,14 @@ def _normed_tile(x_ref, z_ref, w_ref, rows, cols, rm, *, GS, eps, gated, cdt):
     if gated:
         z = plgpu.load(z_ref.at[rows[:, None], cols[None, :]], mask=rm, other=0.0).astype(f32)
         h = h * (z * jax.nn.sigmoid(z))
+    return _normed(h, w_ref, cols, GS=GS, eps=eps, cdt=cdt)
+
+
+def _normed(h, w_ref, cols, *, GS, eps, cdt):
+    """h [BM, GS] float32 normalised per row, times the weight, rounded to the output dtype, as float32."""
     var = jnp.sum(h * h, axis=1) / GS
-    w = plgpu.load(w_ref.at[cols]).astype(f32)
-    return (h * jax.lax.rsqrt(var + eps)[:, None] * w[None, :]).astype(cdt).astype(f32)
+    w = plgpu.load(w_ref.at[cols]).astype(jnp.float32)
+    return (h * jax.lax.rsqrt(var + eps)[:, None] * w[None, :]).astype(cdt).astype(jnp.float32)
 
 
 def _kernel_loop(x_ref, z_ref, w_ref, q_ref, s_ref, *, M, W, GS, BM, eps, gated, per_block, cdt):
@@ -126,6 +143,12 @@ def _kernel_loop(x_ref, z_ref, w_ref, q_ref, s_ref, *, M, W, GS, BM, eps, gated,
         cols = g * GS + jnp.arange(GS)
         tiles.append((cols, _normed_tile(x_ref, z_ref, w_ref, rows, cols, rm, GS=GS, eps=eps, gated=gated,
                                          cdt=cdt)))
+    _store_quantized(q_ref, s_ref, rows, rm, tiles, M=M, BM=BM, GS=GS, per_block=per_block)
+
+
+def _store_quantized(q_ref, s_ref, rows, rm, tiles, *, M, BM, GS, per_block):
+    """The norm's output tiles [(cols, [BM, GS] float32)] scaled per row (amax over every tile) or per 128-column
+    block and stored as E4M3, with their scales."""
     if per_block:
         nb = GS // FP8_BLOCK
         for g, (cols, v) in enumerate(tiles):
@@ -143,6 +166,17 @@ def _kernel_loop(x_ref, z_ref, w_ref, q_ref, s_ref, *, M, W, GS, BM, eps, gated,
     for cols, v in tiles:
         plgpu.store(q_ref.at[rows[:, None], cols[None, :]], _e4m3(v / scale[:, None]), mask=rm)
     plgpu.store(s_ref.at[rows], scale, mask=rows < M)
+
+
+def _add_kernel(x_ref, p_ref, w_ref, h_ref, q_ref, s_ref, *, M, W, S, BM, eps, per_block, cdt, halves):
+    """BM rows: h = x + (the partials' sum in split order, rounded), stored; then `_kernel_loop`'s plain norm on h
+    (one [BM, W] tile, the same launch: the same row sums) and its quantization."""
+    rows = pl.program_id(0) * BM + jnp.arange(BM)
+    cols = jnp.arange(W)
+    rm = (rows < M)[:, None]
+    h = residual_sum(x_ref, p_ref, h_ref, (rows[:, None], cols[None, :]), rm, S=S, halves=halves)
+    tiles = [(cols, _normed(h, w_ref, cols, GS=W, eps=eps, cdt=cdt))]
+    _store_quantized(q_ref, s_ref, rows, rm, tiles, M=M, BM=BM, GS=W, per_block=per_block)
 
 
 def _kernel(x_ref, z_ref, w_ref, q_ref, s_ref, *, M, W, GS, BM, eps, gated, per_block, cdt):
@@ -257,6 +291,36 @@ def rmsnorm_fp8_pallas(x, weight, *, eps: float, per_block: bool, out_dtype=None
                  gated=False, per_block=per_block, interpret=interpret, nb=nb or NORM_FP8_BLOCKS)
 
 
+def add_rmsnorm_fp8_pallas(hidden, partials: SplitPartials, weight, *, eps: float, per_block: bool, out_dtype=None,
+                           interpret: bool = False) -> tuple[jax.Array, Fp8Activations]:
+    """The residual add + RMSNorm with E4M3 output in one kernel; same call as `add_rmsnorm_fp8_reference`, and
+    bitwise its unfused composition (the partials' chain sum, the residual add, then `rmsnorm_fp8_pallas` with
+    the default blocks)."""
+    check_residual("add_rmsnorm_fp8", hidden, partials, weight)
+    _check("add_rmsnorm_fp8", hidden, None, weight, hidden.shape[-1], per_block)
+    if not _loops(hidden.shape[-1], hidden.shape[-1], per_block, NORM_FP8_BLOCKS):
+        raise ShapeError("add_rmsnorm_fp8: the fused kernel follows rmsnorm_fp8's one-tile launch, which the "
+                         f"blocks {NORM_FP8_BLOCKS} do not take")
+    return _add_call(hidden, partials.values, weight, eps=float(eps), out_dtype=jnp.dtype(out_dtype or hidden.dtype),
+                     per_block=per_block, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("eps", "out_dtype", "per_block", "interpret"))
+def _add_call(hidden, values, weight, *, eps, out_dtype, per_block, interpret):
+    M, W = hidden.shape
+    BM = max(1, NORM_FP8_BLOCKS.rows_elems // W)          # rmsnorm_fp8's launch (`_call`): the same row sums
+    kernel = functools.partial(_add_kernel, M=M, W=W, S=values.shape[-3], BM=BM, eps=eps, per_block=per_block,
+                               cdt=out_dtype, halves=values.dtype == jnp.uint16)
+    s_shape = (M, W // FP8_BLOCK) if per_block else (M,)
+    h, q, s = pl.pallas_call(
+        kernel, grid=(pl.cdiv(M, BM),),
+        out_shape=[jax.ShapeDtypeStruct((M, W), hidden.dtype), jax.ShapeDtypeStruct((M, W), jnp.float8_e4m3fn),
+                   jax.ShapeDtypeStruct(s_shape, jnp.float32)],
+        compiler_params=compiler_params(NORM_FP8_BLOCKS.warps), interpret=interpret, name="add_rmsnorm_fp8",
+    )(hidden, values, weight)
+    return h, Fp8Activations(q, s, jnp.dtype(out_dtype))
+
+
 def gated_rmsnorm_fp8_pallas(y, z, weight, *, group_size: int, eps: float, per_block: bool = False,
                              out_dtype=None, interpret: bool = False, nb: NormFp8Blocks | None = None,
                              per_group: bool = False):
@@ -271,4 +335,5 @@ def gated_rmsnorm_fp8_pallas(y, z, weight, *, group_size: int, eps: float, per_b
 
 
 registry.register("rmsnorm_fp8", reference=rmsnorm_fp8_reference, pallas=rmsnorm_fp8_pallas)
+registry.register("add_rmsnorm_fp8", reference=add_rmsnorm_fp8_reference, pallas=add_rmsnorm_fp8_pallas)
 registry.register("gated_rmsnorm_fp8", reference=gated_rmsnorm_fp8_reference, pallas=gated_rmsnorm_fp8_pallas)

@@ -129,14 +129,9 @@ def gated_rmsnorm_pallas(y: jax.Array, z: jax.Array, weight: jax.Array, *, group
                  gated=True, interpret=interpret, z_col=z_col or 0)
 
 
-def _add_norm_kernel(x_ref, p_ref, w_ref, h_ref, o_ref, *, M, D, S, BM, BD, eps, halves):
-    """BM rows whole: h = x + bf16(p_0 + p_1 + ... in split order), stored, then normalised as `_norm_kernel`."""
-    rows = pl.program_id(0) * BM + jnp.arange(BM)
-    cols = jnp.arange(BD)
-    cm = cols < D
-    m = (rows < M)[:, None] & cm[None, :]
-    at = (rows[:, None], cols[None, :])
-
+def residual_sum(x_ref, p_ref, h_ref, at, m, *, S: int, halves: bool):
+    """In a kernel: h = x + (p_0 + p_1 + ... in split order, rounded to x's dtype) at the tile `at` (mask m),
+    stored to h_ref; returns h as float32. The partials as split_partials.py lays them out (halves: uint16)."""
     def part(s):
         if halves:
             hi, lo = (plgpu.load(p_ref.at[half, s, *at], mask=m, other=0) for half in range(2))
@@ -149,7 +144,36 @@ def _add_norm_kernel(x_ref, p_ref, w_ref, h_ref, o_ref, *, M, D, S, BM, BD, eps,
     x = plgpu.load(x_ref.at[at], mask=m, other=0.0)
     h = (x.astype(jnp.float32) + y.astype(x.dtype).astype(jnp.float32)).astype(h_ref.dtype)
     plgpu.store(h_ref.at[at], h, mask=m)
-    out = _normalized(h.astype(jnp.float32), w_ref, cols, cm, D, eps)
+    return h.astype(jnp.float32)
+
+
+def check_residual(name: str, hidden: jax.Array, partials: SplitPartials, weight: jax.Array) -> None:
+    """The arguments of a residual add + norm: hidden [M, D] floating, weight [D], partials float32 [S, R >= M, D]
+    or uint16 halves [2, S, R, D]; D at most 16384."""
+    check_floating(name, "hidden", hidden)
+    if hidden.ndim != 2:
+        raise ShapeError(f"{name}: hidden expected [M, D], got shape {tuple(hidden.shape)}")
+    M, D = hidden.shape
+    check_shape(name, "weight", weight, (D,))
+    v = partials.values
+    lead = (2,) if partials.halves else ()
+    if (v.dtype not in (jnp.float32, jnp.uint16) or v.ndim != len(lead) + 3 or v.shape[:len(lead)] != lead
+            or v.shape[-2] < M or v.shape[-1] != D):
+        raise ShapeError(f"{name}: partials expected float32 [S, R >= {M}, {D}] or uint16 halves [2, S, R, {D}],"
+                         f" got {v.dtype} {tuple(v.shape)}")
+    if next_pow2(D) > 16384:
+        raise ShapeError(f"{name}: width {D} is over the kernel's 16384")
+
+
+def _add_norm_kernel(x_ref, p_ref, w_ref, h_ref, o_ref, *, M, D, S, BM, BD, eps, halves):
+    """BM rows whole: h = x + bf16(p_0 + p_1 + ... in split order), stored, then normalised as `_norm_kernel`."""
+    rows = pl.program_id(0) * BM + jnp.arange(BM)
+    cols = jnp.arange(BD)
+    cm = cols < D
+    m = (rows < M)[:, None] & cm[None, :]
+    at = (rows[:, None], cols[None, :])
+    h = residual_sum(x_ref, p_ref, h_ref, at, m, S=S, halves=halves)
+    out = _normalized(h, w_ref, cols, cm, D, eps)
     plgpu.store(o_ref.at[at], out.astype(o_ref.dtype), mask=m)
 
 
@@ -171,20 +195,8 @@ def add_rmsnorm_pallas(hidden: jax.Array, partials: SplitPartials, weight: jax.A
                        interpret: bool = False) -> tuple[jax.Array, jax.Array]:
     """The Pallas residual add + RMSNorm; same call as `add_rmsnorm_reference`, and bitwise the unfused
     composition it fuses (the partials' chain sum, the residual add, then `rmsnorm_pallas`)."""
-    check_floating("add_rmsnorm", "hidden", hidden)
-    if hidden.ndim != 2:
-        raise ShapeError(f"add_rmsnorm: hidden expected [M, D], got shape {tuple(hidden.shape)}")
-    M, D = hidden.shape
-    check_shape("add_rmsnorm", "weight", weight, (D,))
-    v = partials.values
-    lead = (2,) if partials.halves else ()
-    if (v.dtype not in (jnp.float32, jnp.uint16) or v.ndim != len(lead) + 3 or v.shape[:len(lead)] != lead
-            or v.shape[-2] < M or v.shape[-1] != D):
-        raise ShapeError(f"add_rmsnorm: partials expected float32 [S, R >= {M}, {D}] or uint16 halves [2, S, R, {D}],"
-                         f" got {v.dtype} {tuple(v.shape)}")
-    if next_pow2(D) > 16384:
-        raise ShapeError(f"add_rmsnorm: width {D} is over the kernel's 16384")
-    return _add_norm(hidden, v, weight, eps=float(eps), out_dtype=jnp.dtype(out_dtype or hidden.dtype),
+    check_residual("add_rmsnorm", hidden, partials, weight)
+    return _add_norm(hidden, partials.values, weight, eps=float(eps), out_dtype=jnp.dtype(out_dtype or hidden.dtype),
                      interpret=interpret)
 
 

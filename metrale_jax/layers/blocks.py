@@ -57,10 +57,13 @@ def rows_of(hidden: jax.Array | PendingResidual) -> jax.Array:
 def open_block(hidden: jax.Array | PendingResidual, weight: jax.Array, *, eps: float, kernels: str | None,
                fp8: dict | None = None) -> tuple[jax.Array, jax.Array]:
     """(the residual stream as an array, the block's normalised input) for a stream [M, D] or a PendingResidual.
-    fp8: rmsnorm_fp8's keyword arguments where the norm hands its output on quantized (then the stream is settled
-    first); else the plain RMSNorm, fused with a pending residual add (add_rmsnorm) where that kernel resolves."""
-    if fp8 is None and isinstance(hidden, PendingResidual) and registry.resolved("add_rmsnorm", kernels):
-        return registry.get("add_rmsnorm", kernels)(hidden.hidden, hidden.partials, weight, eps=eps)
+    fp8: rmsnorm_fp8's keyword arguments where the norm hands its output on quantized; else the plain RMSNorm.
+    A pending residual add is fused into either (add_rmsnorm, add_rmsnorm_fp8) where that kernel resolves, else
+    the stream is settled first: the same bits."""
+    if isinstance(hidden, PendingResidual):
+        fused = "add_rmsnorm" if fp8 is None else "add_rmsnorm_fp8"
+        if registry.resolved(fused, kernels):
+            return registry.get(fused, kernels)(hidden.hidden, hidden.partials, weight, eps=eps, **(fp8 or {}))
     hidden = settled(hidden)
     if fp8 is not None:
         return hidden, registry.get("rmsnorm_fp8", kernels)(hidden, weight, eps=eps, **fp8)

@@ -1,5 +1,6 @@
-"""The residual add + RMSNorm between blocks (`norms.add_rmsnorm`) and the unreduced GEMV output it reads
-(`split_partials`): bitwise against the unfused composition, every GEMV arm's partials against its own sum."""
+"""The residual add + RMSNorm between blocks (`norms.add_rmsnorm`, and `norm_fp8.add_rmsnorm_fp8` with E4M3
+output) and the unreduced GEMV output they read (`split_partials`): bitwise against the unfused composition,
+every GEMV arm's partials against its own sum."""
 
 import functools
 
@@ -11,7 +12,7 @@ import pytest
 from metrale_jax.errors import ShapeError
 from pallas_kernels import mgpu_gemv_w4 as w4m
 from pallas_kernels import mgpu_gemv_w8 as w8m
-from pallas_kernels import norms, w4a16, w8a16
+from pallas_kernels import norm_fp8, norms, w4a16, w8a16
 from pallas_kernels.mgpu_gemv import GemvConfig
 from pallas_kernels.split_partials import SplitPartials, chain_sum, join_halves, split_halves
 from tests.kernels.test_mgpu_gemv import _fp8, _nvfp4
@@ -72,6 +73,39 @@ def test_fused_equals_the_unfused_composition_bitwise(rng, interpret, halves, M,
     _same(h_ref, h_want)
     _same(x_ref, norms.rmsnorm_reference(h_want, weight, eps=1e-5))
     assert np.abs(np.asarray(x, F32) - np.asarray(x_ref, F32)).max() <= 2 ** -6 * np.abs(np.asarray(x_ref, F32)).max()
+
+
+@pytest.mark.parametrize("per_block", [True, False])
+@pytest.mark.parametrize("halves,M,R,S,D", [(False, 1, 8, 8, 256), (True, 5, 16, 3, 512), (True, 64, 64, 8, 4096)])
+def test_fp8_form_equals_the_unfused_composition_bitwise(rng, interpret, per_block, halves, M, R, S, D):
+    """add_rmsnorm_fp8: the stream and the E4M3 rows with their scales, bit for bit as the partials' sum + residual
+    add and then rmsnorm_fp8 (its launch, its row sums); the reference agrees with its own composition."""
+    hidden = jnp.asarray(rng.standard_normal((M, D)) * 3, BF16)
+    weight = jnp.asarray(rng.uniform(0.5, 1.5, D), BF16)
+    _, parts = _partials(rng, S, R, D, M, halves)
+    h_want = hidden + chain_sum(parts, M).astype(BF16)
+    q_want = norm_fp8.rmsnorm_fp8_pallas(h_want, weight, eps=1e-5, per_block=per_block, interpret=interpret)
+    h, q = norm_fp8.add_rmsnorm_fp8_pallas(hidden, parts, weight, eps=1e-5, per_block=per_block, interpret=interpret)
+    _same(h, h_want)
+    _same(q.q, q_want.q)
+    _same(q.scale, q_want.scale)
+    assert q.q.dtype == jnp.float8_e4m3fn and q.scale.shape == ((M, D // 128) if per_block else (M,))
+    h_ref, q_ref = norm_fp8.add_rmsnorm_fp8_reference(hidden, parts, weight, eps=1e-5, per_block=per_block)
+    _same(h_ref, h_want)
+    want_ref = norm_fp8.rmsnorm_fp8_reference(h_want, weight, eps=1e-5, per_block=per_block)
+    _same(q_ref.q, want_ref.q)
+    deq, deq_ref = np.asarray(q.dequantize(), F32), np.asarray(q_ref.dequantize(), F32)
+    assert np.all(np.isfinite(deq)) and np.abs(deq - deq_ref).max() <= 2 ** -3 * np.abs(deq_ref).max()
+
+
+def test_fp8_form_refuses_what_its_launch_does_not_take(rng):
+    hidden = jnp.asarray(rng.standard_normal((3, 384)), BF16)
+    parts = SplitPartials(jnp.asarray(rng.standard_normal((2, 8, 384)), F32))
+    with pytest.raises(ValueError, match="power-of-two width"):
+        norm_fp8.add_rmsnorm_fp8_pallas(hidden, parts, jnp.ones(384, BF16), eps=1e-5, per_block=True, interpret=True)
+    with pytest.raises(ShapeError, match="partials expected"):
+        norm_fp8.add_rmsnorm_fp8_pallas(hidden[:, :256], SplitPartials(parts.values[:, :2, :256]), jnp.ones(256, BF16),
+                                        eps=1e-5, per_block=True, interpret=True)
 
 
 def test_output_dtype_and_float64_check(rng, interpret):

@@ -78,6 +78,8 @@ CASES = {
     "gated_rmsnorm": lambda r: ((_a(r, 6, 32), _a(r, 6, 45), 1 + _a(r, 32, scale=0.1)),
                                 dict(group_size=16, eps=1e-5, z_col=7)),
     "rmsnorm_fp8": lambda r: ((_a(r, 6, 256), 1 + _a(r, 256, scale=0.1)), dict(eps=1e-5, per_block=True)),
+    "add_rmsnorm_fp8": lambda r: ((_a(r, 6, 256), SplitPartials(_a(r, 3, 8, 256)), 1 + _a(r, 256, scale=0.1)),
+                                  dict(eps=1e-5, per_block=True)),
     "gated_rmsnorm_fp8": lambda r: ((_a(r, 6, 256), _a(r, 6, 256), 1 + _a(r, 256, scale=0.1)),
                                     dict(group_size=128, eps=1e-5, per_group=True)),
     "causal_conv1d": lambda r: ((_a(r, 19, 24), _a(r, 24, 4), _a(r, 24)),
@@ -123,6 +125,8 @@ QUANTIZED = {n for n in CASES if registry._KERNELS[n].grad_wrt == registry.ACTIV
 def _defined(out):
     """The values of an output the loss reads: Fp8Activations dequantized; an SSD scan's chunk states only at real
     chunks (the kernel leaves the padding rows of the chunk table unwritten)."""
+    if type(out) is tuple:                                  # several outputs (add_rmsnorm_fp8: stream, E4M3 rows)
+        return tuple(_defined(o) for o in out)
     if hasattr(out, "q"):
         return out.dequantize()
     chunks = getattr(out, "chunk_states", None)

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from metrale_jax import sharding
-from metrale_jax.config import ModelLevers
+from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import ShapeError
 from metrale_jax.layers.blocks import PendingResidual, close_block, linear, settled
 from metrale_jax.layers.lora import head_rows, slot_adapters
@@ -26,22 +26,29 @@ QUANT = {"fp8-block": quantize_fp8_block_weight, "nvfp4": quantize_nvfp4_weight,
 V = ALL_KINDS.vocab_size
 
 
-def _model(fmt: str, seed: int, kernels: str = "interpret") -> NemotronH:
+# 128 wide: the input norms in front of w8a8_gemv hand on E4M3 rows only at whole 128-column blocks
+WIDE = ModelConfig.from_hf(dict(
+    vocab_size=96, hidden_size=128, hybrid_override_pattern="M*-", mamba_num_heads=4, mamba_head_dim=32,
+    ssm_state_size=8, n_groups=2, chunk_size=8, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    intermediate_size=256))
+
+
+def _model(fmt: str, seed: int, kernels: str = "interpret", config=ALL_KINDS, **levers) -> NemotronH:
     """ALL_KINDS (Mamba, attention, MoE, MLP) in bf16 with every linear the format takes quantized (bf16: none)."""
-    tensors = random_tensors(ALL_KINDS, jax.random.key(seed), jnp.bfloat16)
+    tensors = random_tensors(config, jax.random.key(seed), jnp.bfloat16)
     tensors = {n: QUANT[fmt](v) if linear_module(n) and n != "lm_head.weight" and v.shape[-1] % 16 == 0 else v
                for n, v in tensors.items()}
-    return NemotronH(ALL_KINDS, tensors, dtype=jnp.bfloat16, levers=ModelLevers(kernels=kernels))
+    return NemotronH(config, tensors, dtype=jnp.bfloat16, levers=ModelLevers(kernels=kernels, **levers))
 
 
 def _fused_and_unfused(fn, *args):
-    """fn(*args) traced afresh (the dispatch is decided at trace time) with add_rmsnorm and with it disabled:
-    ((jaxpr text, outputs) fused, (jaxpr text, outputs) unfused); args are copied per run."""
+    """fn(*args) traced afresh (the dispatch is decided at trace time) with the fused boundary kernels and with them
+    disabled: ((jaxpr text, outputs) fused, (jaxpr text, outputs) unfused); args are copied per run."""
     def run():      # a fresh function per run: jax caches traces by function
         text = str(jax.make_jaxpr(lambda *a: fn(*a))(*args))
         return text, jax.jit(lambda *a: fn(*a))(*jax.tree.map(jnp.copy, args))
     fused = run()
-    with registry.disabled("add_rmsnorm"):
+    with registry.disabled("add_rmsnorm"), registry.disabled("add_rmsnorm_fp8"):
         unfused = run()
     return fused, unfused
 
@@ -70,6 +77,21 @@ def test_decode_is_bitwise_the_unfused_step(rng, fmt):
     # a lone sequence (padded to two rows by the step) and a second step on the new cache
     (_, one), (_, one_u) = _fused_and_unfused(lambda c, s, t: decode_step(model, c, s, t), new, slots[:1], tok[:1])
     _same_trees(one, one_u)
+
+
+def test_e4m3_decode_is_bitwise_the_unfused_step(rng):
+    """fp8_decode_activations="e4m3": the input norms in front of w8a8_gemv hand their rows on in E4M3, so the
+    boundaries into the attention and MLP blocks open with add_rmsnorm_fp8; the same logits and states bit for bit
+    as the settled stream and rmsnorm_fp8."""
+    model = _model("fp8-block", int(rng.integers(1 << 30)), config=WIDE, fp8_decode_activations="e4m3")
+    ids = rng.integers(0, V, (2, 6)).astype(np.int32)
+    _, cache = model.prefill(model.new_cache(2, 16), [0, 1], ids)
+    tok = jnp.asarray(rng.integers(0, V, 2), jnp.int32)
+    (text, out), (text_u, out_u) = _fused_and_unfused(lambda c, s, t: decode_step(model, c, s, t), cache,
+                                                      jnp.asarray([0, 1]), tok)
+    assert "add_rmsnorm_fp8" in text and "add_rmsnorm_fp8" not in text_u
+    _same_trees(out, out_u)
+    assert np.all(np.isfinite(np.asarray(out[0])))
 
 
 def test_speculative_verify_is_bitwise_the_unfused_step(rng):
