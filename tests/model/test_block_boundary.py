@@ -74,9 +74,10 @@ def test_decode_is_bitwise_the_unfused_step(rng, fmt):
     assert text.count("add_rmsnorm") == 3 and "add_rmsnorm" not in text_u
     _same_trees((logits, new), (logits_u, new_u))
     assert np.all(np.isfinite(np.asarray(logits)))
-    # a lone sequence (padded to two rows by the step) and a second step on the new cache
-    (_, one), (_, one_u) = _fused_and_unfused(lambda c, s, t: decode_step(model, c, s, t), new, slots[:1], tok[:1])
-    _same_trees(one, one_u)
+    if fmt == "fp8-block":   # a lone sequence (padded to two rows by the step), a second step on the new cache
+        (_, one), (_, one_u) = _fused_and_unfused(lambda c, s, t: decode_step(model, c, s, t), new, slots[:1],
+                                                  tok[:1])
+        _same_trees(one, one_u)
 
 
 def test_e4m3_decode_is_bitwise_the_unfused_step(rng):
