@@ -53,6 +53,14 @@ def _fused_and_unfused(fn, *args):
     return fused, unfused
 
 
+def _two_sequences_one_step(model, rng, T: int):
+    """Two sequences of T prompt tokens prefilled, then one decode step traced and run fused and unfused."""
+    ids = rng.integers(0, V, (2, T)).astype(np.int32)
+    _, cache = model.prefill(model.new_cache(2, 16), [0, 1], ids)
+    tok = jnp.asarray(rng.integers(0, V, 2), jnp.int32)
+    return _fused_and_unfused(lambda c, s, t: decode_step(model, c, s, t), cache, jnp.asarray([0, 1]), tok)
+
+
 def _same_trees(a, b):
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     assert len(la) == len(lb)
@@ -85,11 +93,7 @@ def test_e4m3_decode_is_bitwise_the_unfused_step(rng):
     boundaries into the attention and MLP blocks open with add_rmsnorm_fp8; the same logits and states bit for bit
     as the settled stream and rmsnorm_fp8."""
     model = _model("fp8-block", int(rng.integers(1 << 30)), config=WIDE, fp8_decode_activations="e4m3")
-    ids = rng.integers(0, V, (2, 6)).astype(np.int32)
-    _, cache = model.prefill(model.new_cache(2, 16), [0, 1], ids)
-    tok = jnp.asarray(rng.integers(0, V, 2), jnp.int32)
-    (text, out), (text_u, out_u) = _fused_and_unfused(lambda c, s, t: decode_step(model, c, s, t), cache,
-                                                      jnp.asarray([0, 1]), tok)
+    (text, out), (text_u, out_u) = _two_sequences_one_step(model, rng, 6)
     assert "add_rmsnorm_fp8" in text and "add_rmsnorm_fp8" not in text_u
     _same_trees(out, out_u)
     assert np.all(np.isfinite(np.asarray(out[0])))
@@ -121,11 +125,7 @@ def test_decode_with_lora_is_bitwise_the_unfused_step(rng):
                      getattr(getattr(layer, "mlp", None), "down_proj", None)):
             if proj is not None and proj.lora is not None:
                 proj.lora.b.set_value(jnp.asarray(rng.standard_normal(proj.lora.b.shape), proj.lora.b.dtype))
-    ids = rng.integers(0, V, (2, 5)).astype(np.int32)
-    _, cache = model.prefill(model.new_cache(2, 16), [0, 1], ids)
-    tok = jnp.asarray(rng.integers(0, V, 2), jnp.int32)
-    (text, out), (text_u, out_u) = _fused_and_unfused(lambda c, s, t: decode_step(model, c, s, t), cache,
-                                                      jnp.asarray([0, 1]), tok)
+    (text, out), (text_u, out_u) = _two_sequences_one_step(model, rng, 5)
     assert text.count("add_rmsnorm") == 3 and "add_rmsnorm" not in text_u
     _same_trees(out, out_u)
 
@@ -181,10 +181,6 @@ def test_tensor_parallel_decode_is_bitwise_the_unfused_step(rng):
     tensors = random_tensors(ALL_KINDS, jax.random.key(int(rng.integers(1 << 30))), jnp.bfloat16)
     model = NemotronH(ALL_KINDS, tensors, dtype=jnp.bfloat16, levers=ModelLevers(kernels="interpret"),
                       mesh=sharding.make_mesh(2))
-    ids = rng.integers(0, V, (2, 5)).astype(np.int32)
-    _, cache = model.prefill(model.new_cache(2, 16), [0, 1], ids)
-    tok = jnp.asarray(rng.integers(0, V, 2), jnp.int32)
-    (text, out), (text_u, out_u) = _fused_and_unfused(lambda c, s, t: decode_step(model, c, s, t), cache,
-                                                      jnp.asarray([0, 1]), tok)
+    (text, out), (text_u, out_u) = _two_sequences_one_step(model, rng, 5)
     assert "add_rmsnorm" in text and "add_rmsnorm" not in text_u
     _same_trees(out, out_u)
