@@ -70,15 +70,16 @@ def _check(q, k_pool, v_pool, slots, limit, layer):
         raise ShapeError(f"decode_attention: layer {layer} is not in the pool's {k_pool.shape[0]} layers")
 
 
-def decode_attention_reference(q, k_pool, v_pool, slots, limit, *, layer: int, scale: float) -> jax.Array:
+def decode_attention_reference(q, k_pool, v_pool, slots, limit, *, layer: int, scale: float,
+                               out_dtype=jnp.float32) -> jax.Array:
     """q [B, KVH, G, hd] (one token per row); k_pool / v_pool [layers, S, L, KVH, hd]; slots, limit int32 [B]: row
-    b attends to positions [0, limit[b]) of slot slots[b] in `layer`. -> [B, KVH, G, hd] float32 (`attend`'s
-    numbers for a query at position limit - 1)."""
+    b attends to positions [0, limit[b]) of slot slots[b] in `layer`. -> [B, KVH, G, hd] in out_dtype (`attend`'s
+    float32 numbers for a query at position limit - 1, rounded once)."""
     _check(q, k_pool, v_pool, slots, limit, layer)
     L = k_pool.shape[2]
     pos = (limit - 1)[:, None]                                                  # [B, 1]
     return attend(q[:, None], k_pool[layer, slots], v_pool[layer, slots], pos, jnp.arange(L, dtype=jnp.int32),
-                  limit, scale)[:, 0]
+                  limit, scale)[:, 0].astype(out_dtype)
 
 
 MMA_ROWS = 16                                      # the smallest M (and N) of a Triton dot
@@ -156,7 +157,7 @@ def _decode_kernel(slots_ref, limit_ref, q_ref, k_ref, v_ref, *out_refs, layer, 
     rows = gm[:, None] & dm[None, :]
     if len(out_refs) == 1:
         out = acc / jnp.where(total > 0, total, 1.0)[:, None]
-        plgpu.store(out_refs[0].at[b, h, g[:, None], d[None, :]], out, mask=rows)
+        plgpu.store(out_refs[0].at[b, h, g[:, None], d[None, :]], out.astype(out_refs[0].dtype), mask=rows)
     else:
         acc_ref, max_ref, total_ref = out_refs
         # a piece past the row's held positions stores no sum (total 0 marks it for the combine): short rows in a
@@ -175,8 +176,8 @@ def _combine(acc, m, total):
     return jnp.sum(parts, axis=2) / jnp.where(denom > 0, denom, 1.0)[..., None]
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "scale", "interpret", "config"))
-def _decode_call(q, k_pool, v_pool, slots, limit, *, layer, scale, interpret, config):
+@functools.partial(jax.jit, static_argnames=("layer", "scale", "interpret", "config", "out_dtype"))
+def _decode_call(q, k_pool, v_pool, slots, limit, *, layer, scale, interpret, config, out_dtype):
     B, KVH, G, hd = q.shape
     L = k_pool.shape[2]
     NS = config.pieces(L)
@@ -185,23 +186,23 @@ def _decode_call(q, k_pool, v_pool, slots, limit, *, layer, scale, interpret, co
                                BG=next_pow2(G, MMA_ROWS), BD=next_pow2(hd, MMA_ROWS), BK=config.block_k,
                                piece=piece, scale=scale)
     f32 = jnp.float32
-    out_shape = (jax.ShapeDtypeStruct(q.shape, f32) if NS == 1 else
+    out_shape = (jax.ShapeDtypeStruct(q.shape, out_dtype) if NS == 1 else
                  (jax.ShapeDtypeStruct((B, KVH, NS, G, hd), f32), jax.ShapeDtypeStruct((B, KVH, NS, G), f32),
                   jax.ShapeDtypeStruct((B, KVH, NS, G), f32)))
     out = pl.pallas_call(kernel, out_shape=out_shape, grid=(B, KVH, NS),
                          compiler_params=compiler_params(config.num_warps), interpret=interpret,
                          name="decode_attention")(slots.astype(jnp.int32), limit.astype(jnp.int32), q, k_pool, v_pool)
-    return out if NS == 1 else _combine(*out)
+    return out if NS == 1 else _combine(*out).astype(out_dtype)
 
 
-def decode_attention_pallas(q, k_pool, v_pool, slots, limit, *, layer: int, scale: float, interpret: bool = False,
-                            config: DecodeAttentionConfig = CONFIG) -> jax.Array:
+def decode_attention_pallas(q, k_pool, v_pool, slots, limit, *, layer: int, scale: float, out_dtype=jnp.float32,
+                            interpret: bool = False, config: DecodeAttentionConfig = CONFIG) -> jax.Array:
     """Pallas (Triton) arm of `decode_attention`: the reference's call and result up to float32 summation order
     (the probabilities are rounded to the pool's dtype against the running maximum, the reference's against the
-    final one)."""
+    final one). The output is rounded to out_dtype once, in the kernel (one piece) or after the combine."""
     _check(q, k_pool, v_pool, slots, limit, layer)
     return _decode_call(q, k_pool, v_pool, slots, limit, layer=layer, scale=float(scale), interpret=interpret,
-                        config=config)
+                        config=config, out_dtype=jnp.dtype(out_dtype))
 
 
 registry.register("decode_attention", reference=decode_attention_reference, pallas=decode_attention_pallas)

@@ -153,7 +153,7 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
             o = attend(q, k, v, pos, t, lengths, self.scale)                     # [B, T, KVH, G, hd]
         elif T == 1:                         # one token per row: the positions each row holds, read in the pool
             o = registry.get("decode_attention", self.kernels)(q[:, 0], pk, pv, slots, base + lengths, layer=l,
-                                                                scale=self.scale)[:, None]
+                                                                scale=self.scale, out_dtype=hidden.dtype)[:, None]
         else:
             o = attend(q, pk[l, slots], pv[l, slots], pos, jnp.arange(L, dtype=jnp.int32), base + lengths,
                        self.scale)

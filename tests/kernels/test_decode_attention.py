@@ -53,6 +53,21 @@ def test_kernel_reads_only_the_held_positions(rng, interpret, dtype, tol, block_
     assert rel_err(np.asarray(out), want) <= tol
 
 
+@pytest.mark.parametrize("split", [None, 16])
+def test_output_dtype_is_one_rounding_of_the_float32_output(rng, interpret, split):
+    """out_dtype (the model's bf16): the float32 result rounded once, in the kernel (one piece) or after the
+    pieces' combine; the reference likewise."""
+    q, k, v, slots, limit = _case(rng, jnp.bfloat16)
+    kw = dict(layer=1, scale=0.3, interpret=interpret, config=DecodeAttentionConfig(block_k=16, split_positions=split))
+    out = decode_attention_pallas(q, k, v, slots, limit, out_dtype=jnp.bfloat16, **kw)
+    f32 = decode_attention_pallas(q, k, v, slots, limit, **kw)
+    assert out.dtype == jnp.bfloat16 and np.all(np.isfinite(np.asarray(out, np.float32)))
+    np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(f32.astype(jnp.bfloat16), np.float32))
+    k, v = (jnp.nan_to_num(a) for a in (k, v))            # the reference reads (and masks) the whole slot
+    ref = decode_attention_reference(q, k, v, slots, limit, layer=1, scale=0.3, out_dtype=jnp.bfloat16)
+    assert ref.dtype == jnp.bfloat16 and rel_err(np.asarray(out, np.float32), np.asarray(ref, np.float32)) <= 1e-2
+
+
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
 def test_reference_is_attend_over_the_gathered_slots(rng, dtype, tol):
     """The reference (what the model computed before the kernel: the whole slot gathered, masked) on clean pools
@@ -119,7 +134,7 @@ def test_pieces_past_a_rows_held_positions_store_no_sum(rng, interpret, monkeypa
     monkeypatch.setattr(attention, "_combine", poisoned)
     config = DecodeAttentionConfig(block_k=16, split_positions=16)
     out = attention._decode_call.__wrapped__(q, k, v, slots, limit, layer=1, scale=0.3, interpret=interpret,
-                                             config=config)                # unjitted: the partials are concrete
+                                             config=config, out_dtype=jnp.float32)  # unjitted: concrete partials
     held = np.arange(3)[None, :] * 16 < np.asarray(limit)[:, None]        # [B, pieces]: a piece holds positions
     assert (~held).sum() == 4                                            # rows 0 (2), 1 and 3 leave pieces empty
     acc, total = seen["acc"], seen["total"]
