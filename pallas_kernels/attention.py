@@ -56,7 +56,9 @@ def _attend_block(q, k, v, q_pos, k_pos, limit, scale):
     return jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
 
-def _check(q, k_pool, v_pool, slots, limit, layer):
+def _check(q, k_pool, v_pool, slots, limit, layer, out_dtype=jnp.float32):
+    if not jnp.issubdtype(out_dtype, jnp.floating):
+        raise ShapeError(f"decode_attention: out_dtype expected a floating dtype, got {jnp.dtype(out_dtype)}")
     if q.ndim != 4 or k_pool.ndim != 5 or k_pool.shape != v_pool.shape:
         raise ShapeError(f"decode_attention: expected q [B, KVH, G, hd] and k_pool / v_pool [layers, slots, max_len, "
                          f"KVH, hd] of one shape, got q {tuple(q.shape)}, k_pool {tuple(k_pool.shape)}, v_pool "
@@ -75,7 +77,7 @@ def decode_attention_reference(q, k_pool, v_pool, slots, limit, *, layer: int, s
     """q [B, KVH, G, hd] (one token per row); k_pool / v_pool [layers, S, L, KVH, hd]; slots, limit int32 [B]: row
     b attends to positions [0, limit[b]) of slot slots[b] in `layer`. -> [B, KVH, G, hd] in out_dtype (`attend`'s
     float32 numbers for a query at position limit - 1, rounded once)."""
-    _check(q, k_pool, v_pool, slots, limit, layer)
+    _check(q, k_pool, v_pool, slots, limit, layer, out_dtype)
     L = k_pool.shape[2]
     pos = (limit - 1)[:, None]                                                  # [B, 1]
     return attend(q[:, None], k_pool[layer, slots], v_pool[layer, slots], pos, jnp.arange(L, dtype=jnp.int32),
@@ -200,7 +202,7 @@ def decode_attention_pallas(q, k_pool, v_pool, slots, limit, *, layer: int, scal
     """Pallas (Triton) arm of `decode_attention`: the reference's call and result up to float32 summation order
     (the probabilities are rounded to the pool's dtype against the running maximum, the reference's against the
     final one). The output is rounded to out_dtype once, in the kernel (one piece) or after the combine."""
-    _check(q, k_pool, v_pool, slots, limit, layer)
+    _check(q, k_pool, v_pool, slots, limit, layer, out_dtype)
     return _decode_call(q, k_pool, v_pool, slots, limit, layer=layer, scale=float(scale), interpret=interpret,
                         config=config, out_dtype=jnp.dtype(out_dtype))
 

@@ -66,6 +66,9 @@ def test_output_dtype_is_one_rounding_of_the_float32_output(rng, interpret, spli
     k, v = (jnp.nan_to_num(a) for a in (k, v))            # the reference reads (and masks) the whole slot
     ref = decode_attention_reference(q, k, v, slots, limit, layer=1, scale=0.3, out_dtype=jnp.bfloat16)
     assert ref.dtype == jnp.bfloat16 and rel_err(np.asarray(out, np.float32), np.asarray(ref, np.float32)) <= 1e-2
+    for fn in (decode_attention_pallas, decode_attention_reference):
+        with pytest.raises(ShapeError, match="out_dtype expected a floating dtype, got int32"):
+            fn(q, k, v, slots, limit, layer=1, scale=0.3, out_dtype=jnp.int32)
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
