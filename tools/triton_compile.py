@@ -7,7 +7,10 @@ Two steps, two environments:
      skipped (padding) row, the E4M3 activation quantizers, with jax's GPU query stubbed to compute capability
      9.0; each pallas_call's Triton IR is written to DIR/<case>.<n>.w<warps>s<stages>.ttir.
   2. `compile` (a venv with the `triton` package, which has its own LLVM and ptxas; no GPU needed): each .ttir is
-     compiled to a cubin for sm_90; a kernel that fails prints Triton's error. Exit status 1 if any failed.
+     compiled to a cubin for sm_90; a kernel that fails prints Triton's error. The fused block-boundary norms are
+     also checked to sum their rows over the plain norms' register layouts (`SAME_ROW_SUMS`: Triton's reduction
+     order follows the layout, and the fused kernels promise the plain kernels' bits). Exit status 1 if any
+     failed.
 
     JAX_PLATFORMS=cpu PYTHONPATH=. .venv/bin/python tools/triton_compile.py dump /tmp/ttir
     python3.12 -m venv /tmp/tv && /tmp/tv/bin/pip install triton
@@ -73,6 +76,15 @@ def dump(out: pathlib.Path) -> int:
         jnp.zeros((8, H, P, N), jnp.float32), rows, zxbcdt[:, 8192:8192 + C], zxbcdt), dict(
         dt_col=8192 + C, A_log=jnp.zeros((H,), jnp.float32), D=jnp.zeros((H,), jnp.float32),
         dt_bias=jnp.zeros((H,), jnp.float32), skip_row=7, row_offset=4))
+    # the norms at a block boundary, 64 rows of the 8B width: plain, and fused with 8 split partials (halves)
+    from pallas_kernels import norm_fp8, norms
+    from pallas_kernels.split_partials import SplitPartials
+    h, w = jnp.zeros((64, 4096), jnp.bfloat16), jnp.ones((4096,), jnp.bfloat16)
+    halves = SplitPartials(jnp.zeros((2, 8, 64, 4096), jnp.uint16))
+    cases["norm_8b"] = (norms.rmsnorm_pallas, (h, w), dict(eps=1e-5))
+    cases["add_norm_8b"] = (norms.add_rmsnorm_pallas, (h, halves, w), dict(eps=1e-5))
+    cases["norm_fp8_8b"] = (norm_fp8.rmsnorm_fp8_pallas, (h, w), dict(eps=1e-5, per_block=True))
+    cases["add_norm_fp8_8b"] = (norm_fp8.add_rmsnorm_fp8_pallas, (h, halves, w), dict(eps=1e-5, per_block=True))
     # the E4M3 activation quantizers of the FP8-matrix-unit arms: decode's any-M one at down_proj's 21504 columns (1
     # and 8 rows), the fused per-row and per-block ones at a prefill shape
     for m in (1, 8):
@@ -103,11 +115,23 @@ def dump(out: pathlib.Path) -> int:
     return int(failed > 0)
 
 
+# fused kernel -> the plain kernel whose row sums (the layouts its reductions run over) it must share
+SAME_ROW_SUMS = {"add_norm_8b": "norm_8b", "add_norm_fp8_8b": "norm_fp8_8b"}
+
+
+def reduce_layouts(ttgir: str) -> list[str]:
+    """The register layout of each tt.reduce operand in a compiled kernel's TTGIR, in program order."""
+    layouts = dict(re.findall(r"^(#[\w]+) = (#ttg\.blocked<[^>]*>)", ttgir, re.M))
+    operands = re.findall(r'"tt\.reduce"\([^)]*\).*?\) : \(tensor<[^,>]*, (#[\w]+)>', ttgir, re.S)
+    return [layouts.get(name, name) for name in operands]
+
+
 def compile_all(directory: pathlib.Path) -> int:
     import triton
     from triton.backends.compiler import GPUTarget
 
     failed = 0
+    reductions = {}
     for path in sorted(directory.glob("*.ttir")):
         warps, stages = re.search(r"\.w(\d+)s(\d+)\.ttir$", path.name).groups()
         try:
@@ -115,9 +139,15 @@ def compile_all(directory: pathlib.Path) -> int:
                                     options={"num_warps": int(warps), "num_stages": int(stages)})
             meta = kernel.metadata
             print(f"{path.name}: OK (shared memory {meta.shared} bytes, {len(kernel.asm['cubin'])} bytes of cubin)")
+            reductions[path.name.split(".")[0]] = reduce_layouts(kernel.asm["ttgir"])
         except Exception as e:  # noqa: BLE001
             failed += 1
             print(f"{path.name}: FAILED: {type(e).__name__}: {str(e)[:1500]}")
+    for fused, plain in SAME_ROW_SUMS.items():
+        if fused in reductions and plain in reductions:
+            same = reductions[fused] == reductions[plain]
+            failed += not same
+            print(f"{fused} sums rows as {plain}: {'yes' if same else 'NO'} ({reductions[fused]} / {reductions[plain]})")
     return int(failed > 0)
 
 
