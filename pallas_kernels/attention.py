@@ -5,7 +5,9 @@ its slot's keys and values in the pool [layers, slots, max_len, KVH, hd]: the jn
 whole slot (max_len positions) and masks; the Pallas kernel's program (row, kv head, piece of the slot) streams
 blocks of the positions the row holds, [0, limit), with an online softmax in float32 (the pieces' partial softmaxes
 combined after), so a step reads what the sequences hold, not max_len. Positions at and past a row's limit are
-never read (the tests poison them with NaN).
+never read (the tests poison them with NaN). With `new_kv` (a decode step's own keys and values) the kernel also
+appends them: the program that holds position limit - 1 writes them into the pool (aliased, in place) and
+attends to them from registers, so no scatter runs before it.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ def _attend_block(q, k, v, q_pos, k_pos, limit, scale):
     return jnp.einsum("bkgqs,bskd->bqkgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
 
-def _check(q, k_pool, v_pool, slots, limit, layer, out_dtype=jnp.float32):
+def _check(q, k_pool, v_pool, slots, limit, layer, out_dtype=jnp.float32, new_kv=None):
     if not jnp.issubdtype(out_dtype, jnp.floating):
         raise ShapeError(f"decode_attention: out_dtype expected a floating dtype, got {jnp.dtype(out_dtype)}")
     if q.ndim != 4 or k_pool.ndim != 5 or k_pool.shape != v_pool.shape:
@@ -70,18 +72,38 @@ def _check(q, k_pool, v_pool, slots, limit, layer, out_dtype=jnp.float32):
                          f"{tuple(limit.shape)}")
     if not 0 <= layer < k_pool.shape[0]:
         raise ShapeError(f"decode_attention: layer {layer} is not in the pool's {k_pool.shape[0]} layers")
+    if new_kv is not None:
+        if len(new_kv) != 2 or any(getattr(a, "shape", None) != (B, KVH, hd) or a.dtype != k_pool.dtype
+                                   for a in new_kv):
+            got = [(getattr(a, "shape", a), getattr(a, "dtype", None)) for a in new_kv]
+            raise ShapeError(f"decode_attention: new_kv expected (keys, values) [{B}, {KVH}, {hd}] in the pool's "
+                             f"{k_pool.dtype}, got {got}")
+
+
+def append_kv(k_pool, v_pool, slots, limit, layer, new_kv):
+    """The pools with each row's new key and value at position limit - 1 of its slot in `layer` (none where that
+    position is outside the pool)."""
+    L = k_pool.shape[2]
+    wpos = jnp.where((limit >= 1) & (limit <= L), limit - 1, L)                # L: dropped
+    k_new, v_new = new_kv
+    return (k_pool.at[layer, slots, wpos].set(k_new, mode="drop"),
+            v_pool.at[layer, slots, wpos].set(v_new, mode="drop"))
 
 
 def decode_attention_reference(q, k_pool, v_pool, slots, limit, *, layer: int, scale: float,
-                               out_dtype=jnp.float32) -> jax.Array:
+                               out_dtype=jnp.float32, new_kv=None):
     """q [B, KVH, G, hd] (one token per row); k_pool / v_pool [layers, S, L, KVH, hd]; slots, limit int32 [B]: row
     b attends to positions [0, limit[b]) of slot slots[b] in `layer`. -> [B, KVH, G, hd] in out_dtype (`attend`'s
-    float32 numbers for a query at position limit - 1, rounded once)."""
-    _check(q, k_pool, v_pool, slots, limit, layer, out_dtype)
+    float32 numbers for a query at position limit - 1, rounded once). new_kv: (keys, values) [B, KVH, hd] in the
+    pools' dtype, written at position limit - 1 first (`append_kv`); then -> (output, k_pool, v_pool)."""
+    _check(q, k_pool, v_pool, slots, limit, layer, out_dtype, new_kv)
+    if new_kv is not None:
+        k_pool, v_pool = append_kv(k_pool, v_pool, slots, limit, layer, new_kv)
     L = k_pool.shape[2]
     pos = (limit - 1)[:, None]                                                  # [B, 1]
-    return attend(q[:, None], k_pool[layer, slots], v_pool[layer, slots], pos, jnp.arange(L, dtype=jnp.int32),
-                  limit, scale)[:, 0].astype(out_dtype)
+    out = attend(q[:, None], k_pool[layer, slots], v_pool[layer, slots], pos, jnp.arange(L, dtype=jnp.int32),
+                 limit, scale)[:, 0].astype(out_dtype)
+    return out if new_kv is None else (out, k_pool, v_pool)
 
 
 MMA_ROWS = 16                                      # the smallest M (and N) of a Triton dot
@@ -121,10 +143,15 @@ def _dot(a, b, b_contract: int, precision):
                                preferred_element_type=jnp.float32)
 
 
-def _decode_kernel(slots_ref, limit_ref, q_ref, k_ref, v_ref, *out_refs, layer, S, L, G, BG, hd, BD, BK, piece,
-                   scale):
+def _decode_kernel(slots_ref, limit_ref, q_ref, *refs, layer, S, L, G, BG, hd, BD, BK, piece, scale, append):
     """Program (row b, kv head h, piece s) over positions [s * piece, (s + 1) * piece) of the row's held [0, n).
-    One piece: the normalised output [B, KVH, G, hd]; several: the piece's unnormalised sum, max and total."""
+    One piece: the normalised output [B, KVH, G, hd]; several: the piece's unnormalised sum, max and total.
+    append: refs start with the new keys / values [B, KVH, hd] and end with the pools again (aliased): the program
+    whose positions hold limit - 1 attends to the new key / value there and writes them into the pool."""
+    if append:
+        kn_ref, vn_ref, k_ref, v_ref, *out_refs, k_out, v_out = refs
+    else:
+        (k_ref, v_ref, *out_refs), kn_ref = refs, None
     b, h, s_id = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     f32, dtype = jnp.float32, k_ref.dtype
     # float32 pools multiply in float32 (IEEE), not TF32; 16-bit pools are exact products either way
@@ -137,25 +164,45 @@ def _decode_kernel(slots_ref, limit_ref, q_ref, k_ref, v_ref, *out_refs, layer, 
     gm, dm = g < G, d < hd
     q = plgpu.load(q_ref.at[b, h, g[:, None], d[None, :]], mask=gm[:, None] & dm[None, :], other=0.0)
     q = q.astype(dtype)                                                         # [BG, BD], as attend rounds it
+    if append:
+        new_pos = limit_ref[b] - 1                          # this step's position: in [lo, hi) for one program
+        new_k = plgpu.load(kn_ref.at[b, h, d], mask=dm, other=0.0)                                    # [BD]
+        new_v = plgpu.load(vn_ref.at[b, h, d], mask=dm, other=0.0)
 
-    def block(i, carry):
+    def block(i, carry, new_kv=None):
+        """Positions [i * BK, (i + 1) * BK) of [lo, hi); new_kv: this step's key / value, attended from registers at
+        its position (the pool's entry there is stale)."""
         m, total, acc = carry
         pos = i * BK + jnp.arange(BK)
-        pm = pos < hi
+        pm = (pos >= lo) & (pos < hi)
         tile = pm[:, None] & dm[None, :]
-        k = plgpu.load(k_ref.at[layer, slot, pos[:, None], h, d[None, :]], mask=tile, other=0.0)     # [BK, BD]
+        k, v = (plgpu.load(ref.at[layer, slot, pos[:, None], h, d[None, :]], mask=tile, other=0.0)
+                for ref in (k_ref, v_ref))                                                          # [BK, BD]
+        if new_kv is not None:
+            here = (pos == new_pos)[:, None]
+            k, v = jnp.where(here, new_kv[0][None, :], k), jnp.where(here, new_kv[1][None, :], v)
         s = _dot(q, k, 1, precision) * scale                                                        # [BG, BK]
         s = jnp.where(pm[None, :], s, -jnp.inf)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp(s - m_new[:, None])
         alpha = jnp.exp(m - m_new)
-        v = plgpu.load(v_ref.at[layer, slot, pos[:, None], h, d[None, :]], mask=tile, other=0.0)     # [BK, BD]
         # the probabilities enter the product in the pool's dtype, as attend rounds them; the sum stays float32
         acc = acc * alpha[:, None] + _dot(p.astype(dtype), v, 0, precision)
         return m_new, total * alpha + jnp.sum(p, axis=1), acc
 
     init = (jnp.full((BG,), NEG, f32), jnp.zeros((BG,), f32), jnp.zeros((BG, BD), f32))
-    m, total, acc = jax.lax.fori_loop(lo // BK, pl.cdiv(hi, BK), block, init)
+    end = pl.cdiv(hi, BK)
+    if not append:
+        m, total, acc = jax.lax.fori_loop(lo // BK, end, block, init)
+    else:
+        # this step's position, limit - 1, is the last a program holds: its block is peeled off the loop (so the
+        # loop's tiles go straight from memory to the matrix units); an empty range's peeled block is all masked
+        carry = jax.lax.fori_loop(lo // BK, end - 1, block, init)
+        m, total, acc = block(end - 1, carry, (new_k, new_v))
+        own = (new_pos >= lo) & (new_pos < hi)      # the one program whose positions hold it writes it
+        at = (layer, slot, jnp.clip(new_pos, 0, L - 1), h, d)
+        plgpu.store(k_out.at[at], new_k, mask=dm & own)
+        plgpu.store(v_out.at[at], new_v, mask=dm & own)
     rows = gm[:, None] & dm[None, :]
     if len(out_refs) == 1:
         out = acc / jnp.where(total > 0, total, 1.0)[:, None]
@@ -179,32 +226,42 @@ def _combine(acc, m, total):
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "scale", "interpret", "config", "out_dtype"))
-def _decode_call(q, k_pool, v_pool, slots, limit, *, layer, scale, interpret, config, out_dtype):
+def _decode_call(q, k_pool, v_pool, slots, limit, new_kv, *, layer, scale, interpret, config, out_dtype):
     B, KVH, G, hd = q.shape
     L = k_pool.shape[2]
     NS = config.pieces(L)
     piece = config.split_positions if NS > 1 else L
+    append = new_kv is not None
     kernel = functools.partial(_decode_kernel, layer=layer, S=k_pool.shape[1], L=L, G=G, hd=hd,
                                BG=next_pow2(G, MMA_ROWS), BD=next_pow2(hd, MMA_ROWS), BK=config.block_k,
-                               piece=piece, scale=scale)
+                               piece=piece, scale=scale, append=append)
     f32 = jnp.float32
-    out_shape = (jax.ShapeDtypeStruct(q.shape, out_dtype) if NS == 1 else
-                 (jax.ShapeDtypeStruct((B, KVH, NS, G, hd), f32), jax.ShapeDtypeStruct((B, KVH, NS, G), f32),
-                  jax.ShapeDtypeStruct((B, KVH, NS, G), f32)))
-    out = pl.pallas_call(kernel, out_shape=out_shape, grid=(B, KVH, NS),
+    out_shape = ([jax.ShapeDtypeStruct(q.shape, out_dtype)] if NS == 1 else
+                 [jax.ShapeDtypeStruct((B, KVH, NS, G, hd), f32), jax.ShapeDtypeStruct((B, KVH, NS, G), f32),
+                  jax.ShapeDtypeStruct((B, KVH, NS, G), f32)])
+    operands = [slots.astype(jnp.int32), limit.astype(jnp.int32), q, *(new_kv or ()), k_pool, v_pool]
+    aliases = {}
+    if append:                               # the pools come back as outputs, written in place
+        aliases = {len(operands) - 2: len(out_shape), len(operands) - 1: len(out_shape) + 1}
+        out_shape += [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in (k_pool, v_pool)]
+    res = pl.pallas_call(kernel, out_shape=out_shape, grid=(B, KVH, NS), input_output_aliases=aliases,
                          compiler_params=compiler_params(config.num_warps), interpret=interpret,
-                         name="decode_attention")(slots.astype(jnp.int32), limit.astype(jnp.int32), q, k_pool, v_pool)
-    return out if NS == 1 else _combine(*out).astype(out_dtype)
+                         name="decode_attention")(*operands)
+    parts, pools = (res[:-2], res[-2:]) if append else (res, ())
+    out = parts[0] if NS == 1 else _combine(*parts).astype(out_dtype)
+    return (out, *pools) if append else out
 
 
 def decode_attention_pallas(q, k_pool, v_pool, slots, limit, *, layer: int, scale: float, out_dtype=jnp.float32,
-                            interpret: bool = False, config: DecodeAttentionConfig = CONFIG) -> jax.Array:
+                            new_kv=None, interpret: bool = False, config: DecodeAttentionConfig = CONFIG):
     """Pallas (Triton) arm of `decode_attention`: the reference's call and result up to float32 summation order
     (the probabilities are rounded to the pool's dtype against the running maximum, the reference's against the
-    final one). The output is rounded to out_dtype once, in the kernel (one piece) or after the combine."""
-    _check(q, k_pool, v_pool, slots, limit, layer, out_dtype)
-    return _decode_call(q, k_pool, v_pool, slots, limit, layer=layer, scale=float(scale), interpret=interpret,
-                        config=config, out_dtype=jnp.dtype(out_dtype))
+    final one). The output is rounded to out_dtype once, in the kernel (one piece) or after the combine. With
+    new_kv the pools come back with the new keys / values written in place (donate them under jit), bit for bit
+    the reference's pools."""
+    _check(q, k_pool, v_pool, slots, limit, layer, out_dtype, new_kv)
+    return _decode_call(q, k_pool, v_pool, slots, limit, None if new_kv is None else tuple(new_kv), layer=layer,
+                        scale=float(scale), interpret=interpret, config=config, out_dtype=jnp.dtype(out_dtype))
 
 
 registry.register("decode_attention", reference=decode_attention_reference, pallas=decode_attention_pallas)

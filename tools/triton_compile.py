@@ -3,7 +3,7 @@
 Two steps, two environments:
   1. `dump` (the project venv, CPU): every registered kernel with a Triton arm is lowered for CUDA on the operands of
      its gradient-test case (tests/kernels/test_kernel_grads.py), decode_attention also at the 8B shapes with its
-     slot whole and in pieces, the Mamba conv and state updates at the 8B shapes with a row offset and a
+     slot whole and in pieces (and appending a step's keys and values), the Mamba conv and state updates at the 8B shapes with a row offset and a
      skipped (padding) row, the E4M3 activation quantizers, with jax's GPU query stubbed to compute capability
      9.0; each pallas_call's Triton IR is written to DIR/<case>.<n>.w<warps>s<stages>.ttir.
   2. `compile` (a venv with the `triton` package, which has its own LLVM and ptxas; no GPU needed): each .ttir is
@@ -65,6 +65,10 @@ def dump(out: pathlib.Path) -> int:
     for tag, config in (("pieces", attention.CONFIG), ("whole", attention.DecodeAttentionConfig(split_positions=None))):
         cases[f"decode_attention_8b_{tag}"] = (attention.decode_attention_pallas, (q, pool, pool, rows, rows),
                                                dict(layer=1, scale=0.1, config=config))
+        new = jnp.zeros((B, 8, 128), jnp.bfloat16)          # a decode step's keys / values, appended in place
+        cases[f"decode_attention_8b_{tag}_append"] = (attention.decode_attention_pallas, (q, pool, pool, rows, rows),
+                                                      dict(layer=1, scale=0.1, config=config, new_kv=(new, new),
+                                                           out_dtype=jnp.bfloat16))
     # the 8B Mamba decode kernels as a layer calls them: slots plus its block's row_offset, with skip_row (the
     # padding slot's row neither read nor written)
     H, P, N, C = 128, 64, 128, 8192 + 2 * 8 * 128          # heads, head dim, state size, conv channels (8 groups)

@@ -5,7 +5,8 @@ in float32 under a causal mask, o_proj. Every entry point is a pure function of 
 KvPool, inputs) and returns the new pool. Keys and values are stored in the pool's dtype and every
 path attends to keys in that dtype, so prefill and decode see the same numbers. A step of one token per
 sequence attends through the `decode_attention` kernel, which reads the positions each sequence holds in the pool
-in place (the other paths gather the slot's whole max_len and mask: `pallas_kernels.attention.attend`).
+in place and, in decode, writes the step's keys and values itself (the other paths scatter them first and gather
+the slot's whole max_len and mask: `pallas_kernels.attention.attend`).
 """
 
 from __future__ import annotations
@@ -132,7 +133,9 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
              hand_on: bool = False):
         """hidden [B*T, D] (or a PendingResidual, layers/blocks.py): rows t < lengths[b] at positions
         starts[b] + t, row b*T + t.  starts None: new sequences that attend only to their own rows; else the rows
-        also attend to the slot's cached prefix. Returns ([B*T, D] or, with hand_on, maybe pending; the pool)."""
+        also attend to the slot's cached prefix. Returns ([B*T, D] or, with hand_on, maybe pending; the pool). The
+        new keys and values go into the pool by a scatter, or in decode (one token per row) by the decode
+        attention kernel itself."""
         c = self.config
         H, KVH, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
         hidden, x = input_rmsnorm(hidden, self.input_norm[...], eps=c.layer_norm_epsilon,
@@ -146,6 +149,11 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
         pos = base[:, None] + t[None, :]                                          # [B, T]
         valid = t[None, :] < lengths[:, None]
         l, L = self.pool_layer, pool.max_len
+        if phase == "decode" and T == 1:     # one token per row (every row valid): the kernel appends it itself
+            o, pk, pv = registry.get("decode_attention", self.kernels)(
+                q[:, 0], pool.k, pool.v, slots, base + lengths, layer=l, scale=self.scale, out_dtype=hidden.dtype,
+                new_kv=(k[:, 0], v[:, 0]))                                        # o [B, KVH, G, hd]
+            return self._close(hidden, o.reshape(B, H * hd), phase, hand_on), KvPool(pk, pv)
         wpos = jnp.where(valid & (pos < L), pos, L)                               # out of range: dropped
         pk = pool.k.at[l, slots[:, None], wpos].set(k, mode="drop")
         pv = pool.v.at[l, slots[:, None], wpos].set(v, mode="drop")
@@ -157,13 +165,14 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
         else:
             o = attend(q, pk[l, slots], pv[l, slots], pos, jnp.arange(L, dtype=jnp.int32), base + lengths,
                        self.scale)
-        o = o.astype(hidden.dtype).reshape(B * T, H * hd)
+        return self._close(hidden, o.astype(hidden.dtype).reshape(B * T, H * hd), phase, hand_on), KvPool(pk, pv)
+
+    def _close(self, hidden: jax.Array, o: jax.Array, phase: str, hand_on: bool):
+        """hidden + o_proj(o) (+ o_bias), o [B*T, H*hd]: the block's output (or, with hand_on, maybe pending)."""
         if self.tp_axis is not None:
-            out = close_block_across_devices(hidden, self.o_proj(o, phase=phase, out_dtype=jnp.float32), self.o_bias,
-                                             self.tp_axis, phase, hand_on)
-        else:
-            out = close_block(hidden, self.o_proj, o, phase, hand_on, bias=self.o_bias)
-        return out, KvPool(pk, pv)
+            return close_block_across_devices(hidden, self.o_proj(o, phase=phase, out_dtype=jnp.float32), self.o_bias,
+                                              self.tp_axis, phase, hand_on)
+        return close_block(hidden, self.o_proj, o, phase, hand_on, bias=self.o_bias)
 
     def _check(self, pool: KvPool, hidden: jax.Array, name: str = "hidden") -> None:
         check_array(name, hidden, (None, None, self.config.hidden_size), floating=True)

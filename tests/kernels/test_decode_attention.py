@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels import registry
-from pallas_kernels.attention import DecodeAttentionConfig, decode_attention_pallas, decode_attention_reference
+from pallas_kernels.attention import (DecodeAttentionConfig, append_kv, decode_attention_pallas,
+                                      decode_attention_reference)
 from pallas_kernels.errors import ShapeError
 from tests.numpy_refs import rel_err
 
@@ -69,6 +70,42 @@ def test_output_dtype_is_one_rounding_of_the_float32_output(rng, interpret, spli
     for fn in (decode_attention_pallas, decode_attention_reference):
         with pytest.raises(ShapeError, match="out_dtype expected a floating dtype, got int32"):
             fn(q, k, v, slots, limit, layer=1, scale=0.3, out_dtype=jnp.int32)
+
+
+def _bits(a):
+    return np.asarray(a).view(np.uint16 if a.dtype == jnp.bfloat16 else np.uint32)
+
+
+@pytest.mark.parametrize("split", [None, 16])
+def test_new_keys_and_values_are_appended_in_place(rng, interpret, split):
+    """new_kv (a decode step's own keys and values): written at position limit - 1 of each row's slot, the pools bit
+    for bit the reference's scatter, and attended from registers: the output is the kernel's own on the written
+    pools, bit for bit. The stale entries at limit - 1 are NaN (a read would show); a row whose limit is past the
+    pool's end writes nothing and attends to its whole slot."""
+    q, k, v, slots, limit = _case(rng, jnp.bfloat16)                    # limits 1, 32, 45 (the whole slot), 19
+    limit = limit.at[2].set(48)                                         # past the 45 positions: nothing written
+    stale = [(b, int(limit[b]) - 1) for b in (0, 1, 3)]
+    for b, p in stale:
+        k, v = (a.at[1, slots[b], p].set(jnp.nan) for a in (k, v))
+    B, KVH, _, hd = q.shape
+    new = tuple(jnp.asarray(rng.standard_normal((B, KVH, hd)), jnp.bfloat16) for _ in range(2))
+    kw = dict(layer=1, scale=0.3, interpret=interpret, config=DecodeAttentionConfig(block_k=16, split_positions=split))
+    out, k_got, v_got = decode_attention_pallas(q, k, v, slots, limit, new_kv=new, **kw)
+    k_want, v_want = append_kv(k, v, slots, limit, 1, new)
+    np.testing.assert_array_equal(_bits(k_got), _bits(k_want))
+    np.testing.assert_array_equal(_bits(v_got), _bits(v_want))
+    for b, p in stale:
+        np.testing.assert_array_equal(_bits(k_got[1, slots[b], p]), _bits(new[0][b]))
+    assert np.all(np.isfinite(np.asarray(out)))
+    np.testing.assert_array_equal(_bits(out), _bits(decode_attention_pallas(q, k_want, v_want, slots, limit, **kw)))
+    clean = [jnp.nan_to_num(a) for a in (k, v)]
+    ref, k_ref, _ = decode_attention_reference(q, *clean, slots, limit, layer=1, scale=0.3, new_kv=new)
+    np.testing.assert_array_equal(_bits(k_ref), _bits(append_kv(*clean, slots, limit, 1, new)[0]))
+    assert rel_err(np.asarray(out), np.asarray(ref)) <= 1e-2
+    with pytest.raises(ShapeError, match="new_kv expected"):
+        decode_attention_pallas(q, k, v, slots, limit, new_kv=(new[0], new[1].astype(jnp.float32)), **kw)
+    with pytest.raises(ShapeError, match="new_kv expected"):
+        decode_attention_reference(q, k, v, slots, limit, layer=1, scale=0.3, new_kv=(new[0][:, :1], new[1]))
 
 
 @pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-5), (jnp.bfloat16, 1e-2)])
@@ -136,7 +173,7 @@ def test_pieces_past_a_rows_held_positions_store_no_sum(rng, interpret, monkeypa
 
     monkeypatch.setattr(attention, "_combine", poisoned)
     config = DecodeAttentionConfig(block_k=16, split_positions=16)
-    out = attention._decode_call.__wrapped__(q, k, v, slots, limit, layer=1, scale=0.3, interpret=interpret,
+    out = attention._decode_call.__wrapped__(q, k, v, slots, limit, None, layer=1, scale=0.3, interpret=interpret,
                                              config=config, out_dtype=jnp.float32)  # unjitted: concrete partials
     held = np.arange(3)[None, :] * 16 < np.asarray(limit)[:, None]        # [B, pieces]: a piece holds positions
     assert (~held).sum() == 4                                            # rows 0 (2), 1 and 3 leave pieces empty
