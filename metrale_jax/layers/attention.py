@@ -144,16 +144,16 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
         q = linear(self.q_proj, self.q_bias, x, phase).reshape(B, T, KVH, H // KVH, hd)
         k = linear(self.k_proj, self.k_bias, x, phase).reshape(B, T, KVH, hd).astype(pool.k.dtype)
         v = linear(self.v_proj, self.v_bias, x, phase).reshape(B, T, KVH, hd).astype(pool.v.dtype)
-        t = jnp.arange(T, dtype=jnp.int32)
         base = jnp.zeros((B,), jnp.int32) if starts is None else starts
-        pos = base[:, None] + t[None, :]                                          # [B, T]
-        valid = t[None, :] < lengths[:, None]
         l, L = self.pool_layer, pool.max_len
         if phase == "decode" and T == 1:     # one token per row (every row valid): the kernel appends it itself
             o, pk, pv = registry.get("decode_attention", self.kernels)(
                 q[:, 0], pool.k, pool.v, slots, base + lengths, layer=l, scale=self.scale, out_dtype=hidden.dtype,
                 new_kv=(k[:, 0], v[:, 0]))                                        # o [B, KVH, G, hd]
             return self._close(hidden, o.reshape(B, H * hd), phase, hand_on), KvPool(pk, pv)
+        t = jnp.arange(T, dtype=jnp.int32)
+        pos = base[:, None] + t[None, :]                                          # [B, T]
+        valid = t[None, :] < lengths[:, None]
         wpos = jnp.where(valid & (pos < L), pos, L)                               # out of range: dropped
         pk = pool.k.at[l, slots[:, None], wpos].set(k, mode="drop")
         pv = pool.v.at[l, slots[:, None], wpos].set(v, mode="drop")
