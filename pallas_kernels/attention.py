@@ -170,11 +170,11 @@ def _decode_kernel(slots_ref, limit_ref, q_ref, *refs, layer, S, L, G, BG, hd, B
         new_v = plgpu.load(vn_ref.at[b, h, d], mask=dm, other=0.0)
 
     def block(i, carry, new_kv=None):
-        """Positions [i * BK, (i + 1) * BK) of [lo, hi); new_kv: this step's key / value, attended from registers at
+        """Positions [i * BK, (i + 1) * BK) below hi; new_kv: this step's key / value, attended from registers at
         its position (the pool's entry there is stale)."""
         m, total, acc = carry
         pos = i * BK + jnp.arange(BK)
-        pm = (pos >= lo) & (pos < hi)
+        pm = pos < hi
         tile = pm[:, None] & dm[None, :]
         k, v = (plgpu.load(ref.at[layer, slot, pos[:, None], h, d[None, :]], mask=tile, other=0.0)
                 for ref in (k_ref, v_ref))                                                          # [BK, BD]
@@ -191,14 +191,16 @@ def _decode_kernel(slots_ref, limit_ref, q_ref, *refs, layer, S, L, G, BG, hd, B
         return m_new, total * alpha + jnp.sum(p, axis=1), acc
 
     init = (jnp.full((BG,), NEG, f32), jnp.zeros((BG,), f32), jnp.zeros((BG, BD), f32))
-    end = pl.cdiv(hi, BK)
+    first, end = lo // BK, pl.cdiv(hi, BK)
     if not append:
-        m, total, acc = jax.lax.fori_loop(lo // BK, end, block, init)
+        m, total, acc = jax.lax.fori_loop(first, end, block, init)
     else:
         # this step's position, limit - 1, is the last a program holds: its block is peeled off the loop (so the
-        # loop's tiles go straight from memory to the matrix units); an empty range's peeled block is all masked
-        carry = jax.lax.fori_loop(lo // BK, end - 1, block, init)
-        m, total, acc = block(end - 1, carry, (new_k, new_v))
+        # loop's tiles go straight from memory to the matrix units); an empty range (hi <= lo) peels block
+        # `first`, all of whose positions are masked
+        last = jnp.maximum(end - 1, first)
+        carry = jax.lax.fori_loop(first, last, block, init)
+        m, total, acc = block(last, carry, (new_k, new_v))
         own = (new_pos >= lo) & (new_pos < hi)      # the one program whose positions hold it writes it
         at = (layer, slot, jnp.clip(new_pos, 0, L - 1), h, d)
         plgpu.store(k_out.at[at], new_k, mask=dm & own)
