@@ -23,6 +23,13 @@ from tests.numpy_refs import rel_err
 F32 = jnp.float32
 
 
+def _tol(interpret: bool) -> float:
+    """Against the float32 reference: interpret mode multiplies in float32; the GPU's FP8 wgmma accumulates each
+    K block's E4M3 products with less than float32 precision (the bound the FP8 prefill GEMM's tests state,
+    test_mgpu_gemm.TOL), before the block's float32 scaling and sum."""
+    return 1e-5 if interpret else 2e-3
+
+
 def _x(rng, m, k):
     """bf16 rows of different magnitudes (each row gets its own E4M3 scales)."""
     return jnp.asarray(rng.standard_normal((m, k)) * rng.uniform(0.05, 20.0, (m, 1)), jnp.bfloat16)
@@ -50,7 +57,7 @@ def test_w8a8_mosaic_matches_reference(rng, interpret, M, N, K, config):
     ref = w8a16.w8a8_gemv_reference(x, q, s, out_dtype=F32)
     y = w8m.w8a8_gemv_mosaic(x, q, s, out_dtype=F32, interpret=interpret, config=config)
     assert y.shape == (M, N) and y.dtype == F32 and np.all(np.isfinite(np.asarray(y)))
-    assert rel_err(y, ref) < 1e-5
+    assert rel_err(y, ref) < _tol(interpret)
     assert rel_err(y, w8a16.w8a16_reference(x, q, s, out_dtype=F32)) > 1e-3     # x really went through E4M3
     yb = w8m.w8a8_gemv_mosaic(x, q, s, interpret=interpret, config=config)
     assert yb.dtype == jnp.bfloat16 and rel_err(yb, ref) < 4e-3
@@ -64,7 +71,7 @@ def test_producer_quantized_activations(rng, interpret, group):
     x, (q, s) = _x(rng, M, K), _fp8(rng, N, K)
     xa = _group_quantized(x, group)
     y = w8m.w8a8_gemv_mosaic(xa, q, s, out_dtype=F32, interpret=interpret, config=GemvConfig(64, 2))
-    assert rel_err(y, w8a16.w8a8_gemv_reference(xa, q, s, out_dtype=F32)) < 1e-5
+    assert rel_err(y, w8a16.w8a8_gemv_reference(xa, q, s, out_dtype=F32)) < _tol(interpret)
     if group == 128:
         mine = w8m.w8a8_gemv_mosaic(x, q, s, out_dtype=F32, interpret=interpret, config=GemvConfig(64, 2))
         np.testing.assert_array_equal(np.asarray(y), np.asarray(mine))
@@ -120,7 +127,7 @@ def test_tail_split_matches_reference(rng, interpret, monkeypatch):
     M, N, K = 3, 64 * (sms + 1), 256
     x, (q, s) = _x(rng, M, K), _fp8(rng, N, K)
     y = w8m.w8a8_gemv_mosaic(x, q, s, out_dtype=F32, interpret=interpret, config=GemvConfig(64, 2, 1, tail_split=2))
-    assert rel_err(y, w8a16.w8a8_gemv_reference(x, q, s, out_dtype=F32)) < 1e-5
+    assert rel_err(y, w8a16.w8a8_gemv_reference(x, q, s, out_dtype=F32)) < _tol(interpret)
 
 
 def test_bad_inputs_raise_typed_errors(rng):
@@ -199,7 +206,7 @@ def test_w8a8_8b_shapes_on_gpu(rng, N, K):
     q, s = _fp8(rng, N, K)
     x = _x(rng, 256, K)
     y = w8m.w8a8_gemv_mosaic(x, q, s, out_dtype=F32)
-    assert rel_err(y, w8a16.w8a8_gemv_reference(x, q, s, out_dtype=F32)) < 1e-5
+    assert rel_err(y, w8a16.w8a8_gemv_reference(x, q, s, out_dtype=F32)) < _tol(False)
     for rows in (slice(0, 1), slice(0, 16), slice(0, 40), slice(200, 201)):
         np.testing.assert_array_equal(np.asarray(w8m.w8a8_gemv_mosaic(x[rows], q, s, out_dtype=F32)),
                                       np.asarray(y[rows]))
