@@ -7,7 +7,9 @@ blocks of the positions the row holds, [0, limit), with an online softmax in flo
 combined after), so a step reads what the sequences hold, not max_len. Positions at and past a row's limit are
 never read (the tests poison them with NaN). With `new_kv` (a decode step's own keys and values) the kernel also
 appends them: the program that holds position limit - 1 writes them into the pool (aliased, in place) and
-attends to them from registers, so no scatter runs before it.
+attends to them from registers, so no scatter runs before it. The new keys / values may come as their
+projections' split-K partials (split_partials.py): the kernel sums them in split order and rounds them to the
+pools' dtype, where an XLA sum would run before it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import registry
 from pallas_kernels.errors import ShapeError
+from pallas_kernels.split_partials import SplitPartials, chain_sum, check_partials, load_sum
 from pallas_kernels.triton_util import compiler_params, next_pow2
 
 NEG = float(jnp.finfo(jnp.float32).min)
@@ -59,6 +62,8 @@ def _attend_block(q, k, v, q_pos, k_pos, limit, scale):
 
 
 def _check(q, k_pool, v_pool, slots, limit, layer, out_dtype=jnp.float32, new_kv=None):
+    """q [B, KVH, G, hd]; new_kv (keys, values), each [B, KVH, hd] in the pools' dtype or k_proj's / v_proj's split
+    partials [S, R >= B, KVH * hd]."""
     if not jnp.issubdtype(out_dtype, jnp.floating):
         raise ShapeError(f"decode_attention: out_dtype expected a floating dtype, got {jnp.dtype(out_dtype)}")
     if q.ndim != 4 or k_pool.ndim != 5 or k_pool.shape != v_pool.shape:
@@ -73,11 +78,20 @@ def _check(q, k_pool, v_pool, slots, limit, layer, out_dtype=jnp.float32, new_kv
     if not 0 <= layer < k_pool.shape[0]:
         raise ShapeError(f"decode_attention: layer {layer} is not in the pool's {k_pool.shape[0]} layers")
     if new_kv is not None:
-        if len(new_kv) != 2 or any(getattr(a, "shape", None) != (B, KVH, hd) or a.dtype != k_pool.dtype
-                                   for a in new_kv):
-            got = [(getattr(a, "shape", a), getattr(a, "dtype", None)) for a in new_kv]
+        if len(new_kv) != 2 or any(not isinstance(a, SplitPartials) and (
+                getattr(a, "shape", None) != (B, KVH, hd) or a.dtype != k_pool.dtype) for a in new_kv):
+            got = [_described(a) for a in new_kv]
             raise ShapeError(f"decode_attention: new_kv expected (keys, values) [{B}, {KVH}, {hd}] in the pool's "
-                             f"{k_pool.dtype}, got {got}")
+                             f"{k_pool.dtype} (or split partials), got {got}")
+        for name, a in zip(("keys", "values"), new_kv):
+            if isinstance(a, SplitPartials):
+                check_partials("decode_attention", f"new_kv {name}", a, B, KVH * hd)
+
+
+def _described(a) -> str:
+    if isinstance(a, SplitPartials):
+        return f"split partials {a.values.dtype} {tuple(a.values.shape)}"
+    return f"{tuple(getattr(a, 'shape', ()))} {getattr(a, 'dtype', type(a).__name__)}"
 
 
 def append_kv(k_pool, v_pool, slots, limit, layer, new_kv):
@@ -95,9 +109,12 @@ def decode_attention_reference(q, k_pool, v_pool, slots, limit, *, layer: int, s
     """q [B, KVH, G, hd] (one token per row); k_pool / v_pool [layers, S, L, KVH, hd]; slots, limit int32 [B]: row
     b attends to positions [0, limit[b]) of slot slots[b] in `layer`. -> [B, KVH, G, hd] in out_dtype (`attend`'s
     float32 numbers for a query at position limit - 1, rounded once). new_kv: (keys, values) [B, KVH, hd] in the
-    pools' dtype, written at position limit - 1 first (`append_kv`); then -> (output, k_pool, v_pool)."""
+    pools' dtype, written at position limit - 1 first (`append_kv`); then -> (output, k_pool, v_pool). new_kv may be
+    k_proj's / v_proj's split partials: summed in split order and rounded to the pools' dtype first."""
     _check(q, k_pool, v_pool, slots, limit, layer, out_dtype, new_kv)
     if new_kv is not None:
+        new_kv = tuple(chain_sum(a, q.shape[0]).astype(k_pool.dtype).reshape(q.shape[0], *k_pool.shape[3:])
+                       if isinstance(a, SplitPartials) else a for a in new_kv)
         k_pool, v_pool = append_kv(k_pool, v_pool, slots, limit, layer, new_kv)
     L = k_pool.shape[2]
     pos = (limit - 1)[:, None]                                                  # [B, 1]
@@ -143,11 +160,14 @@ def _dot(a, b, b_contract: int, precision):
                                preferred_element_type=jnp.float32)
 
 
-def _decode_kernel(slots_ref, limit_ref, q_ref, *refs, layer, S, L, G, BG, hd, BD, BK, piece, scale, append):
+def _decode_kernel(slots_ref, limit_ref, q_ref, *refs, layer, S, L, G, BG, hd, BD, BK, piece, scale, append,
+                   kv_parts):
     """Program (row b, kv head h, piece s) over positions [s * piece, (s + 1) * piece) of the row's held [0, n).
     One piece: the normalised output [B, KVH, G, hd]; several: the piece's unnormalised sum, max and total.
     append: refs start with the new keys / values [B, KVH, hd] and end with the pools again (aliased): the program
-    whose positions hold limit - 1 attends to the new key / value there and writes them into the pool."""
+    whose positions hold limit - 1 attends to the new key / value there and writes them into the pool.
+    kv_parts: per new keys / values, None, or (splits, halves) where they are split partials ([S, R, KVH * hd]
+    float32 or [2, S, R, KVH * hd] uint16), read at row b and summed in split order here."""
     if append:
         kn_ref, vn_ref, k_ref, v_ref, *out_refs, k_out, v_out = refs
     else:
@@ -164,10 +184,6 @@ def _decode_kernel(slots_ref, limit_ref, q_ref, *refs, layer, S, L, G, BG, hd, B
     gm, dm = g < G, d < hd
     q = plgpu.load(q_ref.at[b, h, g[:, None], d[None, :]], mask=gm[:, None] & dm[None, :], other=0.0)
     q = q.astype(dtype)                                                         # [BG, BD], as attend rounds it
-    if append:
-        new_pos = limit_ref[b] - 1                          # this step's position: in [lo, hi) for one program
-        new_k = plgpu.load(kn_ref.at[b, h, d], mask=dm, other=0.0)                                    # [BD]
-        new_v = plgpu.load(vn_ref.at[b, h, d], mask=dm, other=0.0)
 
     def block(i, carry, new_kv=None):
         """Positions [i * BK, (i + 1) * BK) below hi; new_kv: this step's key / value, attended from registers at
@@ -200,6 +216,11 @@ def _decode_kernel(slots_ref, limit_ref, q_ref, *refs, layer, S, L, G, BG, hd, B
         # `first`, all of whose positions are masked
         last = jnp.maximum(end - 1, first)
         carry = jax.lax.fori_loop(first, last, block, init)
+        new_pos = limit_ref[b] - 1                          # this step's position: in [lo, hi) for one program
+        # read after the loop, so that they hold no registers through it
+        new_k, new_v = (plgpu.load(ref.at[b, h, d], mask=dm, other=0.0) if parts is None else
+                        load_sum(ref, (b, h * hd + d), dm, splits=parts[0], halves=parts[1]).astype(dtype)
+                        for ref, parts in zip((kn_ref, vn_ref), kv_parts))                              # [BD]
         m, total, acc = block(last, carry, (new_k, new_v))
         own = (new_pos >= lo) & (new_pos < hi)      # the one program whose positions hold it writes it
         at = (layer, slot, jnp.clip(new_pos, 0, L - 1), h, d)
@@ -234,14 +255,16 @@ def _decode_call(q, k_pool, v_pool, slots, limit, new_kv, *, layer, scale, inter
     NS = config.pieces(L)
     piece = config.split_positions if NS > 1 else L
     append = new_kv is not None
+    parts = lambda x: (x.splits, x.halves) if isinstance(x, SplitPartials) else None
     kernel = functools.partial(_decode_kernel, layer=layer, S=k_pool.shape[1], L=L, G=G, hd=hd,
                                BG=next_pow2(G, MMA_ROWS), BD=next_pow2(hd, MMA_ROWS), BK=config.block_k,
-                               piece=piece, scale=scale, append=append)
+                               piece=piece, scale=scale, append=append, kv_parts=tuple(map(parts, new_kv or ())))
     f32 = jnp.float32
     out_shape = ([jax.ShapeDtypeStruct(q.shape, out_dtype)] if NS == 1 else
                  [jax.ShapeDtypeStruct((B, KVH, NS, G, hd), f32), jax.ShapeDtypeStruct((B, KVH, NS, G), f32),
                   jax.ShapeDtypeStruct((B, KVH, NS, G), f32)])
-    operands = [slots.astype(jnp.int32), limit.astype(jnp.int32), q, *(new_kv or ()), k_pool, v_pool]
+    values = lambda x: x.values if isinstance(x, SplitPartials) else x
+    operands = [slots.astype(jnp.int32), limit.astype(jnp.int32), q, *map(values, new_kv or ()), k_pool, v_pool]
     aliases = {}
     if append:                               # the pools come back as outputs, written in place
         aliases = {len(operands) - 2: len(out_shape), len(operands) - 1: len(out_shape) + 1}
@@ -260,7 +283,8 @@ def decode_attention_pallas(q, k_pool, v_pool, slots, limit, *, layer: int, scal
     (the probabilities are rounded to the pool's dtype against the running maximum, the reference's against the
     final one). The output is rounded to out_dtype once, in the kernel (one piece) or after the combine. With
     new_kv the pools come back with the new keys / values written in place (donate them under jit), bit for bit
-    the reference's pools."""
+    the reference's pools. new_kv may be split partials (summed in the kernel, in split order, and rounded to the
+    pools' dtype: bit for bit the kernel on their settled sums)."""
     _check(q, k_pool, v_pool, slots, limit, layer, out_dtype, new_kv)
     return _decode_call(q, k_pool, v_pool, slots, limit, None if new_kv is None else tuple(new_kv), layer=layer,
                         scale=float(scale), interpret=interpret, config=config, out_dtype=jnp.dtype(out_dtype))

@@ -17,7 +17,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import registry
-from pallas_kernels.split_partials import SplitPartials, chain_sum, join_halves
+from pallas_kernels.split_partials import SplitPartials, chain_sum, check_partials, load_sum
 from pallas_kernels.errors import ShapeError
 from pallas_kernels.triton_util import check_columns, check_floating, check_shape, columns, compiler_params, next_pow2
 
@@ -132,15 +132,7 @@ def gated_rmsnorm_pallas(y: jax.Array, z: jax.Array, weight: jax.Array, *, group
 def residual_sum(x_ref, p_ref, h_ref, at, m, *, S: int, halves: bool):
     """In a kernel: h = x + (p_0 + p_1 + ... in split order, rounded to x's dtype) at the tile `at` (mask m),
     stored to h_ref; returns h as float32. The partials as split_partials.py lays them out (halves: uint16)."""
-    def part(s):
-        if halves:
-            hi, lo = (plgpu.load(p_ref.at[half, s, *at], mask=m, other=0) for half in range(2))
-            return join_halves(hi, lo)
-        return plgpu.load(p_ref.at[s, *at], mask=m, other=0.0)
-
-    y = part(0)
-    for s in range(1, S):
-        y = y + part(s)
+    y = load_sum(p_ref, at, m, splits=S, halves=halves)
     x = plgpu.load(x_ref.at[at], mask=m, other=0.0)
     h = (x.astype(jnp.float32) + y.astype(x.dtype).astype(jnp.float32)).astype(h_ref.dtype)
     plgpu.store(h_ref.at[at], h, mask=m)
@@ -155,12 +147,7 @@ def check_residual(name: str, hidden: jax.Array, partials: SplitPartials, weight
         raise ShapeError(f"{name}: hidden expected [M, D], got shape {tuple(hidden.shape)}")
     M, D = hidden.shape
     check_shape(name, "weight", weight, (D,))
-    v = partials.values
-    lead = (2,) if partials.halves else ()
-    if (v.dtype not in (jnp.float32, jnp.uint16) or v.ndim != len(lead) + 3 or v.shape[:len(lead)] != lead
-            or v.shape[-2] < M or v.shape[-1] != D):
-        raise ShapeError(f"{name}: partials expected float32 [S, R >= {M}, {D}] or uint16 halves [2, S, R, {D}],"
-                         f" got {v.dtype} {tuple(v.shape)}")
+    check_partials(name, "partials", partials, M, D)
     if next_pow2(D) > 16384:
         raise ShapeError(f"{name}: width {D} is over the kernel's 16384")
 

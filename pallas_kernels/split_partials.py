@@ -19,6 +19,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.errors import ShapeError
 
@@ -66,6 +67,31 @@ def chain_sum(p: SplitPartials, M: int) -> jax.Array:
     for s in range(1, p.splits):
         y = y + partial(p, s)[:M]
     return y
+
+
+def load_sum(ref, at: tuple, mask, *, splits: int, halves: bool) -> jax.Array:
+    """In a Pallas Triton kernel: the partials ref (SplitPartials.values) at the tile `at` (the indices after the
+    split axes: row, column), summed in split order in float32, as `chain_sum` sums them (0 where masked)."""
+    def part(s):
+        if halves:
+            hi, lo = (plgpu.load(ref.at[half, s, *at], mask=mask, other=0) for half in range(2))
+            return join_halves(hi, lo)
+        return plgpu.load(ref.at[s, *at], mask=mask, other=0.0)
+
+    y = part(0)
+    for s in range(1, splits):
+        y = y + part(s)
+    return y
+
+
+def check_partials(kernel: str, name: str, p: SplitPartials, rows: int, width: int) -> None:
+    """p: float32 [S, R >= rows, width] or uint16 halves [2, S, R, width], else a ShapeError naming the argument."""
+    v = p.values
+    lead = (2,) if p.halves else ()
+    if (v.dtype not in (jnp.float32, jnp.uint16) or v.ndim != len(lead) + 3 or v.shape[:len(lead)] != lead
+            or v.shape[-3] < 1 or v.shape[-2] < rows or v.shape[-1] != width):
+        raise ShapeError(f"{kernel}: {name} expected float32 [S, R >= {rows}, {width}] or uint16 halves "
+                         f"[2, S, R, {width}] (split partials), got {v.dtype} {tuple(v.shape)}")
 
 
 def of_output(y: jax.Array) -> SplitPartials:

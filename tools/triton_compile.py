@@ -58,6 +58,8 @@ def dump(out: pathlib.Path) -> int:
         spec = registry._KERNELS[name]
         if spec.pallas is not None:
             cases[name] = (spec.pallas, *CASES[name](np.random.default_rng(0)))
+    from pallas_kernels.split_partials import SplitPartials
+
     B, L = 4, 2112                                       # 8B decode attention: 8 kv heads x 4, head_dim 128
     q = jnp.zeros((B, 8, 4, 128), jnp.bfloat16)
     pool = jnp.zeros((4, B, L, 8, 128), jnp.bfloat16)
@@ -69,6 +71,11 @@ def dump(out: pathlib.Path) -> int:
         cases[f"decode_attention_8b_{tag}_append"] = (attention.decode_attention_pallas, (q, pool, pool, rows, rows),
                                                       dict(layer=1, scale=0.1, config=config, new_kv=(new, new),
                                                            out_dtype=jnp.bfloat16))
+        # the keys / values as their GEMVs' split partials (uint16 halves, 8 splits, rows padded to 8)
+        parts = tuple(SplitPartials(jnp.zeros((2, 8, 8, 8 * 128), jnp.uint16)) for _ in range(2))
+        cases[f"decode_attention_8b_{tag}_partials"] = (attention.decode_attention_pallas, (q, pool, pool, rows, rows),
+                                                        dict(layer=1, scale=0.1, config=config, new_kv=parts,
+                                                             out_dtype=jnp.bfloat16))
     # the 8B Mamba decode kernels as a layer calls them: slots plus its block's row_offset, with skip_row (the
     # padding slot's row neither read nor written)
     H, P, N, C = 128, 64, 128, 8192 + 2 * 8 * 128          # heads, head dim, state size, conv channels (8 groups)

@@ -30,6 +30,7 @@ from metrale_jax.layers.projection import Projection
 from metrale_jax.state.kv_pool import KvPool
 from pallas_kernels import registry
 from pallas_kernels.attention import attend
+from pallas_kernels.split_partials import SplitPartials
 
 
 @jax.tree_util.register_dataclass
@@ -141,16 +142,19 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
         hidden, x = input_rmsnorm(hidden, self.input_norm[...], eps=c.layer_norm_epsilon,
                                   projections=(self.q_proj, self.k_proj, self.v_proj), phase=phase,
                                   kernels=self.kernels)
-        q = linear(self.q_proj, self.q_bias, x, phase).reshape(B, T, KVH, H // KVH, hd)
-        k = linear(self.k_proj, self.k_bias, x, phase).reshape(B, T, KVH, hd).astype(pool.k.dtype)
-        v = linear(self.v_proj, self.v_bias, x, phase).reshape(B, T, KVH, hd).astype(pool.v.dtype)
         base = jnp.zeros((B,), jnp.int32) if starts is None else starts
         l, L = self.pool_layer, pool.max_len
         if phase == "decode" and T == 1:     # one token per row (every row valid): the kernel appends it itself
-            o, pk, pv = registry.get("decode_attention", self.kernels)(
-                q[:, 0], pool.k, pool.v, slots, base + lengths, layer=l, scale=self.scale, out_dtype=hidden.dtype,
-                new_kv=(k[:, 0], v[:, 0]))                                        # o [B, KVH, G, hd]
+            q = linear(self.q_proj, self.q_bias, x, phase).reshape(B, KVH, H // KVH, hd)
+            new_kv = tuple(self._new_keys_or_values(proj, bias, x, pool)
+                           for proj, bias in ((self.k_proj, self.k_bias), (self.v_proj, self.v_bias)))
+            o, pk, pv = registry.get("decode_attention", self.kernels)(                   # o [B, KVH, G, hd]
+                q, pool.k, pool.v, slots, base + lengths, layer=l, scale=self.scale, out_dtype=hidden.dtype,
+                new_kv=new_kv)
             return self._close(hidden, o.reshape(B, H * hd), phase, hand_on), KvPool(pk, pv)
+        q = linear(self.q_proj, self.q_bias, x, phase).reshape(B, T, KVH, H // KVH, hd)
+        k = linear(self.k_proj, self.k_bias, x, phase).reshape(B, T, KVH, hd).astype(pool.k.dtype)
+        v = linear(self.v_proj, self.v_bias, x, phase).reshape(B, T, KVH, hd).astype(pool.v.dtype)
         t = jnp.arange(T, dtype=jnp.int32)
         pos = base[:, None] + t[None, :]                                          # [B, T]
         valid = t[None, :] < lengths[:, None]
@@ -166,6 +170,15 @@ class NemotronAttentionLayer(LayerCapabilities, nnx.Module):
             o = attend(q, pk[l, slots], pv[l, slots], pos, jnp.arange(L, dtype=jnp.int32), base + lengths,
                        self.scale)
         return self._close(hidden, o.astype(hidden.dtype).reshape(B * T, H * hd), phase, hand_on), KvPool(pk, pv)
+
+    @staticmethod
+    def _new_keys_or_values(proj, bias, x, pool: KvPool) -> jax.Array | SplitPartials:
+        """A decode step's keys (or values) for the decode attention kernel: k_proj's (v_proj's) split-K partials
+        where its GEMV hands them on and the pool's dtype is its output dtype (the kernel sums and rounds them
+        once: the same bits, no sum launch), else its output [B, KVH, hd] in the pool's dtype."""
+        if bias is None and pool.k.dtype == x.dtype and proj.hands_on_partials("decode", x.shape[0]):
+            return proj.partials(x, phase="decode")
+        return linear(proj, bias, x, "decode").reshape(x.shape[0], *pool.k.shape[3:]).astype(pool.k.dtype)
 
     def _close(self, hidden: jax.Array, o: jax.Array, phase: str, hand_on: bool):
         """hidden + o_proj(o) (+ o_bias), o [B*T, H*hd]: the block's output (or, with hand_on, maybe pending)."""

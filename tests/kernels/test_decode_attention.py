@@ -10,6 +10,7 @@ from pallas_kernels import registry
 from pallas_kernels.attention import (DecodeAttentionConfig, append_kv, decode_attention_pallas,
                                       decode_attention_reference)
 from pallas_kernels.errors import ShapeError
+from pallas_kernels.split_partials import SplitPartials, chain_sum, split_halves
 from tests.numpy_refs import rel_err
 
 
@@ -128,6 +129,60 @@ def test_configs_the_kernel_cannot_run_are_refused():
     for bad in (0, 40):
         with pytest.raises(ShapeError, match=f"split_positions must be a positive multiple of block_k 16.*{bad}"):
             DecodeAttentionConfig(block_k=16, split_positions=bad)
+
+
+def _partials(rng, rows, halves: bool, S: int, R: int) -> SplitPartials:
+    """S float32 partials [S, R, N] of rows [B, N] (their chain sum is rows up to float32 rounding), NaN in the
+    padding rows past B (a read would show); halves: as uint16 [2, S, R, N]."""
+    B, N = rows.shape
+    p = np.full((S, R, N), np.nan, np.float32)
+    p[:, :B] = rng.standard_normal((S, B, N)).astype(np.float32) * 0.5
+    p[S - 1, :B] += np.asarray(rows, np.float32)
+    if halves:
+        return SplitPartials(jnp.stack(split_halves(jnp.asarray(p))))
+    return SplitPartials(jnp.asarray(p))
+
+
+@pytest.mark.parametrize("split", [None, 16])
+@pytest.mark.parametrize("halves", [False, True])
+def test_new_keys_and_values_as_split_partials_are_summed_in_the_kernel(rng, interpret, split, halves):
+    """The new keys / values as k_proj's / v_proj's split partials (2 and 1 splits, padding rows NaN): the kernel
+    sums them in split order and rounds them to the pools' dtype: output and pools bit for bit the kernel's on
+    those settled arrays (and with one of each); the reference settles them the same way."""
+    q, k, v, slots, limit = _case(rng, jnp.bfloat16)
+    B, KVH, _, hd = q.shape
+    kp, vp = (_partials(rng, rng.standard_normal((B, KVH * hd)), halves, S, B + 2) for S in (2, 1))
+    k_s, v_s = (chain_sum(p, B).astype(jnp.bfloat16).reshape(B, KVH, hd) for p in (kp, vp))
+    kw = dict(layer=1, scale=0.3, out_dtype=jnp.bfloat16, interpret=interpret,
+              config=DecodeAttentionConfig(block_k=16, split_positions=split))
+    got = decode_attention_pallas(q, k, v, slots, limit, new_kv=(kp, vp), **kw)
+    want = decode_attention_pallas(q, k, v, slots, limit, new_kv=(k_s, v_s), **kw)
+    assert np.all(np.isfinite(np.asarray(got[0], np.float32)))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    mixed = decode_attention_pallas(q, k, v, slots, limit, new_kv=(k_s, vp), **kw)
+    for a, b in zip(mixed, want):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+    clean = [jnp.nan_to_num(a) for a in (k, v)]
+    ref = decode_attention_reference(q, *clean, slots, limit, layer=1, scale=0.3, new_kv=(kp, vp))
+    ref_s = decode_attention_reference(q, *clean, slots, limit, layer=1, scale=0.3, new_kv=(k_s, v_s))
+    for a, b in zip(ref, ref_s):
+        np.testing.assert_array_equal(_bits(a), _bits(b))
+
+
+def test_bad_split_partials_are_typed_errors(rng):
+    q, k, v, slots, limit = _case(rng, jnp.bfloat16)
+    B, KVH, _, hd = q.shape
+    kp = _partials(rng, rng.standard_normal((B, KVH * hd)), False, 2, B)
+    v_new = jnp.asarray(rng.standard_normal((B, KVH, hd)), jnp.bfloat16)
+    kw = dict(layer=1, scale=0.3, interpret=True)
+    with pytest.raises(ShapeError, match=r"new_kv keys expected float32 \[S, R >= 4, 24\]"):
+        decode_attention_pallas(q, k, v, slots, limit, new_kv=(SplitPartials(kp.values[:, :2]), v_new), **kw)
+    with pytest.raises(ShapeError, match="new_kv keys expected float32"):
+        decode_attention_reference(q, k, v, slots, limit, layer=1, scale=0.3,
+                                   new_kv=(SplitPartials(kp.values[..., :20]), v_new))
+    with pytest.raises(ShapeError, match="new_kv values expected float32"):
+        decode_attention_pallas(q, k, v, slots, limit, new_kv=(kp, SplitPartials(kp.values.astype(jnp.int32))), **kw)
 
 
 def test_bad_shapes_are_typed_errors(rng):

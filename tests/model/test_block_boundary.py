@@ -13,6 +13,7 @@ from flax import nnx
 from metrale_jax import sharding
 from metrale_jax.config import ModelConfig, ModelLevers
 from metrale_jax.errors import ShapeError
+from metrale_jax.layers.attention import NemotronAttentionLayer
 from metrale_jax.layers.blocks import PendingResidual, close_block, linear, settled
 from metrale_jax.layers.lora import head_rows, slot_adapters
 from metrale_jax.model import NemotronH, decode_step, random_tensors
@@ -20,6 +21,7 @@ from metrale_jax.runtime import steps
 from metrale_jax.weights.checkpoint import linear_module
 from metrale_jax.weights.containers import quantize_fp8_block_weight, quantize_nvfp4_weight
 from pallas_kernels import registry
+from pallas_kernels.split_partials import SplitPartials
 from tests.tiny_models import ALL_KINDS
 
 QUANT = {"fp8-block": quantize_fp8_block_weight, "nvfp4": quantize_nvfp4_weight, "bf16": lambda w: w}
@@ -128,6 +130,31 @@ def test_decode_with_lora_is_bitwise_the_unfused_step(rng):
     (text, out), (text_u, out_u) = _two_sequences_one_step(model, rng, 5)
     assert text.count("add_rmsnorm") == 3 and "add_rmsnorm" not in text_u
     _same_trees(out, out_u)
+
+
+def test_decode_attention_sums_the_new_keys_and_values_split_partials(rng, monkeypatch):
+    """In decode the attention block hands the step's keys and values to the decode attention kernel as k_proj's /
+    v_proj's split partials (the kernel sums them: no sum launches): the step's logits and states are those of the
+    projections' outputs, bit for bit."""
+    model = _model("fp8-block", int(rng.integers(1 << 30)))
+    ids = rng.integers(0, V, (2, 6)).astype(np.int32)
+    _, cache = model.prefill(model.new_cache(2, 16), [0, 1], ids)
+    tok, slots = jnp.asarray(rng.integers(0, V, 2), jnp.int32), jnp.asarray([0, 1])
+    operand, handed = NemotronAttentionLayer._new_keys_or_values, []
+
+    def spy(*args):
+        out = operand(*args)
+        handed.append(isinstance(out, SplitPartials))
+        return out
+
+    monkeypatch.setattr(NemotronAttentionLayer, "_new_keys_or_values", staticmethod(spy))
+    out = jax.jit(lambda c, t: decode_step(model, c, slots, t))(jax.tree.map(jnp.copy, cache), tok)
+    assert handed == [True, True]
+    monkeypatch.setattr(NemotronAttentionLayer, "_new_keys_or_values", staticmethod(
+        lambda proj, bias, x, pool: linear(proj, bias, x, "decode").reshape(2, *pool.k.shape[3:])))
+    out_plain = jax.jit(lambda c, t: decode_step(model, c, slots, t))(jax.tree.map(jnp.copy, cache), tok)
+    _same_trees(out, out_plain)
+    assert np.all(np.isfinite(np.asarray(out[0])))
 
 
 def _closings(proj, hidden, g, bias=None):
