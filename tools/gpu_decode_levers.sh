@@ -12,7 +12,7 @@ mkdir -p "$OUT"
 export PYTHONPATH=.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_MEM_FRACTION=${XLA_PYTHON_CLIENT_MEM_FRACTION:-0.92}
 # the kernel's runs (the lowering and shared-memory checks are CPU tests, already run in CI); the four 8B-shape
-# tests compile the four decode shapes' launches (~20 s each)
+# tests compile the four decode shapes' launches (the slowest; the call of 2026-12-08 ran the first in its 90 s)
 METRALE_TEST_GPU=1 timeout 150 python3 -m pytest -q -p no:cacheprovider -rfE tests/kernels/test_mgpu_gemv_w8a8.py \
   -k "not lowers_for_cuda and not shared_memory_stages and not alignment_check" > "$OUT/w8a8_tests.log" 2>&1
 TESTS=$?
