@@ -2,8 +2,9 @@
 
 A GEMV whose K is split over CTAs writes one float32 partial per split; the sum of the partials in split order
 (a chain of elementwise adds: the same bits whatever the shape) is the output. A consumer that reads them anyway
-(the residual add + RMSNorm after an output projection, `norms.add_rmsnorm`) takes the partials instead of the
-sum, saving the sum's kernel. Two layouts, both row-major:
+(the residual add + RMSNorm after an output projection, `norms.add_rmsnorm`; decode attention's new keys and
+values, `attention.decode_attention`) takes the partials instead of the sum, saving the sum's kernel; in a kernel
+`load_sum` adds them as `chain_sum` does. Two layouts, both row-major:
 
   float32 [S, R, N]:        the Triton arms' partials (S = 1: an unsplit launch's float32 output)
   uint16  [2, S, R, N]:     the Mosaic arms' partials as the high and low 16 bits of each float32 (a transposed
